@@ -1,0 +1,18 @@
+"""kiln: an LLM serving engine whose core is a compiler."""
+
+from kiln.sampling_params import SamplingParams
+from kiln.outputs import CompletionOutput, RequestOutput
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # LLM pulls in the whole runtime; import it on first use so `import kiln` stays light.
+    if name == "LLM":
+        from kiln.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'kiln' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "SamplingParams", "CompletionOutput", "RequestOutput", "__version__"]

@@ -1,0 +1,175 @@
+"""Configuration: one frozen dataclass per subsystem, composed into EngineConfig.
+
+Rules kept here:
+- A component receives only its own sub-config, never EngineConfig.
+- Every dataclass validates itself in ``__post_init__`` and names the field and the allowed values.
+- Hydra stays at the edge: the CLI registers these dataclasses in its ConfigStore; nothing below the
+  entry points sees a DictConfig.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+def _check_choice(owner: str, name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{owner}.{name}={value!r} is not allowed; choose one of {list(allowed)}")
+
+
+def _check_positive(owner: str, name: str, value: Optional[float], allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ValueError(f"{owner}.{name} must be > 0, got {value!r}")
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("KILN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kiln")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to load and how.
+
+    ``model`` is a registered name (``smollm2-135m-instruct``), a local Hugging Face directory, or
+    ``random:<preset>``.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    device: str = "auto"  # auto: cuda when available, else cpu
+    max_model_len: Optional[int] = None  # None: the model's own context length
+    seed: int = 0  # seed of random weights and of unseeded sampling
+
+    def __post_init__(self) -> None:
+        _check_choice("model", "dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        _check_choice("model", "device", self.device, ("auto", "cpu", "cuda"))
+        _check_positive("model", "max_model_len", self.max_model_len, allow_none=True)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV cache sizing and the on-disk cache directory (converted weights, compiled artifacts)."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_gib: Optional[float] = None  # None: CPU 2 GiB budget, GPU from gpu_memory_fraction
+    gpu_memory_fraction: float = 0.9
+    num_blocks: Optional[int] = None  # overrides the memory budget (tests use tiny pools)
+    dir: Optional[str] = None  # None: $KILN_CACHE_DIR or ~/.cache/kiln
+
+    def __post_init__(self) -> None:
+        _check_positive("cache", "block_size", self.block_size)
+        _check_positive("cache", "kv_cache_memory_gib", self.kv_cache_memory_gib, allow_none=True)
+        _check_positive("cache", "num_blocks", self.num_blocks, allow_none=True)
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(f"cache.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+
+    @property
+    def resolved_dir(self) -> str:
+        return self.dir or default_cache_dir()
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits and policy."""
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # fcfs | priority (lower value first, then arrival)
+
+    def __post_init__(self) -> None:
+        _check_positive("scheduler", "max_num_seqs", self.max_num_seqs)
+        _check_positive("scheduler", "max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_choice("scheduler", "policy", self.policy, ("fcfs", "priority"))
+
+
+COMPILE_MODES = ("eager", "stock", "kiln")
+CUDAGRAPH_MODES = ("none", "piecewise", "full", "full_and_piecewise")
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """How the model is compiled (see DESIGN.md, compile axes)."""
+
+    mode: str = "eager"
+    cudagraph: str = "none"
+    sizes: tuple[int, ...] = ()  # extra sizes Inductor specializes for
+    capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    debug_dump_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _check_choice("compile", "mode", self.mode, COMPILE_MODES)
+        _check_choice("compile", "cudagraph", self.cudagraph, CUDAGRAPH_MODES)
+        object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+        object.__setattr__(self, "capture_sizes", tuple(sorted(int(s) for s in self.capture_sizes)))
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The OpenAI-compatible HTTP server."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Optional[str] = None  # None: $KILN_API_KEY, else no auth
+    served_model_name: Optional[str] = None
+    cors_origins: tuple[str, ...] = ()
+    max_request_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
+        object.__setattr__(self, "cors_origins", tuple(self.cors_origins))
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split across devices."""
+
+    tensor_parallel_size: int = 1
+    backend: str = "uni"  # uni | mp | ray
+
+    def __post_init__(self) -> None:
+        _check_positive("parallel", "tensor_parallel_size", self.tensor_parallel_size)
+        _check_choice("parallel", "backend", self.backend, ("uni", "mp", "ray"))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every sub-config, composed (never inherited)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @classmethod
+    def from_kwargs(cls, **groups: Any) -> "EngineConfig":
+        """Build from keyword groups, each a dataclass instance or a dict of its fields."""
+        kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+        types = {
+            "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+            "compile": CompileConfig, "server": ServerConfig, "parallel": ParallelConfig,
+        }
+        built = {}
+        for name, value in groups.items():
+            if name not in kinds:
+                raise ValueError(f"unknown config group {name!r}; choose from {sorted(kinds)}")
+            if isinstance(value, dict):
+                known = {f.name for f in dataclasses.fields(types[name])}
+                unknown = set(value) - known
+                if unknown:
+                    raise ValueError(f"unknown {name} option(s) {sorted(unknown)}; choose from {sorted(known)}")
+                value = types[name](**value)
+            elif value is not None and not isinstance(value, types[name]):
+                raise TypeError(f"{name} must be a dict or {types[name].__name__}, got {type(value).__name__}")
+            if value is not None:
+                built[name] = value
+        return cls(**built)

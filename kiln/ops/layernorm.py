@@ -1,0 +1,67 @@
+"""Fused residual add + RMSNorm: ``torch.ops.kiln.add_rms_norm``.
+
+``add_rms_norm(x, residual, weight, eps) -> (normed, new_residual)`` with
+``new_residual = residual + x`` and ``normed = weight * rms_norm(new_residual)``. Every decoder
+layer does this twice (after attention and after the MLP); the compiler's
+``AddRMSNormFusionPass`` rewrites the add and the six ops of the norm into this one op, so a
+kernel reads the two inputs once and writes both outputs in one pass.
+
+The op is functional (returns the new residual rather than updating ``residual`` in place): the
+compiled graph stays functional and no re-inplacing pass is needed. This module holds the schema,
+the fake impl, the pure-torch reference and the kernel registry (``set_add_rms_norm_impl``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+AddRMSNormImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Statistics in float32, rounded back before the weight: the numerics of kiln's RMSNorm."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    residual: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    new_residual = residual + x
+    return rms_norm_reference(new_residual, weight, eps), new_residual
+
+
+_impl: AddRMSNormImpl = add_rms_norm_reference
+
+
+def set_add_rms_norm_impl(impl: AddRMSNormImpl | None) -> None:
+    """Select the kernel behind ``kiln.add_rms_norm`` (None restores the reference)."""
+    global _impl
+    _impl = impl or add_rms_norm_reference
+
+
+def has_fast_add_rms_norm() -> bool:
+    """True when a kernel faster than the reference is registered."""
+    return _impl is not add_rms_norm_reference
+
+
+@torch.library.custom_op("kiln::add_rms_norm", mutates_args=())
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (weight * rms_norm(residual + x), residual + x)."""
+    normed, new_residual = _impl(x, residual, weight, eps)
+    return normed, new_residual
+
+
+@add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    residual_dtype = torch.promote_types(x.dtype, residual.dtype)
+    normed = x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, residual_dtype))
+    return normed, x.new_empty(x.shape, dtype=residual_dtype)

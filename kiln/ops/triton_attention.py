@@ -1,0 +1,433 @@
+"""Triton paged attention over a mixed batch: ``set_attention_impl(triton_attend_paged)``.
+
+Reference: ``kiln.ops.attention.attend_paged_reference``; ``triton_attend_paged`` has its exact
+signature and semantics (store the new K/V, then attend causally over each request's context).
+
+Two kernels, one per phase of the flat batch (decodes first, then prefill chunks)::
+
+    tokens: | d0 | d1 | d2 | p0 (cached prefix hit, q_len 5) | p1 (fresh, q_len 7) |
+             \\_ decode kernel _/ \\______________ prefill kernel ______________/
+             grid (decode, kv_head, split)   grid (query block, prefill, kv_head)
+
+Both pack the query heads that share a kv head into the rows of one tile (GQA): a program loads
+each K/V tile once per kv head, not once per query head. Rows are ``(query token, head in group)``;
+for fp32/bf16/fp16 the scores and the online softmax are float32.
+
+Why two kernels and not one: a decode step is memory bound (one query per request, every K/V byte
+read once), so its programs must be spread over the *context* to fill the GPU when
+``num_decodes * num_kv_heads`` is small: split-K (flash-decoding), each split writes a partial
+output and its log-sum-exp, and a small reduce kernel merges the splits. A prefill chunk is compute
+bound and already has parallelism across query blocks, so it needs no split, but it needs a causal
+mask and wide query tiles for the tensor cores. Separate kernels let each keep its own tile shape
+and launch width (``LaunchConfig``) without branches in the inner loop; they share the tile loader
+and the online-softmax step.
+
+K/V tiles are gathered token by token through the block table (``block_id * block_size + offset``),
+so the tile width ``BLOCK_N`` is independent of the cache block size (any power of two).
+
+The hot path does no host sync: grids come from the host ints of ``AttentionMetadata``
+(``num_decodes``, ``max_query_len``, ``seq_lens_cpu``); every per-request number is read on device.
+Split counts change with the context length, so this path is not CUDA-graph static.
+
+Correctness check: ``check_against_reference`` below (used by ``tests/test_triton_attention.py``
+and ``benchmarks/attention_kernels.py --check``); timing: ``benchmarks/attention_kernels.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.forward_context import AttentionMetadata
+from kiln.ops.triton_kv_store import triton_store_kv
+
+LOG2_E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile shapes and launch widths. Defaults: best of ``benchmarks/attention_kernels.py --sweep`` on
+    Hopper (H200) at llama3-8b shapes (bf16, head_dim 128)."""
+
+    decode_block_n: int = 64  # keys per decode tile
+    decode_num_warps: int = 4
+    decode_num_stages: int = 3
+    min_split_tokens: int = 256  # never split a decode context finer than this
+    programs_per_sm: int = 2  # split decodes until the grid has about this many programs per SM
+    prefill_block_m: int = 64  # rows per prefill tile: query tokens x heads of one kv head
+    prefill_block_n: int = 64
+    prefill_num_warps: int = 4
+    prefill_num_stages: int = 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces of the two kernels
+
+
+@triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, offs_n, key_ok, kv_head, d,
+                  stride_cb, stride_cs, stride_ch, PAGE_SIZE: tl.constexpr):
+    """Gather keys ``offs_n`` of one request: K transposed [HEAD_DIM, BLOCK_N], V [BLOCK_N, HEAD_DIM]."""
+    block_ids = tl.load(table_ptr + offs_n // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+    slot = block_ids * stride_cb + (offs_n % PAGE_SIZE) * stride_cs + kv_head * stride_ch  # [BLOCK_N]
+    k_t = tl.load(k_cache_ptr + slot[None, :] + d[:, None], mask=key_ok[None, :], other=0.0)
+    v = tl.load(v_cache_ptr + slot[:, None] + d[None, :], mask=key_ok[:, None], other=0.0)
+    return k_t, v
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of log2-scaled scores ``s`` [BLOCK_M, BLOCK_N] (masked keys at -inf) into the
+    running max ``m_i``, denominator ``l_i`` and unnormalised output ``acc``. Every row must have
+    seen at least one unmasked key by the end of this step, so ``m_new`` is finite."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode: one query token per request, split-K over the context
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt, split_tokens,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    kv_start = split * split_tokens
+    kv_end = tl.minimum(kv_start + split_tokens, seq_len)
+
+    rows = tl.arange(0, BLOCK_M)  # row r is query head kv_head * GROUP + r
+    row_ok = rows < GROUP
+    heads = kv_head * GROUP + rows
+    d = tl.arange(0, HEAD_DIM)
+    q_ptrs = q_ptr + req * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
+    for start in range(kv_start, kv_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        key_ok = offs_n < kv_end
+        k_t, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, offs_n, key_ok, kv_head, d,
+                               stride_cb, stride_cs, stride_ch, PAGE_SIZE)
+        s = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v.to(DOT_DTYPE), m_i, l_i, acc, DOT_PRECISION)
+
+    if SINGLE_SPLIT:
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + req * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        # An empty split (past this request's context) leaves l_i = 0: it stores lse = -inf, o = 0.
+        empty = l_i == 0.0
+        o = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        num_splits = tl.num_programs(2)
+        part = (req * (tl.num_programs(1) * GROUP) + heads) * num_splits + split  # [nd, H, splits]
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
+                         HEAD_DIM: tl.constexpr, SPLITS_POW2: tl.constexpr):
+    """out[req, head] = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
+    req, head = tl.program_id(0), tl.program_id(1)
+    splits = tl.arange(0, SPLITS_POW2)
+    ok = splits < num_splits
+    part = (req * tl.num_programs(1) + head) * num_splits + splits
+    lse = tl.load(part_lse_ptr + part, mask=ok, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
+    d = tl.arange(0, HEAD_DIM)
+    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + req * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill: chunks of BLOCK_Q query tokens, causal over cached prefix + the chunk itself
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt, first_req,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    q_block, kv_head = tl.program_id(0), tl.program_id(2)
+    req = first_req + tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:  # the grid is sized for the longest chunk
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_start = seq_len - q_len  # context position of the chunk's first query
+
+    rows = tl.arange(0, BLOCK_M)  # row r is (query token r // GROUP, head kv_head * GROUP + r % GROUP)
+    tok = q_block * BLOCK_Q + rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    # Rows past the chunk get q_pos >= seq_len: they see key 0 like every row, so no row is all -inf.
+    q_pos = ctx_start + tok
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
+    # Keys below the tile's first query position are visible to every row: no mask in that loop.
+    kv_full_end = (ctx_start + q_block * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
+    kv_end = tl.minimum(ctx_start + (q_block + 1) * BLOCK_Q, seq_len)  # last query's position + 1
+    for start in range(0, kv_full_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        k_t, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, offs_n, offs_n < kv_full_end, kv_head, d,
+                               stride_cb, stride_cs, stride_ch, PAGE_SIZE)
+        s = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=DOT_PRECISION) * scale_log2
+        m_i, l_i, acc = _online_softmax_step(s, v.to(DOT_DTYPE), m_i, l_i, acc, DOT_PRECISION)
+    for start in range(kv_full_end, kv_end, BLOCK_N):  # the diagonal: causal mask
+        offs_n = start + tl.arange(0, BLOCK_N)
+        key_ok = offs_n < kv_end
+        k_t, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, offs_n, key_ok, kv_head, d,
+                               stride_cb, stride_cs, stride_ch, PAGE_SIZE)
+        s = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(key_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v.to(DOT_DTYPE), m_i, l_i, acc, DOT_PRECISION)
+
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: any small number exercises the split path the same way
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_decode_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num_sms: int, cfg: LaunchConfig) -> int:
+    """Split each decode context until the grid has ~programs_per_sm programs per SM, but keep at
+    least ``min_split_tokens`` keys per split so the merge stays cheap."""
+    want = triton.cdiv(cfg.programs_per_sm * num_sms, num_decodes * num_kv_heads)
+    return max(1, min(want, triton.cdiv(max_seq_len, cfg.min_split_tokens)))
+
+
+def _kernel_args(q, kv_cache, meta, out) -> dict:
+    """Pointer and stride arguments shared by the decode and prefill kernels."""
+    k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, num_kv_heads, head_dim]
+    return dict(
+        q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, block_tables_ptr=meta.block_tables,
+        seq_lens_ptr=meta.seq_lens, out_ptr=out,
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
+        stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
+        stride_bt=meta.block_tables.stride(0),
+    )
+
+
+def _launch_decodes(q, kv_cache, meta, scale, out, cfg: LaunchConfig) -> None:
+    nd = meta.num_decodes
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    max_len = max(meta.seq_lens_cpu[:nd])
+    num_splits = num_decode_splits(nd, num_kv_heads, max_len, _num_sms(q.device), cfg)
+    split_tokens = triton.cdiv(triton.cdiv(max_len, num_splits), cfg.decode_block_n) * cfg.decode_block_n
+    num_splits = triton.cdiv(max_len, split_tokens)
+    single = num_splits == 1
+    part_out = out if single else q.new_empty((nd, num_heads, num_splits, head_dim), dtype=torch.float32)
+    part_lse = out if single else q.new_empty((nd, num_heads, num_splits), dtype=torch.float32)
+    _decode_kernel[(nd, num_kv_heads, num_splits)](
+        **_kernel_args(q, kv_cache, meta, out), part_out_ptr=part_out, part_lse_ptr=part_lse,
+        scale_log2=scale * LOG2_E, split_tokens=split_tokens,
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2],
+        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n, SINGLE_SPLIT=single,
+        **_dot_args(q), num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
+    )
+    if not single:
+        _merge_splits_kernel[(nd, num_heads)](
+            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, SPLITS_POW2=triton.next_power_of_2(num_splits), num_warps=4 if head_dim >= 128 else 2,
+        )
+
+
+def _launch_prefills(q, kv_cache, meta, scale, out, cfg: LaunchConfig) -> None:
+    num_prefills = meta.num_reqs - meta.num_decodes
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    group_pow2 = triton.next_power_of_2(group)
+    block_q = max(1, cfg.prefill_block_m // group_pow2)
+    block_m = max(16, block_q * group_pow2)
+    grid = (triton.cdiv(meta.max_query_len, block_q), num_prefills, num_kv_heads)
+    _prefill_kernel[grid](
+        **_kernel_args(q, kv_cache, meta, out), query_start_loc_ptr=meta.query_start_loc,
+        scale_log2=scale * LOG2_E, first_req=meta.num_decodes,
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2],
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.prefill_block_n,
+        **_dot_args(q), num_warps=cfg.prefill_num_warps, num_stages=cfg.prefill_num_stages,
+    )
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def _dot_args(q: torch.Tensor) -> dict:
+    """Operand dtype and precision of the two ``tl.dot``s (accumulation is always fp32).
+
+    fp32 inputs get exact fp32 products: tf32 would miss the 1e-4 tolerance. On CPU (Triton's
+    interpreter) bf16 operands are upcast because the interpreter multiplies bf16 bit patterns as
+    integers; on GPU 16-bit operands go to the tensor cores as they are.
+    """
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+        return dict(DOT_DTYPE=tl.float32, DOT_PRECISION="ieee")
+    return dict(DOT_DTYPE=_TL_DTYPES[q.dtype], DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+
+
+def attend_paged_cached(q, kv_cache, meta: AttentionMetadata, scale: float, out, cfg: LaunchConfig = LaunchConfig()):
+    """Attention only (the new K/V must already be in ``kv_cache``); writes every row of ``out``."""
+    head_dim = q.shape[2]
+    if head_dim not in (16, 32, 64, 128, 256) or q.stride(2) != 1 or kv_cache.stride(4) != 1:
+        raise ValueError(f"Triton attention needs a contiguous power-of-two head_dim (16..256), got {head_dim}")
+    if q.shape[1] % kv_cache.shape[3] != 0:
+        raise ValueError("num_heads must be a multiple of num_kv_heads")
+    if meta.num_decodes > 0:
+        _launch_decodes(q, kv_cache, meta, scale, out, cfg)
+    if meta.num_decodes < meta.num_reqs:
+        _launch_prefills(q, kv_cache, meta, scale, out, cfg)
+    return out
+
+
+def triton_attend_paged(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Drop-in for ``attend_paged_reference``: store the new K/V, attend; returns [num_tokens, H, D]."""
+    triton_store_kv(k, v, kv_cache, meta.slot_mapping)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return attend_paged_cached(q, kv_cache, meta, scale, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Correctness check against the reference (tests and `benchmarks/attention_kernels.py --check`)
+
+
+@dataclass(frozen=True)
+class PagedBatchSpec:
+    """A random mixed batch: decodes first, then prefill chunks given as (seq_len, query_len)."""
+
+    decode_seq_lens: tuple[int, ...] = ()
+    prefill_chunks: tuple[tuple[int, int], ...] = ()  # query_len < seq_len: a cached prefix
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    block_size: int = 16
+    dtype: torch.dtype = torch.float32
+
+
+@dataclass
+class PagedBatch:
+    q: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim], random everywhere
+    meta: AttentionMetadata
+
+
+def random_paged_batch(spec: PagedBatchSpec, device: torch.device | str, seed: int = 0) -> PagedBatch:
+    """Random q/k/v/cache; each request's blocks are a random, out-of-order slice of the pool."""
+    gen = torch.Generator().manual_seed(seed)  # block layout, drawn on the host
+    dev_gen = torch.Generator(device=device).manual_seed(seed)  # tensors, drawn where they live
+    query_lens = [1] * len(spec.decode_seq_lens) + [q for _, q in spec.prefill_chunks]
+    seq_lens = list(spec.decode_seq_lens) + [s for s, _ in spec.prefill_chunks]
+    bs = spec.block_size
+    blocks_per_req = [-(-s // bs) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + 3  # spare blocks: random data no request may read
+    perm = torch.randperm(num_blocks, generator=gen)
+    width = max(blocks_per_req) + 1
+    # Table entries past a request's context point at random blocks too: reading them is a bug.
+    table = perm[torch.randint(num_blocks, (len(seq_lens), width), generator=gen)]
+    slots, used = [], 0
+    for i, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
+        table[i, : blocks_per_req[i]] = perm[used : used + blocks_per_req[i]]
+        used += blocks_per_req[i]
+        pos = torch.arange(seq_len - q_len, seq_len)
+        slots.append(table[i, pos // bs] * bs + pos % bs)
+    num_tokens, kvh, hd = sum(query_lens), spec.num_kv_heads, spec.head_dim
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=dev_gen, device=device, dtype=spec.dtype)
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots).to(device=device, dtype=torch.int64),
+        query_start_loc=torch.tensor([0] + query_lens).cumsum(0).to(device=device, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=table.to(device=device, dtype=torch.int32),
+        num_decodes=len(spec.decode_seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+    )
+    return PagedBatch(
+        q=randn(num_tokens, spec.num_heads, hd),
+        k=randn(num_tokens, kvh, hd),
+        v=randn(num_tokens, kvh, hd),
+        kv_cache=randn(2, num_blocks, bs, kvh, hd),
+        meta=meta,
+    )
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
+
+
+def check_against_reference(batch: PagedBatch, cfg: LaunchConfig = LaunchConfig()) -> float:
+    """Store + attend with the Triton kernels and the reference on copies of the same cache.
+    The cache must match bit for bit; the output, poisoned with NaN first, within ``tolerance``.
+    Returns the largest absolute output error."""
+    from kiln.ops.attention import attend_paged_reference
+
+    q, meta = batch.q, batch.meta
+    scale = q.shape[2] ** -0.5
+    ref_cache = batch.kv_cache.clone()
+    ref = attend_paged_reference(q, batch.k, batch.v, ref_cache, meta, scale)
+    cache = batch.kv_cache.clone()
+    triton_store_kv(batch.k, batch.v, cache, meta.slot_mapping)
+    if not torch.equal(cache, ref_cache):
+        raise AssertionError("triton_store_kv wrote a different cache than store_kv_reference")
+    out = torch.full_like(q, float("nan"))
+    attend_paged_cached(q, cache, meta, scale, out, cfg)
+    tol = tolerance(q.dtype)
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    return (out.float() - ref.float()).abs().max().item()

