@@ -1,0 +1,122 @@
+"""LLM: the offline API. Builds an engine from keyword config groups and runs prompts to the end.
+
+    llm = LLM(model="smollm2-135m-instruct", compile={"mode": "eager"})
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from kiln.config import EngineConfig, ModelConfig
+from kiln.outputs import RequestOutput
+from kiln.runtime.engine import LLMEngine
+from kiln.sampling_params import SamplingParams
+
+Prompt = Union[str, list[int]]
+Message = dict[str, str]
+
+
+class LLM:
+    """Offline generation. Every config group is a keyword: a dict or its dataclass.
+
+    ``model`` may be a model name/path (the other ModelConfig fields then come as keywords, e.g.
+    ``dtype="float32"``, ``max_model_len=2048``) or a dict / ModelConfig.
+    """
+
+    def __init__(self, model: Union[str, dict, ModelConfig] = "smollm2-135m-instruct", **kwargs: Any):
+        model_fields = {"dtype", "device", "max_model_len", "seed"}
+        model_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in model_fields}
+        if isinstance(model, str):
+            model = ModelConfig(model=model, **model_kwargs)
+        elif model_kwargs:
+            raise ValueError(f"pass {sorted(model_kwargs)} inside the model config, not beside it")
+        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        self.engine = LLMEngine(self.config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+        use_tqdm: bool = True,
+        priority: Optional[Sequence[int]] = None,
+        add_special_tokens: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of ``prompts``."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p, prio in zip(prompts, params, priorities):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, p, prio, add_special_tokens)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:  # a bad prompt in the batch must not leave the others holding blocks
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[list[Message], list[list[Message]]],
+        sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm, add_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        with tqdm(total=len(ids), desc="requests", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            while len(final) < len(ids):
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError("engine went idle with requests unfinished")
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        final[out.request_id] = out
+                        bar.update(1)
+        return [final[i] for i in ids]
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    for p in prompts:
+        if not isinstance(p, (str, list)):
+            raise ValueError(f"each prompt must be a string or a list of token ids, got {type(p).__name__}")
+    return prompts
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params

@@ -1,0 +1,141 @@
+"""OutputProcessor: turns new tokens into RequestOutputs (detokenize, stop strings, n > 1).
+
+It owns one incremental detokenizer per sample and groups the n samples of a user request back
+into one RequestOutput. Text that may still turn into a stop string is held back, so a streamed
+delta never has to be taken back. It reports which samples hit a stop string; the engine then
+finishes them in the scheduler (which frees their blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from kiln.outputs import CompletionOutput, RequestOutput
+from kiln.runtime.detokenizer import IncrementalDetokenizer
+from kiln.runtime.request import Request, RequestStatus
+
+
+@dataclass
+class _Sample:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    index: int
+    logprobs: Optional[list[dict[int, float]]] = None
+    cumulative_logprob: float = 0.0
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[object] = None
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.detokenizer.text,
+            token_ids=list(self.request.output_token_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+        )
+
+
+@dataclass
+class _UserRequest:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    samples: list[_Sample] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.completion() for s in self.samples],
+            finished=self.finished,
+            num_cached_tokens=self.samples[0].request.num_cached_tokens,
+        )
+
+
+def _ended_by_stop_token(req: Request, token: int) -> bool:
+    return req.status == RequestStatus.FINISHED_STOPPED and token in req.sampling_params.stop_token_ids
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._users: dict[str, _UserRequest] = {}
+        self._samples: dict[str, tuple[_UserRequest, _Sample]] = {}
+
+    def add(self, request_id: str, prompt: Optional[str], samples: list[Request]) -> None:
+        user = _UserRequest(request_id, prompt, samples[0].prompt_token_ids)
+        for i, req in enumerate(samples):
+            params = req.sampling_params
+            sample = _Sample(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params), i)
+            if params.logprobs is not None:
+                sample.logprobs = []
+            user.samples.append(sample)
+            self._samples[req.request_id] = (user, sample)
+        self._users[request_id] = user
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._users
+
+    def sample_ids(self, request_id: str) -> list[str]:
+        user = self._users.get(request_id)
+        return [s.request.request_id for s in user.samples] if user else []
+
+    def process(
+        self, updated: list[Request], logprobs: dict[str, Optional[dict[int, float]]]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Take this step's new tokens; return outputs and the sample ids that hit a stop string."""
+        touched: dict[str, _UserRequest] = {}
+        stopped: list[str] = []
+        for req in updated:
+            entry = self._samples.get(req.request_id)
+            if entry is None:
+                continue
+            user, sample = entry
+            token = req.output_token_ids[-1]
+            if not _ended_by_stop_token(req, token):  # like eos, a stop token's text is not output
+                sample.detokenizer.add(token)
+            lp = logprobs.get(req.request_id)
+            if sample.logprobs is not None and lp is not None:
+                sample.logprobs.append(lp)
+                sample.cumulative_logprob += lp.get(token, 0.0)
+            if sample.detokenizer.stop_string is not None and not req.is_finished:
+                stopped.append(req.request_id)
+                sample.finish_reason, sample.stop_reason = "stop", sample.detokenizer.stop_string
+            elif req.is_finished:
+                sample.finish_reason = req.status.finish_reason
+                sample.stop_reason = sample.detokenizer.stop_string or req.stop_reason
+                if sample.detokenizer.stop_string is not None:
+                    sample.finish_reason = "stop"
+            if sample.finish_reason is not None:
+                sample.detokenizer.flush()
+            touched[user.request_id] = user
+        return [self._emit(u) for u in touched.values()], stopped
+
+    def abort(self, request_id: str) -> Optional[RequestOutput]:
+        user = self._users.get(request_id)
+        if user is None:
+            return None
+        for s in user.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+        return self._emit(user)
+
+    def _emit(self, user: _UserRequest) -> RequestOutput:
+        out = user.output()
+        if out.finished:
+            self._users.pop(user.request_id, None)
+            for s in user.samples:
+                self._samples.pop(s.request.request_id, None)
+        return out
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._users)

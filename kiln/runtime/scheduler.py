@@ -1,0 +1,266 @@
+"""Scheduler: which requests run each step, and how many tokens each computes.
+
+Owns the waiting queue, the running list and request lifecycles; the blocks belong to
+KVCacheManager. One step is: serve running requests, admit waiting ones, hand a SchedulerOutput to
+the model runner, then update() with the sampled tokens.
+
+Rules kept here:
+- A step computes at most max_num_batched_tokens tokens; at most max_num_seqs requests run.
+- Running requests (decodes and unfinished prefill chunks) are served first, in admission order,
+  so a long prompt never starves a decode. Then waiting requests are admitted in queue order
+  (FCFS, or (priority, arrival) under "priority"); the first that does not fit stops admission.
+- With chunked prefill a prompt is cut to the budget left; without it a prompt runs whole or
+  waits (a resumed request longer than the whole budget is still cut, else it could never run).
+- Out of blocks, a running request is preempted by recompute: the tail of the running list (FCFS)
+  or the lowest-priority, latest-arrived one (priority) loses its blocks and goes back to the
+  waiting queue (FCFS: to its front; priority: to its place by key) with its output kept, so it
+  resumes where it left off. The victim may already be scheduled in this step: it then leaves the
+  step's output and gives its tokens back to the budget. A step that preempted admits nothing new.
+- schedule() never advances num_computed_tokens: ScheduledRequest.start reads it until update().
+- update() also ends a request (FINISHED_LENGTH) once it holds as many tokens as the whole pool
+  can (plus the last sampled one), so a request alone always fits and never preempts itself.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Optional
+
+from kiln.config import SchedulerConfig
+from kiln.runtime.kv_cache_manager import KVCacheManager
+from kiln.runtime.request import Request, RequestStatus
+from kiln.runtime.scheduler_output import ScheduledRequest, SchedulerOutput
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return (request.priority, request.arrival_time)
+
+
+def _is_decode(scheduled: ScheduledRequest) -> bool:
+    return scheduled.num_new_tokens == 1 and scheduled.request.num_computed_tokens > 0
+
+
+@dataclass
+class _Step:
+    """The step being built: what is scheduled so far and the token budget left."""
+
+    token_budget: int
+    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    def add(self, request: Request, num_new_tokens: int, block_ids: list[int]) -> None:
+        self.scheduled[request.request_id] = ScheduledRequest(request, num_new_tokens, block_ids)
+        self.token_budget -= num_new_tokens
+
+    def preempt(self, request: Request) -> None:
+        self.preempted_ids.append(request.request_id)
+        dropped = self.scheduled.pop(request.request_id, None)
+        if dropped is not None:
+            self.token_budget += dropped.num_new_tokens
+
+    def to_output(self) -> SchedulerOutput:
+        decodes = [s for s in self.scheduled.values() if _is_decode(s)]
+        prefills = [s for s in self.scheduled.values() if not _is_decode(s)]
+        return SchedulerOutput(scheduled=decodes + prefills, preempted_ids=list(self.preempted_ids))
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_manager = kv_manager
+        self.waiting: list[Request] = []  # queue order, head first
+        self.running: list[Request] = []  # admission order
+        self._requests: dict[str, Request] = {}  # unfinished requests only
+        self.num_preemptions = 0  # since start, all requests together
+        # The last sampled token is never written to the cache, so a request alone in the pool can
+        # hold one token more than the pool has slots.
+        self.max_num_tokens_in_pool = kv_manager.num_usable_blocks * kv_manager.block_size + 1
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Optional[Request]:
+        return self._requests.get(request_id)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError (saying what to change) when it could never run."""
+        self._check_can_run(request)
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self._enqueue_waiting(request, front=False)
+
+    def schedule(self) -> SchedulerOutput:
+        step = _Step(token_budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted_ids:
+            # Blocks just ran out: a new request now would only be preempted again next step.
+            self._schedule_waiting(step)
+        return step.to_output()
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Advance each scheduled request past its chunk and append sampled tokens.
+
+        Returns the requests that received a token this step, finished ones included.
+        """
+        received = []
+        for scheduled in output.scheduled:
+            request = scheduled.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # finished (aborted) after schedule(); its token is dropped
+            samples = scheduled.samples  # read before num_computed_tokens moves
+            request.num_computed_tokens += scheduled.num_new_tokens
+            if not samples:
+                continue
+            if request.request_id not in sampled_token_ids:
+                raise ValueError(f"request {request.request_id} reached its last token but has no sampled token")
+            token_id = sampled_token_ids[request.request_id]
+            request.output_token_ids.append(token_id)
+            received.append(request)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+        return received
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """Finish a request from outside (stop string, abort); unknown or finished ids are ignored."""
+        if not status.finished:
+            raise ValueError(f"finish_request needs a finished status, got {status}")
+        request = self._requests.get(request_id)
+        if request is not None:
+            self._finish(request, status)
+
+    # -- phases of schedule() --
+
+    def _schedule_running(self, step: _Step) -> None:
+        for request in list(self.running):  # a copy: preemption removes from self.running
+            if step.token_budget == 0:
+                return
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, step.token_budget)
+            if num_new_tokens == 0:
+                continue
+            block_ids = self._allocate_or_preempt(request, num_new_tokens, step)
+            if block_ids is not None:
+                step.add(request, num_new_tokens, block_ids)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if not self._admit(self.waiting[0], step):
+                return  # no overtaking: later requests wait behind the head
+
+    def _admit(self, request: Request, step: _Step) -> bool:
+        computed_blocks, num_computed_tokens = self.kv_manager.get_computed_blocks(request)
+        num_new_tokens = self._num_new_tokens(request, num_computed_tokens, step.token_budget)
+        if num_new_tokens == 0:
+            return False
+        block_ids = self.kv_manager.allocate_slots(request, num_new_tokens, computed_blocks)
+        if block_ids is None:
+            return False
+        self.waiting.pop(0)
+        if request.status is RequestStatus.WAITING:  # first admission; a resumed request keeps its count
+            request.num_cached_tokens = num_computed_tokens
+        request.num_computed_tokens = num_computed_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        step.add(request, num_new_tokens, block_ids)
+        return True
+
+    def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
+        """Tokens to compute this step; 0 when the rest must run whole and does not fit yet."""
+        num_remaining = request.num_tokens - num_computed_tokens
+        if num_remaining <= token_budget:
+            return num_remaining
+        can_split = self.config.enable_chunked_prefill or num_remaining > self.config.max_num_batched_tokens
+        return token_budget if can_split else 0
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, step: _Step) -> Optional[list[int]]:
+        """Allocate, preempting victims until it fits; None when the request itself was preempted."""
+        while True:
+            block_ids = self.kv_manager.allocate_slots(request, num_new_tokens)
+            if block_ids is not None:
+                return block_ids
+            victim = self._pick_victim()
+            self._preempt(victim, step)
+            if victim is request:
+                return None
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=_priority_key)
+        return self.running[-1]
+
+    def _preempt(self, request: Request, step: _Step) -> None:
+        self.running.remove(request)
+        # Free before resetting num_computed_tokens: it tells the manager which blocks hold K/V.
+        self.kv_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue_waiting(request, front=True)
+        step.preempt(request)
+
+    # -- bookkeeping --
+
+    def _enqueue_waiting(self, request: Request, front: bool) -> None:
+        if self.config.policy == "priority":
+            bisect.insort(self.waiting, request, key=_priority_key)
+        elif front:
+            self.waiting.insert(0, request)
+        else:
+            self.waiting.append(request)
+
+    def _stop_status(self, request: Request, token_id: int) -> Optional[RequestStatus]:
+        params = request.sampling_params
+        if token_id == request.eos_token_id and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_tokens >= min(request.max_num_tokens, self.max_num_tokens_in_pool):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_manager.free(request)
+        del self._requests[request.request_id]
+
+    def _check_can_run(self, request: Request) -> None:
+        num_prompt_tokens = request.num_prompt_tokens
+        block_size = self.kv_manager.block_size
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if num_prompt_tokens == 0:
+            raise ValueError(f"request {request.request_id}: the prompt is empty")
+        if request.max_model_len is not None and num_prompt_tokens > request.max_model_len:
+            raise ValueError(
+                f"request {request.request_id}: prompt has {num_prompt_tokens} tokens, more than "
+                f"max_model_len={request.max_model_len}; shorten the prompt"
+            )
+        if not self.config.enable_chunked_prefill and num_prompt_tokens > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"request {request.request_id}: prompt has {num_prompt_tokens} tokens, more than "
+                f"scheduler.max_num_batched_tokens={self.config.max_num_batched_tokens}; raise "
+                "max_num_batched_tokens or enable chunked prefill (scheduler.enable_chunked_prefill=true)"
+            )
+        if num_prompt_tokens > self.kv_manager.num_usable_blocks * block_size:
+            raise ValueError(
+                f"request {request.request_id}: prompt needs {-(-num_prompt_tokens // block_size)} KV blocks "
+                f"of {block_size} tokens, the whole pool has {self.kv_manager.num_usable_blocks}; "
+                "give the KV cache more memory (cache.kv_cache_memory_gib or cache.num_blocks) or shorten the prompt"
+            )

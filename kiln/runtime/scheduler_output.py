@@ -1,0 +1,40 @@
+"""SchedulerOutput: what one engine step runs, handed from the scheduler to the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kiln.runtime.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: tokens [start, start + num_new_tokens) of prompt + output."""
+
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]  # the request's whole block table after allocation, in order
+
+    @property
+    def start(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the last known token, so a new token is sampled after it."""
+        return self.start + self.num_new_tokens >= self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    # Execution order: decode requests (one new token, context > 0) first, then prefill chunks.
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

@@ -1,0 +1,152 @@
+"""End-to-end engine tests on the CPU: the LLM API against HF transformers, batching features,
+sampling and bad input. SmolLM2 (the real embedded model) where outputs must be decisive."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kiln import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a dragon who",
+    "1, 2, 3, 4,",
+    "The quick brown fox",
+    "Water boils at a temperature of",
+    "In machine learning, a transformer is a model architecture that relies on self-attention to process "
+    "sequences. It was introduced in the paper",
+    "Hello",
+    "A list of fruits: apple, banana,",
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def smol(kiln_cache_dir):
+    return LLM("smollm2-135m-instruct", cache={"dir": kiln_cache_dir})
+
+
+@pytest.fixture(scope="module")
+def smol_greedy(smol):
+    outs = smol.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _assert_no_leak(llm):
+    stats = llm.engine.stats()
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == llm.engine.kv_manager.num_usable_blocks
+
+
+def test_greedy_matches_hf_generate(smol, smol_greedy):
+    hf_dir = smol.engine.executor.runner.loaded.hf_dir
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    for prompt, ours in zip(PROMPTS, smol_greedy):
+        ids = smol.tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            ref = hf.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+        assert ours == ref[0, ids.shape[1]:].tolist(), prompt
+    _assert_no_leak(smol)
+
+
+def test_outputs_have_text_prompt_ids_and_finish_reason(smol):
+    out = smol.generate(["The capital of France is"], SamplingParams(max_tokens=5, temperature=0.0), use_tqdm=False)[0]
+    assert out.prompt_token_ids == smol.tokenizer.encode("The capital of France is")
+    c = out.outputs[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 5
+    assert c.text == smol.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+
+
+def test_chunked_prefill_and_small_budget_match(kiln_cache_dir, smol_greedy):
+    llm = LLM("smollm2-135m-instruct", cache={"dir": kiln_cache_dir},
+              scheduler={"max_num_batched_tokens": 8, "max_num_seqs": 3})
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == smol_greedy
+    _assert_no_leak(llm)
+
+
+def test_preemption_gives_same_outputs(kiln_cache_dir, smol_greedy):
+    # 10 blocks of 16 tokens cannot hold all 9 requests at once: some are preempted and recomputed.
+    llm = LLM("smollm2-135m-instruct", cache={"dir": kiln_cache_dir, "num_blocks": 10, "enable_prefix_caching": False})
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == smol_greedy
+    _assert_no_leak(llm)
+
+
+def test_prefix_cache_hits_and_same_outputs(smol):
+    shared = "You are a helpful assistant. Answer briefly and precisely. " * 4
+    prompts = [shared + "What is 2+2?", shared + "Name a color."]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    first = smol.generate(prompts, params, use_tqdm=False)
+    again = smol.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+    assert all(o.num_cached_tokens >= 16 for o in again)
+    assert smol.engine.kv_manager.hit_rate > 0
+    _assert_no_leak(smol)
+
+
+def test_seeded_sampling_is_reproducible(smol):
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
+    a = smol.generate(["Tell me a story about"], params, use_tqdm=False)[0].outputs[0].token_ids
+    b = smol.generate(["Tell me a story about", "Other prompt"], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert a == b
+
+
+def test_n_samples_and_logprobs(smol):
+    params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=7, logprobs=2)
+    out = smol.generate(["The weather today is"], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    for c in out.outputs:
+        assert len(c.logprobs) == len(c.token_ids)
+        for tok, lp in zip(c.token_ids, c.logprobs):
+            assert tok in lp and len(lp) >= 2 and all(v <= 0 for v in lp.values())
+    _assert_no_leak(smol)
+
+
+def test_stop_strings_and_stop_tokens(smol, smol_greedy):
+    full = smol.tokenizer.decode(smol_greedy[0], skip_special_tokens=True)
+    word = full.split()[1] if len(full.split()) > 1 else full.strip()[:2]
+    out = smol.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=[word]),
+                        use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and word not in out.text
+    assert full.startswith(out.text)
+    stop_id = smol_greedy[0][3]
+    out = smol.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=[stop_id]),
+                        use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == stop_id
+    assert out.token_ids == smol_greedy[0][: len(out.token_ids)]
+    _assert_no_leak(smol)
+
+
+def test_chat_uses_template(smol):
+    out = smol.chat([{"role": "user", "content": "What is the capital of France?"}],
+                    SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda llm: llm.generate([""], SamplingParams()), "empty"),
+        (lambda llm: llm.generate(["hi " * 9000], SamplingParams()), "context"),
+        (lambda llm: llm.generate(["hi"], SamplingParams(max_tokens=10**6)), "max_tokens"),
+        (lambda llm: SamplingParams(max_tokens=0), "max_tokens"),
+        (lambda llm: SamplingParams(temperature=-1), "temperature"),
+        (lambda llm: SamplingParams(top_p=0.0), "top_p"),
+        (lambda llm: SamplingParams(top_p=1.5), "top_p"),
+        (lambda llm: llm.generate([[10**9]], SamplingParams()), "token ids"),
+    ],
+)
+def test_bad_input_is_a_clear_value_error(smol, make, match):
+    with pytest.raises(ValueError, match=match):
+        make(smol)
+    _assert_no_leak(smol)
+
+
+def test_unknown_model_and_missing_dir(kiln_cache_dir, tmp_path):
+    with pytest.raises(ValueError, match="smollm2-135m-instruct"):
+        LLM("no-such-model", cache={"dir": kiln_cache_dir})
+    with pytest.raises(ValueError):
+        LLM(str(tmp_path / "missing"), cache={"dir": kiln_cache_dir})
