@@ -1,0 +1,58 @@
+"""``build_forward``: the model's forward callable for each ``compile.mode``.
+
+- ``eager``: the model itself.
+- ``stock``: ``torch.compile(model, dynamic=True)``, the baseline a user tries first: Dynamo
+  guards run on every call and sizes 0/1 are specialized (a batch of one token recompiles once).
+- ``kiln``: ``KilnForward``: capture once, kiln passes, split at attention, Inductor per piece,
+  no guards after the capture.
+
+``compile.cudagraph`` is GPU-only; on CPU it is ignored with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from kiln.compiler.backend import KilnBackend
+from kiln.compiler.capture import KilnForward
+from kiln.compiler.debug import DebugDump
+from kiln.config import CompileConfig
+from kiln.passes.manager import PassConfig, PassManager, build_passes
+
+logger = logging.getLogger(__name__)
+
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _model_device_type(model: nn.Module) -> str:
+    param = next(model.parameters(), None)
+    return param.device.type if param is not None else "cpu"
+
+
+def build_forward(model: nn.Module, config: CompileConfig, pass_config: Optional[PassConfig] = None) -> Forward:
+    """``(input_ids [T], positions [T]) -> hidden [T, H]``, compiled as ``config.mode`` says.
+
+    ``pass_config`` defaults to ``PassConfig(device_type=<the model's device>)``.
+    """
+    device_type = _model_device_type(model)
+    if config.cudagraph != "none" and device_type != "cuda":
+        logger.warning("compile.cudagraph=%s needs CUDA; running without CUDA graphs on %s",
+                       config.cudagraph, device_type)
+    if config.mode == "eager":
+        return model
+    if config.mode == "stock":
+        return torch.compile(model, dynamic=True)
+    if config.mode == "kiln":
+        return build_kiln_forward(model, config, pass_config or PassConfig(device_type=device_type))
+    raise ValueError(f"compile.mode={config.mode!r} is not allowed; choose one of ['eager', 'stock', 'kiln']")
+
+
+def build_kiln_forward(model: nn.Module, config: CompileConfig, pass_config: PassConfig) -> KilnForward:
+    dump = DebugDump(config.debug_dump_dir) if config.debug_dump_dir else None
+    passes = PassManager(build_passes(pass_config), dump=dump.pass_graph if dump else None)
+    backend = KilnBackend(passes, config.sizes, dump)
+    return KilnForward(model, backend, depyf_context=dump.depyf if dump else None)

@@ -1,0 +1,159 @@
+"""Per-piece Inductor compilation: one dynamic-shape build plus one build per ``compile.sizes``.
+
+Rules kept here:
+- Identical pieces compile once. A piece's key is a hash of its graph with node names replaced
+  by positions, plus every input's shape, stride and dtype; the middle transformer layers all
+  give the same key, so a 30-layer model compiles three pieces, not thirty-one.
+- ``num_tokens`` is the only dynamic dimension. The dynamic build serves every size; a size in
+  ``compile.sizes`` gets its own static build, chosen at run time by one dict lookup.
+- Every build happens while the graph is captured (at the first call), never while serving.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import sympy
+import torch
+from torch._inductor import standalone_compile
+
+from kiln.passes.manager import PassManager
+
+logger = logging.getLogger(__name__)
+
+
+def piece_key(gm: torch.fx.GraphModule, example_args: list[Any]) -> str:
+    """Hash of the piece's structure and input metadata, independent of node names."""
+    index: dict[torch.fx.Node, int] = {}
+    lines = []
+
+    def ref(a: Any) -> Any:
+        return f"%{index[a]}" if isinstance(a, torch.fx.Node) else a
+
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = i
+        if node.op == "placeholder":  # its target is its (layer-specific) name: position is enough
+            lines.append("placeholder")
+            continue
+        if node.op == "get_attr":  # a constant attribute: its value is not in the code, so never share
+            lines.append(f"get_attr {id(gm)} {node.target}")
+            continue
+        args = torch.fx.node.map_aggregate(node.args, ref)
+        kwargs = torch.fx.node.map_aggregate(node.kwargs, ref)
+        target = node.target if isinstance(node.target, str) else torch.fx.node._get_qualified_name(node.target) \
+            if callable(node.target) else str(node.target)
+        lines.append(f"{node.op} {target} {args} {kwargs}")
+    for a in example_args:
+        if isinstance(a, torch.Tensor):
+            lines.append(f"in {tuple(a.shape)} {a.stride()} {a.dtype} {a.device}")
+        else:
+            lines.append(f"in {type(a).__name__}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+@dataclass
+class CompiledPiece:
+    """Runs one piece: the static build for this num_tokens if there is one, else the dynamic one."""
+
+    key: str
+    dynamic: Callable[..., Any]
+    size_arg: Optional[int]  # index of the argument that is num_tokens (a SymInt input)
+    by_size: dict[int, Callable[..., Any]] = field(default_factory=dict)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.by_size:
+            fn = self.by_size.get(args[self.size_arg])
+            if fn is not None:
+                return fn(*args)
+        return self.dynamic(*args)
+
+
+def _concrete(value: Any, symbol: sympy.Symbol, size: int) -> int:
+    if isinstance(value, torch.SymInt):
+        expr = sympy.sympify(value.node.expr).xreplace({symbol: sympy.Integer(size)})
+        if expr.free_symbols:
+            raise ValueError(f"dimension {value} depends on more than num_tokens")
+        return int(expr)
+    return int(value)
+
+
+def _is_symbolic(t: torch.Tensor) -> bool:
+    return any(isinstance(d, torch.SymInt) for d in (*t.shape, *t.stride()))
+
+
+def concrete_args(fake_args: list[Any], real_of: dict[int, torch.Tensor], symbol: sympy.Symbol, size: int) -> list[Any]:
+    """Example inputs for a static build at ``size``: real parameters, zero activations."""
+    out = []
+    for a in fake_args:
+        if isinstance(a, torch.SymInt):
+            out.append(_concrete(a, symbol, size))
+        elif isinstance(a, torch.Tensor) and id(a) in real_of and not _is_symbolic(a):
+            out.append(real_of[id(a)])  # a parameter or buffer
+        elif isinstance(a, torch.Tensor):  # an activation (or input_ids/positions): any values do
+            shape = [_concrete(d, symbol, size) for d in a.shape]
+            stride = [_concrete(s, symbol, size) for s in a.stride()]
+            out.append(torch.empty_strided(shape, stride, dtype=a.dtype, device=a.device).zero_())
+        else:
+            out.append(a)
+    return out
+
+
+@dataclass
+class _PieceSource:
+    """What a static build needs: the piece's graph and its (fake) example inputs."""
+
+    gm: torch.fx.GraphModule
+    fake_args: list[Any]
+    real_of: dict[int, torch.Tensor]
+    symbol: sympy.Symbol
+
+
+class PieceCompiler:
+    """Compiles pieces with Inductor, the kiln passes running as its post-grad pre-pass."""
+
+    def __init__(self, passes: PassManager, extra_patches: dict) -> None:
+        self.passes = passes
+        self.patches = {"post_grad_custom_pre_pass": passes, **extra_patches}
+        self.cache: dict[str, CompiledPiece] = {}
+        self._sources: dict[str, _PieceSource] = {}
+        self.num_compiles = 0  # Inductor builds (dynamic + static), after dedup
+        self.compile_seconds = 0.0
+
+    def compile_dynamic(
+        self, name: str, gm: torch.fx.GraphModule, fake_args: list[Any],
+        real_of: dict[int, torch.Tensor], symbol: sympy.Symbol,
+    ) -> CompiledPiece:
+        """The dynamic build of a piece (or the one already built for an identical piece)."""
+        key = piece_key(gm, fake_args)
+        if key not in self.cache:
+            size_args = [i for i, a in enumerate(fake_args) if isinstance(a, torch.SymInt)]
+            dynamic = self._build(key, "dynamic", gm, fake_args, "from_tracing_context")
+            self.cache[key] = CompiledPiece(key, dynamic, size_args[0] if size_args else None)
+            self._sources[key] = _PieceSource(gm, fake_args, real_of, symbol)
+        return self.cache[key]
+
+    def compile_sizes(self, sizes: set[int]) -> None:
+        """A static build per size for every piece that takes num_tokens as an input."""
+        for key, piece in self.cache.items():
+            src = self._sources[key]
+            if piece.size_arg is None:
+                logger.info("piece %s has no num_tokens input; only its dynamic build is used", key)
+                continue
+            for size in sorted(sizes - set(piece.by_size)):
+                args = concrete_args(src.fake_args, src.real_of, src.symbol, size)
+                piece.by_size[size] = self._build(key, f"size{size}", src.gm, args, "from_example_inputs")
+
+    def _build(self, key: str, variant: str, gm: torch.fx.GraphModule, args: list[Any], dynamic_shapes: str):
+        t0 = time.perf_counter()
+        self.passes.label = f"piece_{key}_{variant}"
+        artifact = standalone_compile(gm, args, dynamic_shapes=dynamic_shapes,
+                                      options={"config_patches": self.patches})
+        elapsed = time.perf_counter() - t0
+        self.num_compiles += 1
+        self.compile_seconds += elapsed
+        logger.info("compiled piece %s (%s) in %.2f s", key, variant, elapsed)
+        return artifact

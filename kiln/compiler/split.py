@@ -1,0 +1,55 @@
+"""Split the captured graph at the attention ops into pieces.
+
+``split_graph`` cuts before and after every call to a split op, so the graph becomes
+``piece, attention, piece, attention, ..., piece``: Inductor compiles the pieces, the attention
+calls stay opaque and run eagerly (they read the KV cache and metadata from the forward context).
+A Llama model with L layers gives L + 1 pieces; all but the first and last are the same code
+(o_proj, residual, MLP, next layer's norm, qkv_proj, rotary), which ``kiln.compiler.piece``
+compiles once.
+
+The split points are one list: ``split_op_names()`` = the generic attention op plus every
+attention kernel op registered with ``kiln.passes.attention_backend``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.fx.passes.split_module import split_module
+
+from kiln.passes.attention_backend import attention_op_names, op_name
+
+
+def split_op_names() -> tuple[str, ...]:
+    return attention_op_names()
+
+
+@dataclass
+class Piece:
+    name: str  # attribute of the split GraphModule: submod_<i>
+    graph_module: torch.fx.GraphModule
+    is_split_op: bool  # True: one attention call, run as is; False: compiled by Inductor
+
+
+def split_graph(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[Piece]]:
+    split_ops = set(split_op_names())
+    index = 0
+    split_op_pieces: set[int] = set()
+    assignment: dict[torch.fx.Node, int] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_function" and op_name(node.target) in split_ops:
+            index += 1
+            assignment[node] = index
+            split_op_pieces.add(index)
+            index += 1
+        else:
+            assignment[node] = index
+    split_gm = split_module(gm, None, lambda node: assignment[node], keep_original_order=True)
+    pieces = [
+        Piece(name, module, int(name.removeprefix("submod_")) in split_op_pieces)
+        for name, module in split_gm.named_children()
+    ]
+    return split_gm, pieces

@@ -1,0 +1,56 @@
+"""``KilnPass``: the one interface every graph pass implements.
+
+A pass rewrites an FX graph in place and returns how many rewrites it made. It declares where it
+runs (``stage``):
+
+- ``"dynamo"``: on the graph Dynamo captured (torch-level ops), before the graph is split at the
+  attention ops. Only passes that must see the split ops themselves run here.
+- ``"post_grad"``: on each piece inside Inductor, as its ``post_grad_custom_pre_pass``: aten-level,
+  functionalized and decomposed, before Inductor's own pattern rewrites.
+
+``uuid()`` is a hash of the source file that defines the pass plus its options, so Inductor's
+cache (which keys on it) misses exactly when a pass's code or settings change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import sys
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+STAGES = ("dynamo", "post_grad")
+
+
+def source_hash(*objects: Any) -> str:
+    """sha256 over the source files that define ``objects`` (classes, functions or modules)."""
+    h = hashlib.sha256()
+    for obj in objects:
+        module = obj if inspect.ismodule(obj) else sys.modules[obj.__module__]
+        h.update(inspect.getsource(module).encode())
+    return h.hexdigest()
+
+
+class KilnPass(ABC):
+    stage: ClassVar[str] = "post_grad"
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def options(self) -> dict[str, Any]:
+        """Settings that change what the pass does; part of ``uuid()``."""
+        return {}
+
+    def uuid(self) -> str:
+        h = hashlib.sha256(source_hash(type(self), KilnPass).encode())
+        h.update(json.dumps(self.options(), sort_keys=True, default=str).encode())
+        return h.hexdigest()
+
+    @abstractmethod
+    def __call__(self, graph: torch.fx.Graph) -> int:
+        """Rewrite ``graph`` in place; return the number of rewrites."""

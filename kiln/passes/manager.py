@@ -1,0 +1,144 @@
+"""``PassManager``: the one ordered list of kiln's graph passes, and how each is applied.
+
+The list (``build_passes``) runs in order; each pass says where it runs (``KilnPass.stage``):
+
+1. ``AttentionBackendPass`` (dynamo): the generic attention call becomes the device's kernel op.
+2. ``NoOpEliminationPass`` (post_grad): views, slices and casts that return their input.
+3. ``SiluMulFusionPass`` (post_grad): ``silu(gate) * up`` -> ``kiln.silu_and_mul``.
+4. ``AddRMSNormFusionPass`` (post_grad): residual add + RMSNorm -> ``kiln.add_rms_norm``.
+
+``run_dynamo(gm)`` applies the dynamo-stage passes to the captured graph before it is split;
+the manager itself is Inductor's ``post_grad_custom_pre_pass`` (a ``CustomGraphPass``) and applies
+the post_grad ones to every piece. ``uuid()`` combines the passes' uuids, so Inductor's cache
+keys on exactly the passes that ran and their options.
+
+Fusions swap Inductor's generated code for an opaque op, so they only pay where that op has a
+kernel better than Inductor's own fused loop. ``PassConfig.fusion="auto"`` turns them on where
+such kernels exist (a registered fast impl in ``kiln.ops``, or any CUDA device, where the ops
+are meant to get Triton kernels) and off otherwise: on CPU, Inductor's C++ codegen already fuses
+silu*mul and add+RMSNorm into single loops, and the pure-torch references would be slower.
+
+Failure rule: a pass that raises, or leaves a graph that fails ``Graph.lint()``, is logged and
+undone (the graph is restored to its state before that pass); compilation continues without it.
+A pass never half-applies.
+
+Not here, on purpose: rotary embedding fused with the KV-cache write, and re-inplacing of
+functionalized cache writes. ``kiln.attend_paged`` takes the KV cache from the forward context,
+so no cache tensor is a graph input and no functionalized copy of the cache exists for a
+re-inplacing pass to remove; the cache write happens inside the opaque attention op. A rotary +
+KV-write fusion would therefore be a change to the attention op's contract (take un-rotated k
+and positions), not a graph pass; it is left for when a kernel needs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from kiln.ops.activation import has_fast_silu_and_mul
+from kiln.ops.layernorm import has_fast_add_rms_norm
+from kiln.passes.add_rms_norm_fusion import AddRMSNormFusionPass
+from kiln.passes.attention_backend import AttentionBackendPass
+from kiln.passes.base import STAGES, KilnPass, source_hash
+from kiln.passes.noop_elimination import NoOpEliminationPass
+from kiln.passes.silu_mul_fusion import SiluMulFusionPass
+
+logger = logging.getLogger(__name__)
+
+# (graph label, pass name, "before" | "after", code)
+DumpFn = Callable[[str, str, str, str], None]
+
+
+@dataclass(frozen=True)
+class PassConfig:
+    device_type: str = "cpu"
+    fusion: str = "auto"  # auto | on | off (see the module docstring)
+
+    def __post_init__(self) -> None:
+        if self.fusion not in ("auto", "on", "off"):
+            raise ValueError(f"PassConfig.fusion={self.fusion!r} is not allowed; choose one of ['auto', 'on', 'off']")
+
+    def fusion_enabled(self, has_fast_kernel: bool) -> bool:
+        if self.fusion != "auto":
+            return self.fusion == "on"
+        return has_fast_kernel or self.device_type == "cuda"
+
+
+def build_passes(config: PassConfig) -> list[KilnPass]:
+    """The one ordered list."""
+    return [
+        AttentionBackendPass(config.device_type),
+        NoOpEliminationPass(),
+        SiluMulFusionPass(enabled=config.fusion_enabled(has_fast_silu_and_mul())),
+        AddRMSNormFusionPass(enabled=config.fusion_enabled(has_fast_add_rms_norm())),
+    ]
+
+
+def _snapshot(graph: torch.fx.Graph) -> torch.fx.Graph:
+    copy = torch.fx.Graph()
+    out, out_node = copy.graph_copy(graph, {}, return_output_node=True)
+    copy.output(out, type_expr=out_node.type)
+    return copy
+
+
+def _restore(graph: torch.fx.Graph, snapshot: torch.fx.Graph) -> None:
+    """Make ``graph`` (owned by its GraphModule, so it must stay the same object) equal ``snapshot``."""
+    for node in reversed(list(graph.nodes)):
+        node.users.clear()  # a failed pass may leave dangling uses; everything goes anyway
+        graph.erase_node(node)
+    out, out_node = graph.graph_copy(snapshot, {}, return_output_node=True)
+    graph.output(out, type_expr=out_node.type)
+
+
+class PassManager(CustomGraphPass):
+    def __init__(self, passes: list[KilnPass], dump: Optional[DumpFn] = None) -> None:
+        for p in passes:
+            if p.stage not in STAGES:
+                raise ValueError(f"{p.name}.stage={p.stage!r}; choose one of {list(STAGES)}")
+        self.passes = passes
+        self.dump = dump
+        self.label = "graph"  # which graph is being rewritten, for dumps and logs
+        self.num_rewrites: dict[str, int] = {p.name: 0 for p in passes}
+        self.failed: list[str] = []
+
+    def run_dynamo(self, gm: torch.fx.GraphModule) -> None:
+        self._run_stage("dynamo", gm.graph)
+        gm.recompile()
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self._run_stage("post_grad", graph)
+
+    def uuid(self) -> str:
+        h = hashlib.sha256(source_hash(PassManager).encode())
+        for p in self.passes:
+            h.update(p.uuid().encode())
+        return h.hexdigest()
+
+    def _run_stage(self, stage: str, graph: torch.fx.Graph) -> None:
+        for p in self.passes:
+            if p.stage == stage:
+                self._run_one(p, graph)
+
+    def _run_one(self, p: KilnPass, graph: torch.fx.Graph) -> None:
+        before = _snapshot(graph)
+        if self.dump:
+            self.dump(self.label, p.name, "before", before.python_code("self").src)
+        try:
+            count = p(graph)
+            graph.lint()
+        except Exception as e:  # noqa: BLE001  (any failure: fall back to the graph without this pass)
+            logger.warning("pass %s failed on %s and was skipped (graph restored): %s: %s",
+                           p.name, self.label, type(e).__name__, e)
+            _restore(graph, before)
+            self.failed.append(f"{self.label}:{p.name}")
+            return
+        self.num_rewrites[p.name] += count
+        if count:
+            logger.debug("pass %s rewrote %d site(s) in %s", p.name, count, self.label)
+        if self.dump:
+            self.dump(self.label, p.name, "after", graph.python_code("self").src)

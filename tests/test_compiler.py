@@ -1,0 +1,232 @@
+"""compile.mode=stock and kiln against eager: logits, greedy tokens, recompiles, dumps.
+
+Inductor's C++ builds are slow on small CPUs, so every test shares one Inductor cache directory
+(a session fixture) and the tests reuse a few models of the same shapes: identical pieces then
+come from the cache instead of being rebuilt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from kiln.compiler import KilnForward, build_forward
+from kiln.config import CompileConfig
+from kiln.models.arch import PRESETS
+from kiln.models.llama import LlamaForCausalLM
+from kiln.passes.manager import PassConfig
+from tests.utils import PagedBatcher, make_kv_caches, run_step
+
+# Four layers: pieces = first, three identical middles, last; the tiny vocab keeps logits cheap.
+ARCH = dataclasses.replace(PRESETS["tiny"], num_layers=4, vocab_size=512, max_position_embeddings=512)
+NUM_BLOCKS, BLOCK_SIZE = 160, 4
+
+
+@pytest.fixture(scope="session", autouse=True)
+def inductor_cache_dir(kiln_cache_dir):
+    """One Inductor cache for the session (and across sessions: reruns skip the C++ builds)."""
+    path = os.path.join(kiln_cache_dir, "inductor")
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    yield path
+    if old is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+
+
+def _model(arch=ARCH, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(arch).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return _model()
+
+
+@pytest.fixture(scope="module")
+def kiln_forward(model) -> KilnForward:
+    return build_forward(model, CompileConfig(mode="kiln"))
+
+
+def _schedule(vocab: int) -> list[dict]:
+    """Prefills of mixed lengths (one of a single token), chunked prefill beside decodes, then
+    decode batches of 1, 2 and 4 requests."""
+    g = torch.Generator().manual_seed(0)
+
+    def ids(n):
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    return [
+        {"a": ids(5), "b": ids(17), "c": ids(1)},
+        {"a": ids(1), "b": ids(1), "c": ids(1), "d": ids(9)},
+        {"a": ids(1), "b": ids(1), "c": ids(1), "d": ids(1)},
+        {"b": ids(1), "d": ids(1)},
+        {"d": ids(1)},
+    ]
+
+
+def _run_schedule(forward, model, schedule) -> list[torch.Tensor]:
+    """Logits of every step's tokens, [num_tokens, vocab] per step."""
+    batcher = PagedBatcher(NUM_BLOCKS, BLOCK_SIZE, seed=1)
+    caches = make_kv_caches(model.arch, NUM_BLOCKS, BLOCK_SIZE)
+    out = []
+    for new_tokens in schedule:
+        step = batcher.step(new_tokens)
+        hidden = run_step(forward, caches, step)
+        with torch.inference_mode():
+            out.append(model.compute_logits(hidden))
+    return out
+
+
+def _assert_same_logits(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert w.abs().max() > 0.5  # far from zero, so atol is a real bound
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+
+
+def test_eager_mode_is_the_model(model):
+    assert build_forward(model, CompileConfig(mode="eager")) is model
+
+
+def test_unknown_mode_is_rejected():
+    with pytest.raises(ValueError, match=r"compile.mode='fast' is not allowed; choose one of \['eager', 'stock', 'kiln'\]"):
+        CompileConfig(mode="fast")
+
+
+def test_kiln_matches_eager(model, kiln_forward):
+    schedule = _schedule(ARCH.vocab_size)
+    _assert_same_logits(_run_schedule(kiln_forward, model, schedule), _run_schedule(model, model, schedule))
+    # Four layers, five pieces; the three middle ones are one build.
+    capture = kiln_forward.backend.capture
+    assert (capture.num_pieces, capture.num_unique_pieces) == (5, 3)
+    assert kiln_forward.num_captures == 1
+
+
+def test_stock_matches_eager(model):
+    schedule = _schedule(ARCH.vocab_size)
+    stock = build_forward(model, CompileConfig(mode="stock"))
+    _assert_same_logits(_run_schedule(stock, model, schedule), _run_schedule(model, model, schedule))
+
+
+def test_kiln_no_recompiles_over_batch_sizes_1_to_64(model, kiln_forward):
+    num_blocks = 640  # 64 requests of 3 prompt tokens plus up to 64 decoded ones
+    batcher = PagedBatcher(num_blocks, BLOCK_SIZE, seed=2)
+    caches, eager_caches = (make_kv_caches(ARCH, num_blocks, BLOCK_SIZE) for _ in range(2))
+    g = torch.Generator().manual_seed(3)
+    prompts = {r: torch.randint(0, ARCH.vocab_size, (3,), generator=g).tolist() for r in range(64)}
+    warm_up = batcher.step(prompts)  # one 192-token prefill: captures (if not yet) and compiles
+    run_step(kiln_forward, caches, warm_up)
+    run_step(model, eager_caches, warm_up)
+    num_compiles = kiln_forward.num_compiles
+    unique_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for n in range(1, 65):
+        step = batcher.step({r: [(7 * r + n) % ARCH.vocab_size] for r in range(n)})
+        got, want = run_step(kiln_forward, caches, step), run_step(model, eager_caches, step)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert kiln_forward.num_captures == 1 and kiln_forward.num_recompiles == 0
+    assert kiln_forward.num_compiles == num_compiles
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == unique_graphs
+
+
+def test_kiln_static_sizes_and_fusions(model):
+    """compile.sizes gets static builds chosen by num_tokens; fusions forced on (CPU's default is
+    off) still give eager's logits, and the fused ops really run inside the compiled pieces."""
+    from kiln.ops import activation, layernorm
+
+    calls = {"silu_and_mul": 0, "add_rms_norm": 0}
+
+    def counting(name, reference):
+        def impl(*args):
+            calls[name] += 1
+            return reference(*args)
+        return impl
+
+    activation.set_silu_and_mul_impl(counting("silu_and_mul", activation.silu_and_mul_reference))
+    layernorm.set_add_rms_norm_impl(counting("add_rms_norm", layernorm.add_rms_norm_reference))
+    try:
+        forward = build_forward(model, CompileConfig(mode="kiln", sizes=(4,)), PassConfig(fusion="on"))
+        schedule = _schedule(ARCH.vocab_size)
+        got = _run_schedule(forward, model, schedule)
+    finally:
+        activation.set_silu_and_mul_impl(None)
+        layernorm.set_add_rms_norm_impl(None)
+    _assert_same_logits(got, _run_schedule(model, model, schedule))
+    # Per forward: one silu_and_mul per layer; add_rms_norm after every residual add that feeds a
+    # norm (4 post-attention, 3 next-layer input norms, the final norm).
+    assert calls == {"silu_and_mul": 4 * len(schedule), "add_rms_norm": 8 * len(schedule)}
+    assert not forward.backend.passes.failed
+    pieces = forward.backend.compiler.cache.values()
+    assert all(set(p.by_size) == {1, 4} for p in pieces if p.size_arg is not None)
+    # The static build for 4 runs at exactly 4 tokens (step 4 of the schedule is 2 decodes, step 3
+    # is 4): patch it to fail and see it chosen.
+    middle = next(p for p in pieces if p.size_arg is not None)
+    middle.by_size[4] = _raise
+    with pytest.raises(RuntimeError, match="static build for 4"):
+        _run_schedule(forward, model, schedule[:1] + [{r: [1] for r in "abc"} | {"d": [2]}])
+
+
+def _raise(*args):
+    raise RuntimeError("static build for 4 was called")
+
+
+def test_debug_dump_dir(tmp_path):
+    arch = dataclasses.replace(ARCH, num_layers=1)
+    model = _model(arch)
+    forward = build_forward(model, CompileConfig(mode="kiln", debug_dump_dir=str(tmp_path)))
+    schedule = _schedule(arch.vocab_size)[:2]
+    _assert_same_logits(_run_schedule(forward, model, schedule), _run_schedule(model, model, schedule))
+    assert "attend_paged" in (tmp_path / "dynamo_graph.py").read_text()
+    split = (tmp_path / "split_graph.py").read_text()
+    assert split.count("# ---- submod_") == 3 and "attention, run eagerly" in split
+    dumped = sorted(p.name for p in (tmp_path / "passes").rglob("*.py"))
+    assert "01_AttentionBackendPass_before.py" in dumped
+    assert any(name.endswith("_NoOpEliminationPass_after.py") for name in dumped)
+    pieces = [d.name for d in (tmp_path / "passes").iterdir() if d.name.startswith("piece_")]
+    assert len(pieces) == 4  # 2 pieces x (dynamic build + static build for num_tokens=1)
+    try:
+        import depyf  # noqa: F401
+    except ImportError:
+        return
+    assert any((tmp_path / "depyf").iterdir())
+
+
+MODES = ["eager", "stock", "kiln"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llm_outputs():
+    from kiln import LLM, SamplingParams
+
+    prompts = ["hi", "The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18"]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    return {mode: [o.outputs[0].token_ids for o in LLM("random:tiny", compile={"mode": mode}).generate(
+        prompts, params, use_tqdm=False)] for mode in MODES}
+
+
+@pytest.mark.parametrize("mode", ["stock", "kiln"])
+def test_llm_greedy_tokens_match_eager(tiny_llm_outputs, mode):
+    assert tiny_llm_outputs[mode] == tiny_llm_outputs["eager"]
+
+
+@pytest.mark.slow
+def test_smollm2_kiln_greedy_tokens_match_eager():
+    from kiln import LLM, SamplingParams
+
+    prompts = ["What is the capital of France?", "Write a haiku about the sea.", "2 + 2 ="]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    outs = {mode: [o.outputs[0].token_ids for o in LLM("smollm2-135m-instruct", compile={"mode": mode}).generate(
+        prompts, params, use_tqdm=False)] for mode in ("eager", "kiln")}
+    assert outs["kiln"] == outs["eager"]

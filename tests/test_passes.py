@@ -1,0 +1,293 @@
+"""Graph passes on small traced graphs: each test snapshots the graph before and after a pass,
+counts ops, and checks the rewritten graph computes what the original did.
+
+Post-grad passes are tested on graphs traced like Inductor's input (aten level, Inductor's
+decompositions, symbolic shapes) and run with the graph's fake mode installed, as Inductor does.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._guards import detect_fake_mode
+from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.virtualized import V
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from kiln.ops.activation import silu_and_mul_reference
+from kiln.ops.layernorm import add_rms_norm_reference, rms_norm_reference
+from kiln.passes.add_rms_norm_fusion import AddRMSNormFusionPass
+from kiln.passes.attention_backend import (
+    AttentionBackendPass, attention_op_names, register_attention_kernel, unregister_attention_kernel,
+)
+from kiln.passes.base import KilnPass
+from kiln.passes.manager import PassConfig, PassManager, build_passes
+from kiln.passes.noop_elimination import NoOpEliminationPass
+from kiln.passes.silu_mul_fusion import SiluMulFusionPass
+
+aten = torch.ops.aten
+
+
+def trace(fn, *args) -> torch.fx.GraphModule:
+    return make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="symbolic")(*args)
+
+
+def op_counts(gm: torch.fx.GraphModule) -> collections.Counter:
+    """Snapshot: how many calls of each op the graph holds (short names: 'mul', 'silu_and_mul')."""
+    return collections.Counter(
+        str(n.target).split(".")[-2] if str(n.target).count(".") >= 2 else str(n.target)
+        for n in gm.graph.nodes if n.op == "call_function"
+    )
+
+
+def apply(manager: PassManager, gm: torch.fx.GraphModule) -> None:
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    with V.set_fake_mode(detect_fake_mode(vals)):
+        manager(gm.graph)
+    gm.recompile()
+
+
+# ---- NoOpEliminationPass --------------------------------------------------------------------------
+
+def _with_noops(x):
+    same = aten.reshape.default(x, [x.shape[0], x.shape[1]])  # same shape: no-op
+    full = aten.slice.Tensor(same, 1, 0, 9223372036854775807)  # the full range: no-op
+    cast = torch.ops.prims.convert_element_type.default(full, torch.float32)  # same dtype: no-op
+    split = aten.reshape.default(x, [-1, 2, 4])  # a real reshape: kept
+    return cast * 2 + split.sum()
+
+
+def test_noop_elimination_removes_identity_views_slices_and_casts():
+    x = torch.randn(3, 8)
+    gm = trace(_with_noops, x)
+    before = op_counts(gm)
+    assert before["view"] == 2 and before["slice"] == 1 and before["convert_element_type"] == 1
+    manager = PassManager([NoOpEliminationPass()])
+    apply(manager, gm)
+    after = op_counts(gm)
+    assert after["view"] == 1 and after["slice"] == 0 and after["convert_element_type"] == 0
+    assert after["mul"] == before["mul"] and after["sum"] == 1
+    assert manager.num_rewrites["NoOpEliminationPass"] == 3
+    torch.testing.assert_close(gm(x), _with_noops(x), rtol=0, atol=0)
+    torch.testing.assert_close(gm(torch.randn(5, 8)).shape, torch.Size([5, 8]))  # still dynamic
+
+
+def test_noop_elimination_keeps_partial_slices():
+    def f(x):
+        return aten.slice.Tensor(x, 1, 0, 4) * 2
+
+    gm = trace(f, torch.randn(3, 8))
+    apply(PassManager([NoOpEliminationPass()]), gm)
+    assert op_counts(gm)["slice"] == 1
+
+
+# ---- SiluMulFusionPass ------------------------------------------------------------------------------
+
+def _mlp(x, w_gate_up, w_down):
+    gate, up = (x @ w_gate_up).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ w_down
+
+
+def test_silu_mul_fusion_rewrites_split_silu_mul():
+    x, w1, w2 = torch.randn(5, 8), torch.randn(8, 32), torch.randn(16, 8)
+    gm = trace(_mlp, x, w1, w2)
+    before = op_counts(gm)
+    assert before["split"] == 1 and before["exp"] == 1 and before["silu_and_mul"] == 0
+    manager = PassManager([SiluMulFusionPass()])
+    apply(manager, gm)
+    after = op_counts(gm)
+    assert after["silu_and_mul"] == 1
+    assert after["split"] == after["exp"] == after["neg"] == after["div"] == 0
+    assert after["mm"] == 2
+    torch.testing.assert_close(gm(x, w1, w2), _mlp(x, w1, w2))
+
+
+@pytest.mark.parametrize("swapped", [True, False])
+def test_silu_mul_fusion_leaves_other_products_alone(swapped):
+    """silu(up) * gate is not silu_and_mul; nor is silu(a) * b of two unrelated tensors."""
+    def halves_swapped(x):
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(up) * gate
+
+    def unrelated(a, b):
+        return F.silu(a) * b
+
+    fn, args = (halves_swapped, (torch.randn(4, 16),)) if swapped else (unrelated, (torch.randn(4, 8), torch.randn(4, 8)))
+    gm = trace(fn, *args)
+    before = op_counts(gm)
+    apply(PassManager([SiluMulFusionPass()]), gm)
+    assert op_counts(gm) == before
+    torch.testing.assert_close(gm(*args), fn(*args))
+
+
+def test_silu_mul_fusion_disabled_is_a_noop():
+    gm = trace(_mlp, torch.randn(5, 8), torch.randn(8, 32), torch.randn(16, 8))
+    before = op_counts(gm)
+    apply(PassManager([SiluMulFusionPass(enabled=False)]), gm)
+    assert op_counts(gm) == before
+
+
+# ---- AddRMSNormFusionPass ---------------------------------------------------------------------------
+
+def _decoder_tail(x, residual, w_norm, w_next, eps):
+    """Residual add, RMSNorm, the next matmul; the new residual is an output too (as in a layer)."""
+    new_residual = residual + x
+    return rms_norm_reference(new_residual, w_norm, eps) @ w_next, new_residual
+
+
+@pytest.mark.parametrize("dtype,eps", [(torch.float32, 1e-5), (torch.float32, 1e-6), (torch.bfloat16, 1e-5)])
+def test_add_rms_norm_fusion(dtype, eps):
+    args = [torch.randn(6, 16, dtype=dtype), torch.randn(6, 16, dtype=dtype),
+            torch.randn(16, dtype=dtype), torch.randn(16, 16, dtype=dtype)]
+
+    def fn(x, residual, w_norm, w_next):
+        return _decoder_tail(x, residual, w_norm, w_next, eps)
+
+    gm = trace(fn, *args)
+    before = op_counts(gm)
+    assert before["rsqrt"] == 1 and before["mean"] == 1 and before["add"] >= 2
+    manager = PassManager([AddRMSNormFusionPass()])
+    apply(manager, gm)
+    after = op_counts(gm)
+    assert after["add_rms_norm"] == 1
+    assert after["rsqrt"] == after["mean"] == after["pow"] == 0
+    fused = next(n for n in gm.graph.nodes if "add_rms_norm" in str(n.target))
+    assert fused.args[3] == eps
+    for got, want in zip(gm(*args), fn(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_add_rms_norm_fusion_leaves_plain_rms_norm():
+    """The first layer's norm has no residual add: nothing to fuse."""
+    def fn(x, w):
+        return rms_norm_reference(x, w, 1e-5)
+
+    gm = trace(fn, torch.randn(4, 16), torch.randn(16))
+    before = op_counts(gm)
+    apply(PassManager([AddRMSNormFusionPass()]), gm)
+    assert op_counts(gm) == before
+
+
+# ---- AttentionBackendPass and the split points ------------------------------------------------------
+
+@torch.library.custom_op("kiln_test::attend_paged", mutates_args=())
+def _test_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
+    return q * scale
+
+
+@_test_kernel.register_fake
+def _(q, k, v, layer_idx, scale):
+    return torch.empty_like(q)
+
+
+def _attention_graph() -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    q, k, v = (graph.placeholder(n) for n in "qkv")
+    o = graph.call_function(torch.ops.kiln.attend_paged, (q, k, v, 0, 0.25))
+    graph.output(graph.call_function(torch.ops.kiln.attend_paged, (o, k, v, 1, 0.25)))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_attention_backend_pass_swaps_in_the_registered_kernel():
+    gm = _attention_graph()
+    assert AttentionBackendPass("cpu")(gm.graph) == 0  # no kernel registered: untouched
+    register_attention_kernel("cpu", torch.ops.kiln_test.attend_paged)
+    try:
+        assert "kiln_test::attend_paged" in attention_op_names()
+        manager = PassManager([AttentionBackendPass("cpu")])
+        manager.run_dynamo(gm)
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        assert targets == [torch.ops.kiln_test.attend_paged] * 2
+        assert manager.num_rewrites["AttentionBackendPass"] == 2
+        assert AttentionBackendPass("cuda")(_attention_graph().graph) == 0  # other devices: untouched
+    finally:
+        unregister_attention_kernel("cpu")
+    assert attention_op_names() == ("kiln::attend_paged",)
+
+
+def test_split_graph_cuts_at_every_attention_call():
+    from kiln.compiler.split import split_graph
+
+    graph = torch.fx.Graph()
+    q, k, v = (graph.placeholder(n) for n in "qkv")
+    q2 = graph.call_function(torch.mul, (q, 2))
+    o = graph.call_function(torch.ops.kiln.attend_paged, (q2, k, v, 0, 0.25))
+    o2 = graph.call_function(torch.add, (o, 1))
+    o3 = graph.call_function(torch.ops.kiln.attend_paged, (o2, k, v, 1, 0.25))
+    graph.output(graph.call_function(torch.neg, (o3,)))
+    split_gm, pieces = split_graph(torch.fx.GraphModule(torch.nn.Module(), graph))
+    assert [p.is_split_op for p in pieces] == [False, True, False, True, False]
+
+
+# ---- PassManager: order, uuid, fallback -------------------------------------------------------------
+
+class _BrokenPass(KilnPass):
+    """Rewrites half the graph, then fails: the manager must undo the half."""
+
+    def __call__(self, graph: torch.fx.Graph) -> int:
+        node = next(n for n in graph.nodes if n.op == "call_function")
+        node.target = aten.sub.Tensor
+        raise RuntimeError("pattern went wrong")
+
+
+def test_failing_pass_is_logged_and_undone(caplog):
+    x, w1, w2 = torch.randn(5, 8), torch.randn(8, 32), torch.randn(16, 8)
+    gm = trace(_mlp, x, w1, w2)
+    before = op_counts(gm)
+    manager = PassManager([_BrokenPass(), SiluMulFusionPass()])
+    with caplog.at_level(logging.WARNING, logger="kiln.passes.manager"):
+        apply(manager, gm)
+    assert "_BrokenPass failed" in caplog.text and "pattern went wrong" in caplog.text
+    assert manager.failed == ["graph:_BrokenPass"]
+    after = op_counts(gm)
+    # The broken pass left no trace (no sub), and the passes after it still ran.
+    assert after["sub"] == 0 and after["silu_and_mul"] == 1 and after["mm"] == before["mm"]
+    torch.testing.assert_close(gm(x, w1, w2), _mlp(x, w1, w2))
+
+
+def test_uuid_tracks_source_and_options():
+    assert SiluMulFusionPass().uuid() == SiluMulFusionPass().uuid()
+    assert SiluMulFusionPass(enabled=True).uuid() != SiluMulFusionPass(enabled=False).uuid()
+    assert NoOpEliminationPass().uuid() != SiluMulFusionPass().uuid()
+    on = PassManager(build_passes(PassConfig(fusion="on"))).uuid()
+    off = PassManager(build_passes(PassConfig(fusion="off"))).uuid()
+    assert on != off
+
+
+def test_pass_list_order_and_auto_fusion():
+    names = [p.name for p in build_passes(PassConfig())]
+    assert names == ["AttentionBackendPass", "NoOpEliminationPass", "SiluMulFusionPass", "AddRMSNormFusionPass"]
+    cpu = {p.name: p.options() for p in build_passes(PassConfig(device_type="cpu"))}
+    cuda = {p.name: p.options() for p in build_passes(PassConfig(device_type="cuda"))}
+    assert cpu["SiluMulFusionPass"] == {"enabled": False}  # no CPU kernel beats Inductor's loop
+    assert cuda["SiluMulFusionPass"] == {"enabled": True}
+    with pytest.raises(ValueError, match="fusion"):
+        PassConfig(fusion="sometimes")
+
+
+# ---- the fused ops against their references ---------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_op_matches_reference(dtype):
+    x = torch.randn(7, 2 * 24, dtype=dtype)
+    out = torch.ops.kiln.silu_and_mul(x)
+    gate, up = x[:, :24], x[:, 24:]
+    torch.testing.assert_close(out, F.silu(gate) * up)
+    torch.testing.assert_close(out, silu_and_mul_reference(x))
+    torch.library.opcheck(torch.ops.kiln.silu_and_mul.default, (x,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_op_matches_reference(dtype):
+    x, res, w = torch.randn(5, 32, dtype=dtype), torch.randn(5, 32, dtype=dtype), torch.randn(32, dtype=dtype)
+    normed, new_res = torch.ops.kiln.add_rms_norm(x, res, w, 1e-6)
+    want_res = res + x
+    want = w * (want_res.float() * torch.rsqrt(want_res.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    torch.testing.assert_close(new_res, want_res, rtol=0, atol=0)
+    torch.testing.assert_close(normed, want)
+    torch.testing.assert_close((normed, new_res), add_rms_norm_reference(x, res, w, 1e-6))
+    torch.library.opcheck(torch.ops.kiln.add_rms_norm.default, (x, res, w, 1e-6))
