@@ -1,0 +1,58 @@
+"""Helpers shared by the scripts in ``benchmarks/``: the results format of ``kiln bench``.
+
+A script builds one record per measured system with ``make_record`` (name, model, device, config,
+metrics, status, error, timestamp, torch version; see ``kiln.entrypoints.bench_report``), then
+``save_results`` writes each record to ``results/<name>-<system>-<time>.json`` and appends one row per
+record to ``results/<name>.md``. The sweep of ``kiln bench`` writes the same records, so a
+script's history and a sweep can be read, tabulated and plotted by the same code.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+from kiln.entrypoints.bench_report import (  # noqa: F401  (re-exported for the scripts)
+    append_table_rows, device_name, format_number, make_record, write_record,
+)
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@contextmanager
+def timed() -> Iterator[dict]:
+    """``with timed() as t: ...`` then ``t["s"]`` holds the elapsed seconds."""
+    box: dict = {}
+    t0 = time.perf_counter()
+    try:
+        yield box
+    finally:
+        box["s"] = time.perf_counter() - t0
+
+
+def save_results(
+    name: str,
+    records: list[dict],
+    results_dir: Path = RESULTS_DIR,
+    config_keys: Optional[list[str]] = None,
+) -> tuple[list[Path], Path]:
+    """Write one JSON per record and append their rows to ``<name>.md``; returns both paths."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    json_paths = []
+    for record in records:
+        system = record.get("config", {}).get("system", "run")
+        json_paths.append(write_record(record, Path(results_dir) / f"{name}-{system}-{stamp}.json"))
+    table = append_table_rows(Path(results_dir) / f"{name}.md", records, config_keys)
+    return json_paths, table
+
+
+def console_table(header: list[str], rows: list[list]) -> str:
+    """A plain aligned text table for the terminal."""
+    cells = [[str(h) for h in header]] + [[format_number(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
