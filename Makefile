@@ -11,7 +11,7 @@ ARGS ?=
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py requirements.txt requirements-dev.txt
+$(VENV)/.installed: setup.py requirements.txt requirements-dev.txt $(wildcard csrc/*.cpp csrc/*.h)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH)"

@@ -193,6 +193,11 @@ def _attention_graph() -> torch.fx.GraphModule:
 
 
 def test_attention_backend_pass_swaps_in_the_registered_kernel():
+    from kiln.passes import attention_backend
+
+    # An engine built earlier in the session may have registered the C++ CPU kernel.
+    saved = dict(attention_backend._kernels)
+    attention_backend._kernels.clear()
     gm = _attention_graph()
     assert AttentionBackendPass("cpu")(gm.graph) == 0  # no kernel registered: untouched
     register_attention_kernel("cpu", torch.ops.kiln_test.attend_paged)
@@ -204,9 +209,11 @@ def test_attention_backend_pass_swaps_in_the_registered_kernel():
         assert targets == [torch.ops.kiln_test.attend_paged] * 2
         assert manager.num_rewrites["AttentionBackendPass"] == 2
         assert AttentionBackendPass("cuda")(_attention_graph().graph) == 0  # other devices: untouched
-    finally:
         unregister_attention_kernel("cpu")
-    assert attention_op_names() == ("kiln::attend_paged",)
+        assert attention_op_names() == ("kiln::attend_paged",)
+    finally:
+        attention_backend._kernels.clear()
+        attention_backend._kernels.update(saved)
 
 
 def test_split_graph_cuts_at_every_attention_call():

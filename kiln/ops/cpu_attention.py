@@ -29,6 +29,7 @@ from kiln.ops.attention import attend_paged_reference
 
 logger = logging.getLogger(__name__)
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _extension_loaded: bool | None = None  # None: not tried yet
 
 
@@ -60,8 +61,10 @@ def cpu_attend_paged(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Drop-in for ``attend_paged_reference``: store the new K/V, attend; returns [num_tokens, H, D]."""
-    if not load_extension():
+    """Drop-in for ``attend_paged_reference``: store the new K/V, attend; returns [num_tokens, H, D].
+    What the kernel lacks (float16, mixed dtypes, tensors off the CPU) goes to the reference."""
+    if not (load_extension() and q.device.type == "cpu" and q.dtype in KERNEL_DTYPES
+            and q.dtype == k.dtype == v.dtype == kv_cache.dtype):
         return attend_paged_reference(q, k, v, kv_cache, meta, scale)
     return torch.ops.kiln_cpu.attend_paged_cpu(
         q, k, v, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale

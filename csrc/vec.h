@@ -1,0 +1,96 @@
+// Vector building blocks for the CPU kernels in csrc/: always inlined, so each caller compiled
+// with target_clones gets them in its own instruction set.
+//
+// vfloat is a GCC/Clang generic vector of 16 floats: one zmm register on x86-64-v4, two ymm on v3,
+// four xmm on the baseline. Written this way the compiler keeps accumulators in registers, which
+// it does not do for `omp simd` loops with a runtime trip count.
+
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+// Vectors wider than the baseline's registers change the ABI of non-inlined calls; every function
+// here is inlined into its caller, so none is ever called across that boundary.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#define KILN_INLINE inline __attribute__((always_inline))
+
+namespace kiln {
+
+typedef float vfloat __attribute__((vector_size(64)));
+typedef int32_t vint __attribute__((vector_size(64)));
+typedef float vfloat8 __attribute__((vector_size(32)));
+typedef float vfloat4 __attribute__((vector_size(16)));
+constexpr int kLanes = 16;  // floats per vfloat
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+KILN_INLINE vfloat splat(float x) { return vfloat{} + x; }
+
+KILN_INLINE vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+KILN_INLINE void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+
+KILN_INLINE float hsum(vfloat v) {
+  vfloat8 a, b;
+  std::memcpy(&a, &v, sizeof a);
+  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
+  a += b;
+  vfloat4 c, d;
+  std::memcpy(&c, &a, sizeof c);
+  std::memcpy(&d, reinterpret_cast<const char*>(&a) + sizeof c, sizeof d);
+  c += d;
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+KILN_INLINE float hmax(vfloat v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// 2^x for x <= 0, relative error ~1e-7, exactly 0 below -126 (never a denormal, and -inf gives 0).
+// Plain arithmetic and bit casts, so it stays in vector registers where exp2f is a libm call.
+KILN_INLINE vfloat exp2_nonpositive(vfloat x) {
+  const vfloat magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer in the low bits
+  const vfloat xc = x < splat(-126.f) ? splat(-126.f) : x;
+  const vfloat t = xc + magic;
+  const vint n = (vint)t - (vint)magic;
+  const vfloat y = (xc - (t - magic)) * 0.6931471805599453f;  // 2^f = e^y, f in [-0.5, 0.5]: Taylor, degree 7
+  vfloat e = splat(1.f / 5040.f);
+  e = e * y + 1.f / 720.f;
+  e = e * y + 1.f / 120.f;
+  e = e * y + 1.f / 24.f;
+  e = e * y + 1.f / 6.f;
+  e = e * y + 0.5f;
+  e = e * y + 1.f;
+  e = e * y + 1.f;
+  const vfloat r = e * (vfloat)((n + 127) << 23);
+  return x < splat(-126.f) ? splat(0.f) : r;
+}
+
+KILN_INLINE float bf16_to_float(uint16_t bits) {
+  const uint32_t u = uint32_t(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Row of `n` elements to float: bfloat16 is the high half of a float32.
+KILN_INLINE void row_to_float(const char* src, bool bf16, float* __restrict dst, int n) {
+  if (bf16) {
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+    for (int i = 0; i < n; ++i) dst[i] = bf16_to_float(bits[i]);
+  } else {
+    std::memcpy(dst, src, sizeof(float) * n);
+  }
+}
+
+}  // namespace kiln

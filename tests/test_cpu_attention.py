@@ -1,0 +1,165 @@
+"""C++ CPU paged attention (``csrc/paged_attention.cpp``, ``kiln/ops/cpu_attention.py``) vs the reference.
+
+Every case draws fresh random q/k/v/cache (never zeros), lays each request's blocks out of order,
+gives contexts a partial last block, hands the kernel q/k/v as row-strided views of one fused qkv
+tensor, poisons the output with NaN, and requires the cache to match the reference bit for bit
+and the output within the dtype's tolerance (float32 1e-5, bfloat16 2e-2).
+
+The module skips only when ``kiln._C`` is not built (``pip install --no-build-isolation -e .``
+builds it; the Makefile does).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.forward_context import ForwardContext, forward_context
+from kiln.ops import cpu_attention as ca
+from kiln.ops.attention import attend_paged_reference, get_attention_impl, set_attention_impl
+from kiln.passes import attention_backend
+
+if not ca.load_extension():
+    pytest.skip("kiln._C is not built: run `pip install --no-build-isolation -e .`", allow_module_level=True)
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _check(seed, *, decodes=(), prefills=(), group=4, num_kv_heads=2, head_dim=64, block_size=16,
+           dtype=torch.float32, fused_qkv=True):
+    spec = ca.PagedBatchSpec(decode_seq_lens=decodes, prefill_chunks=prefills, num_heads=group * num_kv_heads,
+                             num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype,
+                             fused_qkv=fused_qkv)
+    batch = ca.random_paged_batch(spec, seed=seed)
+    if fused_qkv:
+        assert batch.q.stride(0) > batch.q.shape[1] * head_dim  # really a strided view
+    return ca.check_against_reference(batch)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_decode_matches_reference(group, head_dim):
+    _check(1, decodes=(1, 23, 50, 16), group=group, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_prefill_with_cached_prefix_matches_reference(group, head_dim):
+    # Chunks longer than one work-item tile (32 rows) so a prefill spans several tiles.
+    _check(2, prefills=((45, 19), (19, 19), (90, 70)), group=group, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_mixed_batch_matches_reference(block_size, dtype):
+    # Decodes, a chunk after a cached prefix, a fresh prefill, and a one-token prefill chunk.
+    _check(3, decodes=(7, 33), prefills=((37, 6), (21, 21), (30, 1)), group=4, block_size=block_size, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_odd_group_and_block_size_bf16_and_fp32(dtype):
+    _check(4, decodes=(5, 70), prefills=((75, 11),), group=3, num_kv_heads=3, block_size=8, dtype=dtype)
+
+
+def test_contiguous_inputs_and_single_request():
+    _check(5, decodes=(40,), group=8, fused_qkv=False)  # batch 1: the group is split across threads
+    _check(6, prefills=((64, 64),), group=1, num_kv_heads=1, fused_qkv=False)
+
+
+def test_store_writes_exactly_the_new_slots():
+    batch = ca.random_paged_batch(ca.PagedBatchSpec(decode_seq_lens=(3, 17), prefill_chunks=((40, 21),)), seed=7)
+    cache = batch.kv_cache.clone()
+    m = batch.meta
+    torch.ops.kiln_cpu.attend_paged_cpu(batch.q, batch.k, batch.v, cache, m.slot_mapping, m.block_tables,
+                                        m.seq_lens, m.query_start_loc, 0.125)
+    changed = (cache != batch.kv_cache).flatten(3).any(-1)  # [2, num_blocks, block_size]
+    slots = changed.flatten(1).any(0).nonzero().flatten()
+    assert torch.equal(slots, m.slot_mapping.sort().values)
+    kvh, hd = batch.k.shape[1:]
+    assert torch.equal(cache[0].view(-1, kvh, hd)[m.slot_mapping], batch.k)
+    assert torch.equal(cache[1].view(-1, kvh, hd)[m.slot_mapping], batch.v)
+
+
+def test_bad_metadata_is_an_error_not_a_crash():
+    batch = ca.random_paged_batch(ca.PagedBatchSpec(decode_seq_lens=(9,)), seed=8)
+    m = batch.meta
+    bad_table = torch.full_like(m.block_tables, 10_000)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.kiln_cpu.attend_paged_cpu(batch.q, batch.k, batch.v, batch.kv_cache, m.slot_mapping, bad_table,
+                                            m.seq_lens, m.query_start_loc, 0.125)
+
+
+@pytest.fixture
+def restore_attention_backend():
+    """enable_cpu_attention changes process-global state; put it back for the other test modules."""
+    previous_impl, previous_kernels = get_attention_impl(), dict(attention_backend._kernels)
+    yield
+    set_attention_impl(previous_impl)
+    attention_backend._kernels.clear()
+    attention_backend._kernels.update(previous_kernels)
+
+
+def _small_batch(seed=9):
+    spec = ca.PagedBatchSpec(decode_seq_lens=(9, 30), prefill_chunks=((26, 10),), num_heads=8, num_kv_heads=2)
+    return ca.random_paged_batch(spec, seed=seed)
+
+
+def test_enable_routes_kiln_attend_paged_to_the_kernel(restore_attention_backend):
+    batch = _small_batch()
+    scale = batch.q.shape[-1] ** -0.5
+    ref = attend_paged_reference(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.meta, scale)
+    assert ca.enable_cpu_attention()
+    assert get_attention_impl() is ca.cpu_attend_paged
+    assert "kiln_cpu::attend_paged" in attention_backend.attention_op_names()
+    for op in (torch.ops.kiln.attend_paged, torch.ops.kiln_cpu.attend_paged):
+        cache = batch.kv_cache.clone()
+        with forward_context(ForwardContext(attn=batch.meta, kv_caches=[cache])):
+            out = op(batch.q, batch.k, batch.v, 0, scale)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_extension_nothing_is_enabled(monkeypatch, restore_attention_backend):
+    monkeypatch.setattr(ca, "_extension_loaded", False)
+    previous = get_attention_impl()
+    assert not ca.enable_cpu_attention()
+    assert get_attention_impl() is previous
+    assert "kiln_cpu::attend_paged" not in attention_backend.attention_op_names()
+    batch = _small_batch()  # and the drop-in still works, on the reference
+    scale = batch.q.shape[-1] ** -0.5
+    ref = attend_paged_reference(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.meta, scale)
+    out = ca.cpu_attend_paged(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.meta, scale)
+    torch.testing.assert_close(out, ref)
+
+
+def test_float16_falls_back_to_the_reference():
+    batch = ca.random_paged_batch(ca.PagedBatchSpec(decode_seq_lens=(5,), prefill_chunks=((9, 4),),
+                                                    dtype=torch.float16), seed=11)
+    scale = batch.q.shape[-1] ** -0.5
+    ref = attend_paged_reference(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.meta, scale)
+    out = ca.cpu_attend_paged(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.meta, scale)
+    torch.testing.assert_close(out, ref)
+
+
+def test_ops_trace_under_torch_compile_fullgraph():
+    """Both ops compile with fullgraph=True: shapes come from their fake impls."""
+    batch = _small_batch(seed=10)
+    scale = batch.q.shape[-1] ** -0.5
+    ref_cache = batch.kv_cache.clone()
+    ref = attend_paged_reference(batch.q, batch.k, batch.v, ref_cache, batch.meta, scale)
+    m = batch.meta
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def layer(qkv, cache):  # the model's view: split the fused projection, attend, project out
+        q, k, v = (t.view(t.shape[0], -1, 64) for t in qkv.split([8 * 64, 2 * 64, 2 * 64], dim=-1))
+        o = torch.ops.kiln_cpu.attend_paged(q, k, v, 0, scale)
+        o2 = torch.ops.kiln_cpu.attend_paged_cpu(q, k, v, cache, m.slot_mapping, m.block_tables, m.seq_lens,
+                                                 m.query_start_loc, scale)
+        return o.flatten(1) * 2, o2.flatten(1)
+
+    qkv = torch.cat([batch.q.flatten(1), batch.k.flatten(1), batch.v.flatten(1)], dim=-1)
+    ctx_cache, op_cache = batch.kv_cache.clone(), batch.kv_cache.clone()
+    with forward_context(ForwardContext(attn=m, kv_caches=[ctx_cache])):
+        o, o2 = layer(qkv, op_cache)
+    torch.testing.assert_close(o, ref.flatten(1) * 2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(o2, ref.flatten(1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(ctx_cache, ref_cache) and torch.equal(op_cache, ref_cache)  # the store survived tracing
