@@ -1,6 +1,7 @@
 """``KilnForward``: ``compile.mode=kiln`` as a callable ``(input_ids, positions) -> hidden``.
 
-The first call captures the model with Dynamo through ``KilnBackend``, ``num_tokens`` (dim 0 of
+``build`` (the model runner calls it at start-up), or else the first call, captures the model
+with Dynamo through ``KilnBackend``, ``num_tokens`` (dim 0 of
 ``input_ids`` and ``positions``) marked dynamic. Sizes 0 and 1 are not specialized: the capture
 runs with ``backed_size_oblivious``, so a first batch of one token captures the same general
 graph as any other.
@@ -11,6 +12,11 @@ tensors themselves; ``load_weights`` copies into them in place), ``input_ids``/`
 the call's arguments, and the symbolic size is ``input_ids.shape[0]``. That is only sound because
 the captured forward has no data-dependent Python branches and the model's structure never
 changes after capture (``kiln.models.llama`` keeps both rules).
+
+With an artifact cache entry (``kiln.compiler.artifact_cache``), the build first tries to load
+the split graph, its compiled pieces and the argument plan from disk: a hit runs neither Dynamo nor
+Inductor, and binds the plan to this model's parameters and buffers by qualified name. A miss
+captures as above and stores what it built.
 
 Call it under ``torch.inference_mode()`` or ``torch.no_grad()`` (the model runner does); the
 compiled pieces are inference graphs.
@@ -29,7 +35,10 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch import nn
 
+from kiln.compiler.artifact_cache import CacheEntry
 from kiln.compiler.backend import KilnBackend
+from kiln.compiler.piece import CompiledPiece
+from kiln.compiler.saved_forward import SavedForward, record_cpp_binaries, write_forward
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +86,34 @@ class _CallPlan:
                                    "argument, its size, nor a tensor; cannot call the graph without guards")
         return cls(template, tensor_slots, size_slots)
 
+    def to_json(self, model: nn.Module) -> list[dict[str, Any]]:
+        """Each graph input by name: a call argument, its size, or a parameter/buffer's qualified name."""
+        names = {id(t): n for n, t in reversed(_named_tensors(model))}
+        items: list[dict[str, Any]] = [{} for _ in self.template]
+        for i, j in self.tensor_slots:
+            items[i] = {"arg": _ARG_NAMES[j]}
+        for i, j, dim in self.size_slots:
+            items[i] = {"size_of": _ARG_NAMES[j], "dim": dim}
+        for i, t in enumerate(self.template):
+            if t is not None:
+                if id(t) not in names:
+                    raise RuntimeError(f"graph input {i} is not a parameter or buffer of the model")
+                items[i] = {"tensor": names[id(t)]}
+        return items
+
+    @classmethod
+    def from_json(cls, items: list[dict[str, Any]], model: nn.Module) -> "_CallPlan":
+        tensors = dict(_named_tensors(model))
+        template: list[Any] = []
+        tensor_slots, size_slots = [], []
+        for i, item in enumerate(items):
+            template.append(tensors[item["tensor"]] if "tensor" in item else None)
+            if "arg" in item:
+                tensor_slots.append((i, _ARG_NAMES.index(item["arg"])))
+            elif "size_of" in item:
+                size_slots.append((i, _ARG_NAMES.index(item["size_of"]), int(item["dim"])))
+        return cls(template, tensor_slots, size_slots)
+
     def args(self, call_args: tuple[torch.Tensor, torch.Tensor]) -> list[Any]:
         out = list(self.template)
         for i, j in self.tensor_slots:
@@ -86,15 +123,24 @@ class _CallPlan:
         return out
 
 
+def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+
+
 class KilnForward:
-    """Capture once, then call the split graph of compiled pieces directly."""
+    """Capture once (or load from the artifact cache), then call the split graph of compiled pieces."""
 
     _num_instances = 0
 
-    def __init__(self, model: nn.Module, backend: KilnBackend, depyf_context: Optional[Callable] = None) -> None:
+    def __init__(self, model: nn.Module, backend: KilnBackend, depyf_context: Optional[Callable] = None,
+                 cache: Optional[CacheEntry] = None) -> None:
         self.model = model
         self.backend = backend
         self._depyf_context = depyf_context
+        self.cache = cache
+        self.cache_hit = False
+        self.cache_load_seconds = 0.0
+        self.dynamo_seconds = 0.0  # the capture without its Inductor builds (Dynamo, passes, split)
         self._graph: Optional[torch.fx.GraphModule] = None
         self._plan: Optional[_CallPlan] = None
         self._dynamo_fn: Optional[Callable] = None  # kept only to measure guard overhead
@@ -119,23 +165,64 @@ class KilnForward:
     def compile_seconds(self) -> float:
         return self.backend.capture_seconds
 
+    @property
+    def inductor_seconds(self) -> float:
+        return self.backend.compiler.compile_seconds
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self._graph is None:
-            return self._capture(input_ids, positions)
+            self._build(input_ids.device, input_ids.dtype, positions.dtype)
         return self._graph(*self._plan.args((input_ids, positions)))[0]
 
-    def _capture(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Capture on dummy inputs of ``CAPTURE_NUM_TOKENS`` (never executed), then run the call.
+    def build(self, device: torch.device) -> None:
+        """Load from the artifact cache or capture now (at start-up), not at the first call."""
+        if self._graph is None:
+            self._build(device, torch.int64, torch.int64)
+
+    def _build(self, device: torch.device, ids_dtype: torch.dtype, pos_dtype: torch.dtype) -> None:
+        if torch.is_grad_enabled():
+            raise RuntimeError("compile.mode=kiln builds inference graphs: call it under torch.inference_mode()")
+        if self.cache is not None and self._load():
+            return
+        with record_cpp_binaries() as cpp_binaries:
+            self._capture(device, ids_dtype, pos_dtype)
+        if self.cache is not None:
+            self._store(cpp_binaries)
+
+    def _load(self) -> bool:
+        t0 = time.perf_counter()
+        loaded = self.cache.load()
+        if loaded is None:
+            return False
+        self._graph = loaded.split_gm
+        self._plan = _CallPlan.from_json(loaded.args, self.model)
+        self.cache_hit = True
+        self.cache_load_seconds = time.perf_counter() - t0
+        return True
+
+    def _store(self, cpp_binaries: set[str]) -> None:
+        try:
+            args = self._plan.to_json(self.model)
+        except RuntimeError as e:
+            logger.warning("kiln: not storing the compiled forward: %s", e)
+            return
+        pieces = {n: v for n, v in self._graph.__dict__.items() if isinstance(v, CompiledPiece)}
+        compiler = self.backend.compiler
+        saved = SavedForward(self._graph, pieces, {k: compiler.returns_one_value(k) for k in compiler.cache},
+                             args, cpp_binaries)
+        self.cache.store(lambda entry_dir: write_forward(entry_dir, saved))
+
+    def _capture(self, device: torch.device, ids_dtype: torch.dtype, pos_dtype: torch.dtype) -> None:
+        """Capture on dummy inputs of ``CAPTURE_NUM_TOKENS`` (never executed).
 
         The capture size is fixed, not the first batch's: Inductor makes size-dependent choices
         from the example size (a batch of 1 would get matmuls specialized to one row), and a
         fixed size keeps those choices, and the cache keys, the same on every start.
         """
-        if torch.is_grad_enabled():
-            raise RuntimeError("compile.mode=kiln builds inference graphs: call it under torch.inference_mode()")
+        t0 = time.perf_counter()
         n = CAPTURE_NUM_TOKENS
-        dummy_ids = torch.zeros(n, dtype=input_ids.dtype, device=input_ids.device)
-        dummy_pos = torch.arange(n, dtype=positions.dtype, device=positions.device)
+        dummy_ids = torch.zeros(n, dtype=ids_dtype, device=device)
+        dummy_pos = torch.arange(n, dtype=pos_dtype, device=device)
         for t in (dummy_ids, dummy_pos):
             torch._dynamo.mark_dynamic(t, 0)
         fn = torch.compile(_fresh_capture_fn(self._tag), backend=self.backend, fullgraph=True, dynamic=False)
@@ -152,7 +239,7 @@ class KilnForward:
         self._graph = capture.split_gm
         self._plan = _CallPlan.from_sources(capture.sources, capture.example_inputs)
         self._dynamo_fn = fn
-        return self(input_ids, positions)
+        self.dynamo_seconds = time.perf_counter() - t0 - self.inductor_seconds
 
     def time_call_paths(self, input_ids: torch.Tensor, positions: torch.Tensor, iters: int = 200) -> dict[str, float]:
         """Mean µs per call of: the Dynamo-compiled function (guards, then the graph), this
@@ -168,9 +255,10 @@ class KilnForward:
         paths = {
             "kiln_direct": lambda: self(input_ids, positions),
             "pieces_only": lambda: [fn(*args) for fn, args in recorded],
-            "dynamo_guarded": lambda: self._dynamo_fn(self.model, input_ids, positions),
         }
-        out = {}
+        if self._dynamo_fn is not None:  # None after a cache hit: Dynamo never ran
+            paths["dynamo_guarded"] = lambda: self._dynamo_fn(self.model, input_ids, positions)
+        out = {"dynamo_guarded": float("nan")}
         for name, call in paths.items():
             try:
                 with torch.compiler.set_stance("fail_on_recompile"):

@@ -4,7 +4,8 @@
 - ``stock``: ``torch.compile(model, dynamic=True)``, the baseline a user tries first: Dynamo
   guards run on every call and sizes 0/1 are specialized (a batch of one token recompiles once).
 - ``kiln``: ``KilnForward``: capture once, kiln passes, split at attention, Inductor per piece,
-  no guards after the capture.
+  no guards after the capture. With an ``ArtifactCache`` it loads all of that from disk when a
+  previous start stored it (``kiln.compiler.artifact_cache``).
 
 ``compile.cudagraph`` is GPU-only; on CPU it is ignored with a warning.
 """
@@ -17,8 +18,9 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from kiln.compiler.artifact_cache import ArtifactCache, key_factors
 from kiln.compiler.backend import KilnBackend
-from kiln.compiler.capture import KilnForward
+from kiln.compiler.capture import CAPTURE_NUM_TOKENS, KilnForward
 from kiln.compiler.debug import DebugDump
 from kiln.config import CompileConfig
 from kiln.passes.manager import PassConfig, PassManager, build_passes
@@ -33,10 +35,12 @@ def _model_device_type(model: nn.Module) -> str:
     return param.device.type if param is not None else "cpu"
 
 
-def build_forward(model: nn.Module, config: CompileConfig, pass_config: Optional[PassConfig] = None) -> Forward:
+def build_forward(model: nn.Module, config: CompileConfig, pass_config: Optional[PassConfig] = None,
+                  artifact_cache: Optional[ArtifactCache] = None) -> Forward:
     """``(input_ids [T], positions [T]) -> hidden [T, H]``, compiled as ``config.mode`` says.
 
-    ``pass_config`` defaults to ``PassConfig(device_type=<the model's device>)``.
+    ``pass_config`` defaults to ``PassConfig(device_type=<the model's device>)``. ``artifact_cache``
+    (kiln mode only) loads and stores the compiled forward across processes.
     """
     device_type = _model_device_type(model)
     if config.cudagraph != "none" and device_type != "cuda":
@@ -47,12 +51,34 @@ def build_forward(model: nn.Module, config: CompileConfig, pass_config: Optional
     if config.mode == "stock":
         return torch.compile(model, dynamic=True)
     if config.mode == "kiln":
-        return build_kiln_forward(model, config, pass_config or PassConfig(device_type=device_type))
+        return build_kiln_forward(model, config, pass_config or PassConfig(device_type=device_type), artifact_cache)
     raise ValueError(f"compile.mode={config.mode!r} is not allowed; choose one of ['eager', 'stock', 'kiln']")
 
 
-def build_kiln_forward(model: nn.Module, config: CompileConfig, pass_config: PassConfig) -> KilnForward:
+def build_kiln_forward(model: nn.Module, config: CompileConfig, pass_config: PassConfig,
+                       artifact_cache: Optional[ArtifactCache] = None) -> KilnForward:
     dump = DebugDump(config.debug_dump_dir) if config.debug_dump_dir else None
     passes = PassManager(build_passes(pass_config), dump=dump.pass_graph if dump else None)
     backend = KilnBackend(passes, config.sizes, dump)
-    return KilnForward(model, backend, depyf_context=dump.depyf if dump else None)
+    entry = None
+    if artifact_cache is not None and dump is not None:
+        logger.info("compile.debug_dump_dir is set: not using the artifact cache (a dump needs a capture)")
+    elif artifact_cache is not None:
+        factors = key_factors(model, artifact_cache.model_name, config, passes, CAPTURE_NUM_TOKENS)
+        entry = artifact_cache.entry(factors)
+    return KilnForward(model, backend, depyf_context=dump.depyf if dump else None, cache=entry)
+
+
+def build_now(forward: Forward, device: torch.device) -> None:
+    """Capture or load a kiln forward now, at start-up, rather than at its first call."""
+    if isinstance(forward, KilnForward):
+        with torch.inference_mode():
+            forward.build(device)
+
+
+def compile_seconds(forward: Forward) -> dict[str, float]:
+    """Start-up compile time by phase (0 for a phase that did not run, or for eager and stock)."""
+    if not isinstance(forward, KilnForward):
+        return {"dynamo_s": 0.0, "inductor_s": 0.0, "cache_load_s": 0.0}
+    return {"dynamo_s": forward.dynamo_seconds, "inductor_s": forward.inductor_seconds,
+            "cache_load_s": forward.cache_load_seconds}

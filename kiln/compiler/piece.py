@@ -136,6 +136,10 @@ class PieceCompiler:
             self._sources[key] = _PieceSource(gm, fake_args, real_of, symbol)
         return self.cache[key]
 
+    def returns_one_value(self, key: str) -> bool:
+        """Whether the piece's graph returns a single value rather than a tuple of them."""
+        return isinstance(self._sources[key].gm.graph.output_node().args[0], torch.fx.Node)
+
     def compile_sizes(self, sizes: set[int]) -> None:
         """A static build per size for every piece that takes num_tokens as an input."""
         for key, piece in self.cache.items():

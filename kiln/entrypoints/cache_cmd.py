@@ -1,29 +1,39 @@
-"""``kiln cache``: what kiln keeps on disk, and removing it.
+"""``kiln cache``: what kiln keeps on disk, looking into it, shipping it, and removing it.
 
-    kiln cache ls [cache.dir=...]              every entry: key, size, age
+    kiln cache ls [cache.dir=...]              every entry: key, size, age (and what a compile entry is for)
+    kiln cache inspect KEY [cache.dir=...]     one entry: its files; for a compile entry its key factors,
+                                               pieces and builds, and whether every checksum holds
     kiln cache clear [KEY] [cache.dir=...]     remove one entry (its key or, if unique, its name), or all
+    kiln cache export PATH [cache.dir=...]     copy every entry to PATH (a directory, or a .tar/.tar.gz
+                                               file) that another machine of the same kind uses as its
+                                               cache dir: cache.dir=PATH or KILN_CACHE_DIR=PATH
 
 The cache directory is ``CacheConfig.resolved_dir`` ($KILN_CACHE_DIR or ~/.cache/kiln by default)::
 
-    <dir>/models/<name>/     converted models (Hugging Face directories)
-    <dir>/compile/<name>/    compiled artifacts
+    <dir>/models/<name>/      converted models (Hugging Face directories)
+    <dir>/tokenizers/<name>/  converted tokenizers (borrowed by random:<preset> models)
+    <dir>/compile/<key>/      compiled forwards (``kiln.compiler.artifact_cache``)
 
 An entry is one child of a kind directory (``KINDS``) and its key is ``<kind>/<name>``. Only those
-kinds are listed or removed, so a mistyped ``cache.dir`` (say, a home directory) loses nothing.
-Each action is one function in ``ACTIONS``; ``inspect`` or ``export`` join the same way.
+kinds are listed, exported or removed, so a mistyped ``cache.dir`` (say, a home directory) loses
+nothing. Hidden children (``compile/.tmp-*``: entries being written) are not entries; ``clear``
+without a KEY removes them too. Each action is one function in ``ACTIONS``.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
+import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-KINDS = ("models", "compile")
-USAGE = "usage: kiln cache <ls | clear [KEY]> [cache.dir=PATH] [other overrides]"
+KINDS = ("models", "tokenizers", "compile")
+USAGE = "usage: kiln cache <ls | inspect KEY | clear [KEY] | export PATH> [cache.dir=PATH] [other overrides]"
+_TARBALL_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
 
 @dataclass(frozen=True)
@@ -39,7 +49,7 @@ def entries(root: Path) -> list[Entry]:
     for kind in KINDS:
         kind_dir = root / kind
         if kind_dir.is_dir():
-            for path in sorted(kind_dir.iterdir()):
+            for path in sorted(p for p in kind_dir.iterdir() if not p.name.startswith(".")):
                 size, modified = _du(path)
                 found.append(Entry(f"{kind}/{path.name}", path, size, modified))
     return found
@@ -85,19 +95,120 @@ def cmd_ls(root: Path, key: Optional[str]) -> int:
     now = time.time()
     width = max(len(e.key) for e in found)
     for e in found:
-        print(f"  {e.key:<{width}}  {human_bytes(e.size_bytes):>10}  {human_age(now - e.modified)}")
+        about = _compile_summary(e.path) if e.key.startswith("compile/") else ""
+        print(f"  {e.key:<{width}}  {human_bytes(e.size_bytes):>10}  {human_age(now - e.modified):<11}  {about}".rstrip())
     print(f"{len(found)} entries, {human_bytes(sum(e.size_bytes for e in found))}")
+    return 0
+
+
+def _compile_summary(path: Path) -> str:
+    from kiln.compiler.artifact_cache import read_factors
+
+    factors = read_factors(path)
+    if factors is None:
+        return "(no factors.json)"
+    return f"{factors.get('model', {}).get('name')}, {factors.get('dtype')}, torch {factors.get('torch')}, " \
+           f"{factors.get('device', {}).get('type')}"
+
+
+def _choose(found: list[Entry], key: str) -> Optional[Entry]:
+    """The one entry named by ``key`` (its key, or its name if unique); prints why not otherwise."""
+    chosen = [e for e in found if key in (e.key, e.path.name)]
+    if len(chosen) == 1:
+        return chosen[0]
+    what = "matches several entries" if chosen else "is not in the cache"
+    keys = [e.key for e in (chosen or found)] or ["(empty)"]
+    print(f"kiln: error: {key!r} {what}; choose one of {keys}", file=sys.stderr)
+    return None
+
+
+def cmd_inspect(root: Path, key: Optional[str]) -> int:
+    if key is None:
+        print("kiln: error: `kiln cache inspect` needs a KEY (see `kiln cache ls`)", file=sys.stderr)
+        return 2
+    entry = _choose(entries(root), key)
+    if entry is None:
+        return 1
+    print(f"{entry.key}  ({human_bytes(entry.size_bytes)}, {human_age(time.time() - entry.modified)})")
+    print(f"  path: {entry.path}")
+    if entry.key.startswith("compile/"):
+        _inspect_compile(entry.path)
+    files = sorted(p for p in entry.path.rglob("*") if p.is_file())
+    kernels = [f for f in files if f.relative_to(entry.path).parts[0] == "inductor"]
+    print(f"  files ({len(files)}):")
+    for f in [f for f in files if f not in kernels][:40]:
+        print(f"    {f.relative_to(entry.path).as_posix():<48} {human_bytes(f.stat().st_size):>10}")
+    if kernels:
+        print(f"    {'inductor/ (' + str(len(kernels)) + ' C++ libraries)':<48} "
+              f"{human_bytes(sum(f.stat().st_size for f in kernels)):>10}")
+    return 0
+
+
+def _inspect_compile(path: Path) -> None:
+    from kiln.compiler.artifact_cache import flatten_factors, read_factors, verify_entry
+    from kiln.compiler.saved_forward import PLAN
+
+    problem = verify_entry(path)
+    print(f"  status: {'ok: every file matches the manifest' if problem is None else 'corrupt: ' + problem}")
+    factors = read_factors(path) or {}
+    print("  key factors:")
+    for name, value in flatten_factors(factors).items():
+        print(f"    {name} = {json.dumps(value)}")
+    try:
+        plan = json.loads((path / PLAN).read_text())
+    except (OSError, ValueError):
+        return
+    builds = plan.get("builds", {})
+    print(f"  pieces: {len(plan.get('pieces', {}))} ({len(builds)} unique), "
+          f"C++ libraries: {len(plan.get('cpp_binaries', []))}")
+    for piece_key, build in builds.items():
+        sizes = [v for v in build["files"] if v != "dynamic"]
+        print(f"    piece {piece_key}: dynamic build" + (f" + sizes {', '.join(sizes)}" if sizes else ""))
+
+
+def cmd_export(root: Path, dest: Optional[str]) -> int:
+    from kiln.compiler.artifact_cache import verify_entry
+
+    if dest is None:
+        print("kiln: error: `kiln cache export` needs a PATH (a directory, or a .tar/.tar.gz file)", file=sys.stderr)
+        return 2
+    out = Path(dest).expanduser()
+    chosen = []
+    for e in entries(root):
+        problem = verify_entry(e.path) if e.key.startswith("compile/") else None
+        if problem is not None:
+            print(f"kiln: warning: skipping {e.key}: corrupt ({problem})", file=sys.stderr)
+        else:
+            chosen.append(e)
+    if out.name.endswith(_TARBALL_SUFFIXES):
+        mode = "w:gz" if out.name.endswith((".gz", ".tgz")) else "w"
+        tmp = out.with_name(f".{out.name}.partial")
+        with tarfile.open(tmp, mode) as tar:
+            for e in chosen:
+                tar.add(e.path, arcname=e.key)
+        tmp.replace(out)
+    else:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            print(f"kiln: error: {out} exists and is not an empty directory", file=sys.stderr)
+            return 1
+        for e in chosen:
+            shutil.copytree(e.path, out / e.key, symlinks=True)
+    use = "extract it and use that directory" if out.name.endswith(_TARBALL_SUFFIXES) else "use it"
+    print(f"exported {len(chosen)} entries ({human_bytes(sum(e.size_bytes for e in chosen))}) to {out}; "
+          f"on the other machine, {use} as cache.dir (or $KILN_CACHE_DIR)")
     return 0
 
 
 def cmd_clear(root: Path, key: Optional[str]) -> int:
     found = entries(root)
-    chosen = found if key is None else [e for e in found if key in (e.key, e.path.name)]
-    if key is not None and len(chosen) != 1:
-        what = "matches several entries" if chosen else "is not in the cache"
-        keys = [e.key for e in (chosen or found)] or ["(empty)"]
-        print(f"kiln: error: {key!r} {what}; choose one of {keys}", file=sys.stderr)
-        return 1
+    if key is None:
+        chosen = found
+        _remove_leftovers(root)
+    else:
+        entry = _choose(found, key)
+        if entry is None:
+            return 1
+        chosen = [entry]
     for e in chosen:
         if e.path.is_dir() and not e.path.is_symlink():
             shutil.rmtree(e.path)
@@ -107,7 +218,19 @@ def cmd_clear(root: Path, key: Optional[str]) -> int:
     return 0
 
 
-ACTIONS: dict[str, Callable[[Path, Optional[str]], int]] = {"ls": cmd_ls, "clear": cmd_clear}
+def _remove_leftovers(root: Path) -> None:
+    """Hidden children of the kinds' directories: entries a process was writing when it died."""
+    for kind in KINDS:
+        kind_dir = root / kind
+        if kind_dir.is_dir():
+            for path in kind_dir.iterdir():
+                if path.name.startswith(".") and path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+
+
+ACTIONS: dict[str, Callable[[Path, Optional[str]], int]] = {
+    "ls": cmd_ls, "inspect": cmd_inspect, "clear": cmd_clear, "export": cmd_export,
+}
 
 
 def main(args: list[str]) -> int:
