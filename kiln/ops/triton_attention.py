@@ -27,7 +27,13 @@ so the tile width ``BLOCK_N`` is independent of the cache block size (any power 
 
 The hot path does no host sync: grids come from the host ints of ``AttentionMetadata``
 (``num_decodes``, ``max_query_len``, ``seq_lens_cpu``); every per-request number is read on device.
-Split counts change with the context length, so this path is not CUDA-graph static.
+Split counts change with the context length, so this path is not CUDA-graph static by default.
+Inside ``static_decode_splits(max_model_len)`` (what CUDA-graph capture uses) the decode split count
+and split width come from that bound instead of the batch's contexts, so one captured launch is
+valid for every context up to it: splits past a request's context are empty and merge as weight 0.
+
+``torch.ops.kiln_triton.attend_paged`` has the schema of ``kiln::attend_paged`` (the op the
+compiler swaps in on CUDA); ``enable_triton_attention()`` is the one switch a CUDA model runner flips.
 
 Correctness check: ``check_against_reference`` below (used by ``tests/test_triton_attention.py``
 and ``benchmarks/attention_kernels.py --check``); timing: ``benchmarks/attention_kernels.py``.
@@ -35,14 +41,16 @@ and ``benchmarks/attention_kernels.py --check``); timing: ``benchmarks/attention
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from kiln.forward_context import AttentionMetadata
+from kiln.forward_context import AttentionMetadata, get_forward_context
 from kiln.ops.triton_kv_store import triton_store_kv
 
 LOG2_E = 1.4426950408889634
@@ -251,12 +259,30 @@ def _kernel_args(q, kv_cache, meta, out) -> dict:
     )
 
 
+_static_max_seq_len: Optional[int] = None  # set only inside static_decode_splits()
+
+
+@contextlib.contextmanager
+def static_decode_splits(max_seq_len: int) -> Iterator[None]:
+    """Size decode splits for contexts up to ``max_seq_len`` (not the batch's): launches made in
+    this scope read no per-batch host value, so a CUDA graph captured here replays for any batch
+    whose contexts stay within the bound. Refuses nesting."""
+    global _static_max_seq_len
+    if _static_max_seq_len is not None:
+        raise RuntimeError("static_decode_splits is already active")
+    _static_max_seq_len = max_seq_len
+    try:
+        yield
+    finally:
+        _static_max_seq_len = None
+
+
 def _launch_decodes(q, kv_cache, meta, scale, out, cfg: LaunchConfig) -> None:
     nd = meta.num_decodes
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    max_len = max(meta.seq_lens_cpu[:nd])
+    max_len = _static_max_seq_len or max(meta.seq_lens_cpu[:nd])
     num_splits = num_decode_splits(nd, num_kv_heads, max_len, _num_sms(q.device), cfg)
     split_tokens = triton.cdiv(triton.cdiv(max_len, num_splits), cfg.decode_block_n) * cfg.decode_block_n
     num_splits = triton.cdiv(max_len, split_tokens)
@@ -336,6 +362,32 @@ def triton_attend_paged(
     triton_store_kv(k, v, kv_cache, meta.slot_mapping)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return attend_paged_cached(q, kv_cache, meta, scale, out)
+
+
+@torch.library.custom_op("kiln_triton::attend_paged", mutates_args=())
+def attend_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
+    """``kiln::attend_paged`` on the Triton kernels: cache and metadata come from the forward context."""
+    ctx = get_forward_context()
+    if ctx.attn is None:
+        raise RuntimeError("kiln_triton.attend_paged needs attention metadata in the forward context")
+    return triton_attend_paged(q, k, v, ctx.kv_caches[layer_idx], ctx.attn, scale)
+
+
+@attend_paged.register_fake
+def _(q, k, v, layer_idx, scale):
+    return torch.empty_like(q)
+
+
+def enable_triton_attention() -> None:
+    """Route CUDA attention to the Triton kernels: the compiler's swap target and the eager impl.
+
+    ``set_attention_impl`` is process-global, so only a CUDA model runner calls this.
+    """
+    from kiln.ops.attention import set_attention_impl
+    from kiln.passes.attention_backend import register_attention_kernel
+
+    register_attention_kernel("cuda", torch.ops.kiln_triton.attend_paged)
+    set_attention_impl(triton_attend_paged)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -49,9 +49,14 @@ class Sampler:
         self._seeded.pop(request_id, None)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        raw = logits.float()  # [num_reqs, vocab]
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 greedy_ids: Optional[torch.Tensor] = None) -> SamplerOutput:
+        """``greedy_ids``: ``logits.argmax(-1)`` if the caller already has it (a CUDA graph does)."""
         params = [r.sampling_params for r in requests]
+        if all(_is_plain_greedy(p) for p in params):  # fast path: one argmax, one read-back
+            ids = greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)
+            return SamplerOutput(ids.tolist(), [None] * len(params))
+        raw = logits.float()  # [num_reqs, vocab]
         penalized = apply_penalties(raw, requests)
         is_greedy = [p.temperature < _MIN_TEMPERATURE for p in params]
         token_ids = penalized.argmax(dim=-1)  # [num_reqs]
@@ -88,6 +93,12 @@ class Sampler:
             gen = torch.Generator(device=device).manual_seed(self.seed)
             self._shared[device] = gen
         return gen
+
+
+def _is_plain_greedy(p: SamplingParams) -> bool:
+    """Greedy, no penalties, no logprobs: the token is the raw logits' argmax."""
+    return (p.temperature < _MIN_TEMPERATURE and p.logprobs is None and p.repetition_penalty == 1.0
+            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
