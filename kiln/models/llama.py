@@ -8,6 +8,8 @@ Rules this module keeps:
   ``.item()``, no lists of tensors; Python control flow only on the (static) architecture.
 - q/k/v and gate/up are fused into one Linear each: at batch 1 the step is bound by per-op
   overhead and weight reads, and one matmul reads the same bytes with fewer launches.
+- Tensor parallelism (``kiln.models.parallel``) only shrinks the per-rank sizes and adds one
+  ``torch.ops.kiln.all_reduce`` after o_proj and down_proj; with one rank the graph is unchanged.
 - Numerics follow transformers: RMSNorm statistics in float32, RoPE table computed in float32
   then cast to the model dtype, rotate-half (neox) layout.
 """
@@ -22,7 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.attend_paged)
+import kiln.ops.collective  # noqa: F401  (registers torch.ops.kiln.all_reduce)
 from kiln.models.arch import ArchConfig
+from kiln.models.parallel import (SINGLE, Shard, TensorParallel, check_tensor_parallel, column_shard, head_shards,
+                                  local_intermediate_size, local_num_heads, local_num_kv_heads, row_shard)
 
 
 class RMSNorm(nn.Module):
@@ -73,12 +78,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ArchConfig, layer_idx: int) -> None:
+    def __init__(self, arch: ArchConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        self.q_size = arch.num_heads * arch.head_dim
-        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.tp_size = tp.size
+        # This rank's heads: qkv_proj is column-parallel, o_proj row-parallel.
+        self.num_heads, self.num_kv_heads = local_num_heads(arch, tp), local_num_kv_heads(arch, tp)
+        self.head_dim = arch.head_dim
+        self.q_size = self.num_heads * arch.head_dim
+        self.kv_size = self.num_kv_heads * arch.head_dim
         self.scale = arch.head_dim**-0.5
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
@@ -92,27 +100,31 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         # q, k, v are row-strided views (last dim contiguous); the attention kernels take strides.
         o = torch.ops.kiln.attend_paged(q, k, v, self.layer_idx, self.scale)  # [T, H, D]
-        return self.o_proj(o.flatten(1))
+        out = self.o_proj(o.flatten(1))  # [T, hidden]: a partial sum over this rank's heads
+        return torch.ops.kiln.all_reduce(out) if self.tp_size > 1 else out
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.tp_size = tp.size
+        inter = local_intermediate_size(arch, tp)  # gate_up_proj column-parallel, down_proj row-parallel
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate / tp] each
+        out = self.down_proj(F.silu(gate) * up)  # [T, hidden]: a partial sum over this rank's rows
+        return torch.ops.kiln.all_reduce(out) if self.tp_size > 1 else out
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, layer_idx: int) -> None:
+    def __init__(self, arch: ArchConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, layer_idx)
+        self.self_attn = LlamaAttention(arch, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch)
+        self.mlp = LlamaMLP(arch, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin_signed)
@@ -120,11 +132,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        check_tensor_parallel(arch, tp.size)
         self.arch = arch
+        self.tp = tp
+        # Embedding, norms and LM head are replicated on every rank (see kiln.models.parallel).
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # Tied models read the embedding matrix in compute_logits instead of holding a second Linear.
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
@@ -155,8 +170,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be given."""
-        targets = dict(self._weight_targets())
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be given.
+
+        Tensors are full (unsharded); under tensor parallelism each rank copies only its slice."""
+        targets = {name: (dest, shard) for name, dest, shard in self._weight_slices()}
         loaded: set[str] = set()
         for name, tensor in weights:
             if name not in targets:
@@ -164,7 +181,9 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 raise ValueError(f"unexpected weight {name!r} for a {self.arch.family} model "
                                  f"with {self.arch.num_layers} layers")
-            dest = targets[name]
+            dest, shard = targets[name]
+            if shard is not None:
+                tensor = tensor.narrow(*shard)
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             dest.copy_(tensor)
@@ -175,27 +194,37 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint lacks {len(missing)} weight(s): {missing[:5]}{more}")
 
     def _weight_targets(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, the slice of a kiln parameter it fills); fused weights are row ranges."""
-        yield "model.embed_tokens.weight", self.embed_tokens.weight
-        yield "model.norm.weight", self.norm.weight
+        """(HF name, the slice of a kiln parameter it fills); fused weights are row ranges. With one
+        rank these are the Hugging Face tensors, ready for any rank's ``load_weights``."""
+        for name, dest, _ in self._weight_slices():
+            yield name, dest
+
+    def _weight_slices(self) -> Iterator[tuple[str, torch.Tensor, Shard]]:
+        """(HF name, the slice of a kiln parameter it fills, the slice of the HF tensor this rank
+        loads or None for all of it); fused weights are row ranges."""
+        arch, tp = self.arch, self.tp
+        yield "model.embed_tokens.weight", self.embed_tokens.weight, None
+        yield "model.norm.weight", self.norm.weight, None
         if self.lm_head is not None:
-            yield "lm_head.weight", self.lm_head.weight
+            yield "lm_head.weight", self.lm_head.weight, None
+        heads = head_shards(arch, tp)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             q, kv = attn.q_size, attn.kv_size
             rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
             for proj, (start, end) in rows.items():
-                yield f"{p}self_attn.{proj}.weight", attn.qkv_proj.weight[start:end]
+                yield f"{p}self_attn.{proj}.weight", attn.qkv_proj.weight[start:end], heads[proj]
                 if attn.qkv_proj.bias is not None:
-                    yield f"{p}self_attn.{proj}.bias", attn.qkv_proj.bias[start:end]
-            yield f"{p}self_attn.o_proj.weight", attn.o_proj.weight
+                    yield f"{p}self_attn.{proj}.bias", attn.qkv_proj.bias[start:end], heads[proj]
+            yield f"{p}self_attn.o_proj.weight", attn.o_proj.weight, row_shard(arch.num_heads * arch.head_dim, tp)
             inter = mlp.down_proj.in_features
-            yield f"{p}mlp.gate_proj.weight", mlp.gate_up_proj.weight[:inter]
-            yield f"{p}mlp.up_proj.weight", mlp.gate_up_proj.weight[inter:]
-            yield f"{p}mlp.down_proj.weight", mlp.down_proj.weight
-            yield f"{p}input_layernorm.weight", layer.input_layernorm.weight
-            yield f"{p}post_attention_layernorm.weight", layer.post_attention_layernorm.weight
+            col, row = column_shard(arch.intermediate_size, tp), row_shard(arch.intermediate_size, tp)
+            yield f"{p}mlp.gate_proj.weight", mlp.gate_up_proj.weight[:inter], col
+            yield f"{p}mlp.up_proj.weight", mlp.gate_up_proj.weight[inter:], col
+            yield f"{p}mlp.down_proj.weight", mlp.down_proj.weight, row
+            yield f"{p}input_layernorm.weight", layer.input_layernorm.weight, None
+            yield f"{p}post_attention_layernorm.weight", layer.post_attention_layernorm.weight, None
 
 
 def _is_ignorable(name: str, arch: ArchConfig) -> bool:

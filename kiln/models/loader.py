@@ -26,6 +26,7 @@ from kiln.config import ModelConfig
 from kiln.models.arch import PRESETS, ArchConfig
 from kiln.models.gguf import convert_gguf, convert_gguf_tokenizer
 from kiln.models.llama import LlamaForCausalLM
+from kiln.models.parallel import SINGLE, TensorParallel
 from kiln.models.registry import REGISTERED_MODELS, TOKENIZER_DIR_ENV, TOKENIZER_DONOR
 
 RANDOM_PREFIX = "random:"
@@ -59,10 +60,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return choices[dtype]
 
 
-def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, dtype: torch.dtype,
+               tp: TensorParallel = SINGLE) -> LoadedModel:
+    """The model (this rank's shard under tensor parallelism), its tokenizer and limits."""
     spec = model_config.model
     if spec.startswith(RANDOM_PREFIX):
-        return _load_random(spec[len(RANDOM_PREFIX):], model_config, cache_dir, device, dtype)
+        return _load_random(spec[len(RANDOM_PREFIX):], model_config, cache_dir, device, dtype, tp)
     if spec in REGISTERED_MODELS:
         hf_dir, name = _registered_dir(spec, cache_dir), spec
     elif os.path.isdir(spec):
@@ -76,15 +79,16 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
         arch = ArchConfig.from_hf_config(json.load(f))
     max_model_len = _max_model_len(model_config, arch)
     tokenizer = _load_tokenizer(hf_dir)
-    model = build_empty_model(arch, device, dtype)
+    model = build_empty_model(arch, device, dtype, tp)
     model.load_weights(iter_safetensors(hf_dir))
     return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len)
 
 
-def build_empty_model(arch: ArchConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+def build_empty_model(arch: ArchConfig, device: torch.device, dtype: torch.dtype,
+                      tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
     """The model with uninitialized weights allocated once, on ``device`` in ``dtype``."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch)
+        model = LlamaForCausalLM(arch, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.reset_rope_cache()
     return model.eval().requires_grad_(False)
@@ -121,7 +125,8 @@ def iter_safetensors(hf_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
-def _load_random(preset: str, model_config: ModelConfig, cache_dir: str, device, dtype) -> LoadedModel:
+def _load_random(preset: str, model_config: ModelConfig, cache_dir: str, device, dtype,
+                 tp: TensorParallel) -> LoadedModel:
     if preset not in PRESETS:
         raise ValueError(f"unknown random preset {preset!r}. {_choices()}")
     tokenizer = _load_tokenizer(_tokenizer_dir(cache_dir))
@@ -131,6 +136,13 @@ def _load_random(preset: str, model_config: ModelConfig, cache_dir: str, device,
     max_model_len = _max_model_len(model_config, arch)
     model = build_empty_model(arch, device, dtype)
     init_random_weights(model, model_config.seed)
+    if tp.size > 1:
+        # Every rank draws the single-device weights, then keeps its slice: the same model as tp=1.
+        full, model = model, build_empty_model(arch, device, dtype, tp)
+        model.load_weights(full._weight_targets())
+        del full
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()  # else the KV cache sizing counts the freed copy as in use
     return LoadedModel(model, arch, tokenizer, RANDOM_PREFIX + preset, None, max_model_len)
 
 

@@ -34,7 +34,7 @@ Prompt = Union[str, list[int]]
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.executor = make_executor(config.model, config.cache, config.compile, config.parallel)
+        self.executor = make_executor(config.model, config.cache, config.compile, config.parallel, config.scheduler)
         self.tokenizer = self.executor.tokenizer
         self.max_model_len = self.executor.max_model_len
         self.kv_manager = KVCacheManager(

@@ -1,15 +1,18 @@
 """Executors: the boundary between the engine core and the model runner(s).
 
 The engine talks to an ``Executor`` only, so the same engine drives one runner in this process
-(``uni``) or one runner per rank in other processes (``mp``, ``ray``; they arrive with tensor
-parallelism). An executor receives the sub-configs it needs, never the whole EngineConfig.
+(``uni``) or one runner per rank in other processes (``mp``: ``kiln.runtime.mp_executor``; ``ray``
+is refused with a clear error, see ``kiln.runtime.ray_executor``). An executor receives the
+sub-configs it needs, never the whole EngineConfig.
 """
 
 from __future__ import annotations
 
 import abc
 
-from kiln.config import CacheConfig, CompileConfig, ModelConfig, ParallelConfig
+from typing import Optional
+
+from kiln.config import CacheConfig, CompileConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from kiln.runtime.model_runner import ModelRunner, RunnerOutput
 from kiln.runtime.scheduler_output import SchedulerOutput
 
@@ -36,8 +39,9 @@ class Executor(abc.ABC):
 class UniProcExecutor(Executor):
     """One model runner in this process."""
 
-    def __init__(self, model: ModelConfig, cache: CacheConfig, compile: CompileConfig):
-        self.runner = ModelRunner(model, cache, compile)
+    def __init__(self, model: ModelConfig, cache: CacheConfig, compile: CompileConfig,
+                 scheduler: Optional[SchedulerConfig] = None):
+        self.runner = ModelRunner(model, cache, compile, scheduler)
         self.num_blocks = self.runner.num_blocks
         self.max_model_len = self.runner.max_model_len
         self.tokenizer = self.runner.tokenizer
@@ -53,10 +57,19 @@ class UniProcExecutor(Executor):
             self.runner.forget(rid)
 
 
-def make_executor(model: ModelConfig, cache: CacheConfig, compile: CompileConfig, parallel: ParallelConfig) -> Executor:
-    if parallel.tensor_parallel_size != 1 or parallel.backend != "uni":
+def make_executor(model: ModelConfig, cache: CacheConfig, compile: CompileConfig, parallel: ParallelConfig,
+                  scheduler: Optional[SchedulerConfig] = None) -> Executor:
+    if parallel.backend == "mp":
+        from kiln.runtime.mp_executor import MultiprocExecutor  # imports this module: not at the top
+
+        return MultiprocExecutor(model, cache, compile, parallel, scheduler)
+    if parallel.backend == "ray":
+        from kiln.runtime.ray_executor import make_ray_executor
+
+        return make_ray_executor(model, cache, compile, parallel, scheduler)
+    if parallel.tensor_parallel_size != 1:
         raise ValueError(
-            f"parallel.backend={parallel.backend!r} with tensor_parallel_size={parallel.tensor_parallel_size} "
-            "is not available yet; use parallel.backend=uni parallel.tensor_parallel_size=1"
+            f"parallel.backend=uni runs one process; tensor_parallel_size={parallel.tensor_parallel_size} "
+            "needs parallel.backend=mp"
         )
-    return UniProcExecutor(model, cache, compile)
+    return UniProcExecutor(model, cache, compile, scheduler)

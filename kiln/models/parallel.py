@@ -1,0 +1,116 @@
+"""Tensor parallelism for the Llama family: who holds which slice of every weight.
+
+The plan is Megatron's, on the fused projections kiln already uses::
+
+    x ─┬─ qkv_proj  (column-parallel: this rank's q heads, k/v heads)  ─ attention ─ o_proj (row-parallel) ─ all_reduce
+       └─ gate_up_proj (column-parallel: this rank's rows of gate and up) ─ silu*mul ─ down_proj (row-parallel) ─ all_reduce
+
+Column-parallel: a rank holds a contiguous range of output rows, so its output is a slice of the
+full one and needs no communication. Row-parallel: a rank holds the matching input columns, so its
+output is a partial sum, and one ``torch.ops.kiln.all_reduce`` per block restores the full
+activation. Embedding, norms and the LM head are replicated: every rank embeds the whole batch,
+and rank 0 alone computes logits and samples (the simplest correct choice; a vocab-parallel head
+would save ``vocab x hidden`` weights per rank at the cost of a gather).
+
+Rules kept here:
+- ``TensorParallel(rank=0, size=1)`` is exactly the single-device model: no shard, no collective.
+- Heads split evenly: ``num_heads % size == 0``. KV heads split when ``num_kv_heads % size == 0``
+  and are replicated when ``size % num_kv_heads == 0`` (GQA with fewer KV heads than ranks: each
+  KV head serves ``size // num_kv_heads`` ranks). Anything else is a ValueError before any rank starts.
+- Weights shard on load: a rank copies only its slice of each Hugging Face tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kiln.models.arch import ArchConfig
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in the tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} is outside a group of size {self.size}")
+
+
+SINGLE = TensorParallel()
+
+# (dim, start, length): the slice of a full Hugging Face tensor that one rank loads.
+Shard = Optional[tuple[int, int, int]]
+
+
+def check_tensor_parallel(arch: ArchConfig, size: int) -> None:
+    """Raise a ValueError naming the first dimension that ``size`` ranks cannot split."""
+    if size == 1:
+        return
+    problems = []
+    if arch.num_heads % size:
+        problems.append(f"num_heads={arch.num_heads}")
+    if arch.num_kv_heads % size and size % arch.num_kv_heads:
+        problems.append(f"num_kv_heads={arch.num_kv_heads} (neither a multiple nor a divisor)")
+    if arch.intermediate_size % size:
+        problems.append(f"intermediate_size={arch.intermediate_size}")
+    if problems:
+        raise ValueError(f"parallel.tensor_parallel_size={size} does not divide this model's "
+                         f"{', '.join(problems)}; choose a size that divides num_heads={arch.num_heads} "
+                         f"and num_kv_heads={arch.num_kv_heads}, or use tensor_parallel_size=1")
+
+
+def local_num_heads(arch: ArchConfig, tp: TensorParallel) -> int:
+    return arch.num_heads // tp.size
+
+
+def local_num_kv_heads(arch: ArchConfig, tp: TensorParallel) -> int:
+    return max(1, arch.num_kv_heads // tp.size)
+
+
+def local_intermediate_size(arch: ArchConfig, tp: TensorParallel) -> int:
+    return arch.intermediate_size // tp.size
+
+
+def head_shards(arch: ArchConfig, tp: TensorParallel) -> dict[str, Shard]:
+    """Row ranges of q_proj, k_proj, v_proj (weights and biases) that this rank loads."""
+    if tp.size == 1:
+        return {"q_proj": None, "k_proj": None, "v_proj": None}
+    d = arch.head_dim
+    num_heads, num_kv = local_num_heads(arch, tp), local_num_kv_heads(arch, tp)
+    # rank * KVH // size: a contiguous range when KV heads split, the shared head when they replicate.
+    kv_start = tp.rank * arch.num_kv_heads // tp.size
+    kv: Shard = (0, kv_start * d, num_kv * d)
+    return {"q_proj": (0, tp.rank * num_heads * d, num_heads * d), "k_proj": kv, "v_proj": kv}
+
+
+def column_shard(full_rows: int, tp: TensorParallel) -> Shard:
+    """Column-parallel Linear weight [out, in]: this rank's range of output rows."""
+    if tp.size == 1:
+        return None
+    n = full_rows // tp.size
+    return (0, tp.rank * n, n)
+
+
+def row_shard(full_cols: int, tp: TensorParallel) -> Shard:
+    """Row-parallel Linear weight [out, in]: this rank's range of input columns."""
+    if tp.size == 1:
+        return None
+    n = full_cols // tp.size
+    return (1, tp.rank * n, n)
+
+
+def min_over_ranks(value: int, tp: TensorParallel, device: torch.device) -> int:
+    """The smallest ``value`` over the group (every rank must agree, e.g. on the KV block count)."""
+    if tp.size == 1:
+        return value
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())

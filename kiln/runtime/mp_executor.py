@@ -1,0 +1,178 @@
+"""MultiprocExecutor: tensor parallelism over ``tensor_parallel_size`` processes on this host.
+
+    engine process                              rank processes (torch.multiprocessing, spawn)
+    Scheduler ─ SchedulerOutput ─ pickled once ─┬─> rank 0: ModelRunner shard ─ forward ─ sample ─┐
+                                                └─> rank 1: ModelRunner shard ─ forward ──────────┤
+    Engine <──────────── RunnerOutput (rank 0) <── all-reduce between ranks (gloo / NCCL) ────────┘
+
+The scheduler runs once, in the engine; every rank runs the same forward on its shard; rank 0
+samples. All ranks are workers, so the engine process holds no model and no process group.
+
+Rules kept here:
+- Never a silent hang: every wait selects on the pipes *and* the process sentinels with a timeout;
+  a rank that dies, errs or stays silent past ``step_timeout_s`` fails the step with a RuntimeError
+  naming the rank (a rank's own exception, e.g. a ValueError on start-up, is re-raised as is), and
+  the executor is shut down.
+- No orphans: ``shutdown`` (also run at exit) asks, then terminates, then kills every worker; the
+  workers themselves exit when the engine's pipe closes or its process disappears.
+"""
+
+from __future__ import annotations
+
+import atexit
+import pickle
+import socket
+import time
+from multiprocessing.connection import Connection, wait
+from typing import Any, Optional
+
+import torch.multiprocessing as mp
+
+from kiln.config import CacheConfig, CompileConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from kiln.models.parallel import TensorParallel
+from kiln.runtime.executor import Executor
+from kiln.runtime.model_runner import RunnerOutput
+from kiln.runtime.scheduler_output import SchedulerOutput
+from kiln.runtime.worker import WorkerSpec, worker_main
+
+START_TIMEOUT_S = 900.0  # start-up includes weight loading and compilation
+STEP_TIMEOUT_S = 300.0
+_JOIN_TIMEOUT_S = 5.0
+
+
+class MultiprocExecutor(Executor):
+    """One ``ModelRunner`` shard per rank, each in its own process."""
+
+    def __init__(self, model: ModelConfig, cache: CacheConfig, compile: CompileConfig, parallel: ParallelConfig,
+                 scheduler: Optional[SchedulerConfig] = None, step_timeout_s: float = STEP_TIMEOUT_S,
+                 start_timeout_s: float = START_TIMEOUT_S):
+        self.world_size = parallel.tensor_parallel_size
+        self.step_timeout_s = step_timeout_s
+        self._failure: Optional[str] = None
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self._conns: list[Connection] = []
+        self.procs: list[Any] = []
+        atexit.register(self.shutdown)
+        for rank in range(self.world_size):
+            spec = WorkerSpec(model, cache, compile, scheduler, TensorParallel(rank, self.world_size),
+                              init_method, collective_timeout_s=max(step_timeout_s, start_timeout_s))
+            parent_conn, child_conn = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=worker_main, args=(spec, child_conn), name=f"kiln-tp-rank{rank}")
+            proc.start()
+            child_conn.close()  # the child's end lives in the child: EOF here means it is gone
+            self._conns.append(parent_conn)
+            self.procs.append(proc)
+        infos = self._gather("ready", start_timeout_s)
+        head = infos[0]
+        self.num_blocks = min(info["num_blocks"] for info in infos)
+        self.max_model_len = head["max_model_len"]
+        self.tokenizer = head["tokenizer"]
+        eos = head["arch"].eos_token_id
+        self.eos_token_id = eos[0] if isinstance(eos, (tuple, list)) and eos else eos
+        self.vocab_size = head["arch"].vocab_size
+
+    def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
+        self._send(range(self.world_size), ("execute", sched))
+        return self._gather("ok", self.step_timeout_s)[0]
+
+    def forget(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send([0], ("forget", request_ids))
+
+    def shutdown(self) -> None:
+        """Stop every worker: ask, then terminate, then kill. Safe to call more than once."""
+        self._stop(_JOIN_TIMEOUT_S)
+
+    def _stop(self, grace_s: float) -> None:
+        atexit.unregister(self.shutdown)
+        for conn in self._conns:
+            try:
+                conn.send_bytes(pickle.dumps(("shutdown", None)))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(_JOIN_TIMEOUT_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+        self._conns, self.procs = [], []
+
+    # ---- pipes ----------------------------------------------------------------------------------
+    def _send(self, ranks, message: tuple) -> None:
+        self._check_usable()
+        data = pickle.dumps(message)  # once, however many ranks
+        for rank in ranks:
+            try:
+                self._conns[rank].send_bytes(data)
+            except (OSError, ValueError) as exc:
+                proc = self.procs[rank]
+                if proc.exitcode is not None or not proc.is_alive():
+                    self._fail(self._died(rank))
+                self._fail(f"tensor-parallel rank {rank} is unreachable ({exc!r}){self._exit_codes()}")
+
+    def _gather(self, expected: str, timeout_s: float) -> list[Any]:
+        """One answer per rank, in rank order; raises as soon as any rank dies, errs or times out."""
+        answers: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(answers) < self.world_size:
+            pending = {self._conns[r]: r for r in range(self.world_size) if r not in answers}
+            sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+            ready = wait([*pending, *sentinels], timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                missing = sorted(set(range(self.world_size)) - set(answers))
+                self._fail(f"tensor-parallel rank(s) {missing} gave no answer within {timeout_s:.0f} s "
+                           f"(hung or deadlocked in a collective)")
+            for conn in [c for c in ready if c in pending]:
+                answers[pending[conn]] = self._read(conn, pending[conn], expected)
+            for sentinel in [s for s in ready if s in sentinels]:
+                rank = sentinels[sentinel]
+                if rank not in answers and self._conns[rank].poll():
+                    self._read(self._conns[rank], rank, expected)  # its last words: an error, raised
+                self._fail(self._died(rank))
+        return [answers[r] for r in range(self.world_size)]
+
+    def _read(self, conn: Connection, rank: int, expected: str) -> Any:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            self._fail(f"tensor-parallel rank {rank} closed its pipe{self._exit_codes()}")
+        if message[0] == "error":
+            _, exc, text = message
+            self._fail(f"tensor-parallel rank {rank} failed:\n{text}", exc)
+        if message[0] != expected:
+            self._fail(f"tensor-parallel rank {rank} answered {message[0]!r}, expected {expected!r}")
+        return message[1]
+
+    def _fail(self, reason: str, exc: Optional[BaseException] = None):
+        self._failure = reason
+        self._stop(grace_s=0.0)  # survivors may be blocked in a collective with the dead rank
+        if isinstance(exc, (ValueError, TypeError)):
+            raise exc from RuntimeError(reason)  # a configuration error: keep its type for the user
+        raise RuntimeError(reason) from exc
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"the multiprocess executor has failed and is shut down: {self._failure}")
+
+    def _died(self, rank: int) -> str:
+        proc = self.procs[rank]
+        proc.join(1.0)  # a dying process may not have been reaped yet
+        return f"tensor-parallel rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
+
+    def _exit_codes(self) -> str:
+        codes = {r: p.exitcode for r, p in enumerate(self.procs) if p.exitcode is not None}
+        return f" (exit codes {codes})" if codes else ""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
