@@ -3,7 +3,7 @@
     kiln serve model=smollm2-135m-instruct compile.mode=kiln server.port=8000
     kiln generate prompt="Tell me a joke" chat=false
     kiln bench -m compile.mode=eager,stock,kiln compile.cudagraph=none,piecewise,full
-    kiln cache ls | kiln cache clear [KEY]
+    kiln cache ls | inspect KEY | clear [KEY] | export PATH
     kiln serve --cfg job        # print the composed config;  kiln generate --help: groups and options
     kiln generate "prompt='Hello, world'"   # a value with a comma (a sweep list to Hydra) is quoted
 
@@ -34,7 +34,7 @@ COMMANDS = {
     "serve": "run the OpenAI-compatible server",
     "generate": "generate a completion for `prompt` and print it",
     "bench": "benchmark compile modes (use -m to sweep; one process per combination)",
-    "cache": "list (ls) or remove (clear [KEY]) converted models and compiled artifacts",
+    "cache": "ls, inspect KEY, clear [KEY] or export PATH: converted models and compiled artifacts",
 }
 
 

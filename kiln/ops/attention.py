@@ -112,15 +112,21 @@ def get_attention_impl() -> AttentionImpl:
     return _impl
 
 
-@torch.library.custom_op("kiln::attend_paged", mutates_args=())
-def attend_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
-    """Store k/v of the new tokens in layer ``layer_idx``'s cache and attend; returns [T, H, D]."""
-    ctx = get_forward_context()
-    if ctx.attn is None:
-        raise RuntimeError("kiln.attend_paged needs attention metadata in the forward context")
-    return _impl(q, k, v, ctx.kv_caches[layer_idx], ctx.attn, scale)
+def define_attention_op(qualname: str, impl: Callable[[], AttentionImpl]):
+    """Define op ``qualname`` with the schema of ``kiln::attend_paged``: it runs ``impl()`` on the
+    cache and metadata of the forward context. Kernel packages define theirs with this, so every
+    attention op a graph can hold reads the context the same way."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
+        ctx = get_forward_context()
+        if ctx.attn is None:
+            raise RuntimeError(f"{qualname} needs attention metadata in the forward context")
+        return impl()(q, k, v, ctx.kv_caches[layer_idx], ctx.attn, scale)
+
+    op = torch.library.custom_op(qualname, attend, mutates_args=())
+    op.register_fake(lambda q, k, v, layer_idx, scale: torch.empty_like(q))
+    return op
 
 
-@attend_paged.register_fake
-def _(q, k, v, layer_idx, scale):
-    return torch.empty_like(q)
+# Store k/v of the new tokens in layer ``layer_idx``'s cache and attend; returns [T, H, D].
+attend_paged = define_attention_op("kiln::attend_paged", get_attention_impl)

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.forward_context import AttentionMetadata, get_forward_context
-from kiln.ops.attention import attend_paged_reference
+from kiln.forward_context import AttentionMetadata
+from kiln.ops.attention import attend_paged_reference, define_attention_op
 
 logger = logging.getLogger(__name__)
 
@@ -71,18 +71,8 @@ def cpu_attend_paged(
     )
 
 
-@torch.library.custom_op("kiln_cpu::attend_paged", mutates_args=())
-def attend_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
-    """``kiln::attend_paged`` on the C++ kernel: cache and metadata come from the forward context."""
-    ctx = get_forward_context()
-    if ctx.attn is None:
-        raise RuntimeError("kiln_cpu.attend_paged needs attention metadata in the forward context")
-    return cpu_attend_paged(q, k, v, ctx.kv_caches[layer_idx], ctx.attn, scale)
-
-
-@attend_paged.register_fake
-def _(q, k, v, layer_idx, scale):
-    return torch.empty_like(q)
+# ``kiln::attend_paged`` on this kernel: cache and metadata come from the forward context.
+attend_paged = define_attention_op("kiln_cpu::attend_paged", lambda: cpu_attend_paged)
 
 
 def enable_cpu_attention() -> bool:

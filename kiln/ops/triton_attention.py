@@ -50,7 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.forward_context import AttentionMetadata, get_forward_context
+from kiln.forward_context import AttentionMetadata
+from kiln.ops.attention import define_attention_op
 from kiln.ops.triton_kv_store import triton_store_kv
 
 LOG2_E = 1.4426950408889634
@@ -364,18 +365,8 @@ def triton_attend_paged(
     return attend_paged_cached(q, kv_cache, meta, scale, out)
 
 
-@torch.library.custom_op("kiln_triton::attend_paged", mutates_args=())
-def attend_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
-    """``kiln::attend_paged`` on the Triton kernels: cache and metadata come from the forward context."""
-    ctx = get_forward_context()
-    if ctx.attn is None:
-        raise RuntimeError("kiln_triton.attend_paged needs attention metadata in the forward context")
-    return triton_attend_paged(q, k, v, ctx.kv_caches[layer_idx], ctx.attn, scale)
-
-
-@attend_paged.register_fake
-def _(q, k, v, layer_idx, scale):
-    return torch.empty_like(q)
+# ``kiln::attend_paged`` on this kernel: cache and metadata come from the forward context.
+attend_paged = define_attention_op("kiln_triton::attend_paged", lambda: triton_attend_paged)
 
 
 def enable_triton_attention() -> None:
