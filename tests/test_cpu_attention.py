@@ -93,6 +93,9 @@ def test_bad_metadata_is_an_error_not_a_crash():
 def restore_attention_backend():
     """enable_cpu_attention changes process-global state; put it back for the other test modules."""
     previous_impl, previous_kernels = get_attention_impl(), dict(attention_backend._kernels)
+    # Start clean: an engine built earlier in the session may already have enabled the kernel.
+    set_attention_impl(None)
+    attention_backend._kernels.clear()
     yield
     set_attention_impl(previous_impl)
     attention_backend._kernels.clear()
