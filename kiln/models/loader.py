@@ -47,6 +47,8 @@ def resolve_device(device: str) -> torch.device:
     """``auto``: CUDA when available, else CPU."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("model.device=cuda but no CUDA device is available; use model.device=cpu")
     return torch.device(device)
 
 

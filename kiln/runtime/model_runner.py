@@ -27,7 +27,7 @@ from kiln.compiler.cudagraph import (FullCUDAGraphs, GraphMode, GraphOutputs, St
                                     wanted_graph_modes)
 from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig
 from kiln.forward_context import AttentionMetadata, ForwardContext, forward_context
-from kiln.models.loader import LoadedModel, load_model, resolve_dtype
+from kiln.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from kiln.models.parallel import SINGLE, TensorParallel, local_num_kv_heads, min_over_ranks
 from kiln.runtime.sampler import Sampler
 from kiln.runtime.scheduler_output import SchedulerOutput
@@ -42,14 +42,6 @@ _GRAPH_RESERVE_BYTES = 512 * 2**20  # kept free for CUDA graphs, which are captu
 class RunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, Optional[dict[int, float]]] = field(default_factory=dict)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("model.device=cuda but no CUDA device is available; use model.device=cpu")
-    return torch.device(name)
 
 
 class ModelRunner:
@@ -214,7 +206,7 @@ class ModelRunner:
             logits, greedy_ids = graph_out.logits[rows], graph_out.greedy_ids[rows]
         else:
             logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab] float32
-        requests = [sched.scheduled[i].request for i in self._sampled_request_indices]
+        requests = [s.request for s in sched.scheduled if s.samples]  # one per sample row
         out = self.sampler(logits, requests, greedy_ids)
         result = RunnerOutput()
         for req, tok, lp in zip(requests, out.token_ids, out.logprobs):
@@ -230,7 +222,6 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         sample_rows: list[int] = []
-        self._sampled_request_indices: list[int] = []
         max_blocks = max(len(s.block_ids) for s in sched.scheduled)
         table = torch.zeros((len(sched.scheduled), max_blocks), dtype=torch.int32)
         for i, s in enumerate(sched.scheduled):
@@ -244,7 +235,6 @@ class ModelRunner:
             seq_lens.append(start + n)
             if s.samples:
                 sample_rows.append(len(token_ids) - 1)
-                self._sampled_request_indices.append(i)
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
@@ -273,7 +263,6 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         sample_rows: list[int] = []
-        self._sampled_request_indices = []
         num_tokens = 0
         for i, s in enumerate(sched.scheduled):
             start, n = s.start, s.num_new_tokens
@@ -296,7 +285,6 @@ class ModelRunner:
             seq_lens.append(start + n)
             if s.samples:
                 sample_rows.append(num_tokens - 1)
-                self._sampled_request_indices.append(i)
         buf.qsl_np[0] = 0
         num_reqs = len(query_lens)
         num_decodes = 0

@@ -68,7 +68,8 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
 def _start(spec: WorkerSpec):
     import torch.distributed as dist
 
-    from kiln.runtime.model_runner import ModelRunner, resolve_device
+    from kiln.models.loader import resolve_device
+    from kiln.runtime.model_runner import ModelRunner
 
     device = resolve_device(spec.model.device)
     if device.type == "cuda":
