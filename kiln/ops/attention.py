@@ -52,7 +52,7 @@ def attend_paged_reference(
 ) -> torch.Tensor:
     """Pure-torch paged attention: the definition every kernel is checked against."""
     store_kv_reference(k, v, kv_cache, meta.slot_mapping)
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_heads = q.shape[1]
     group = num_heads // k.shape[1]
     out = torch.empty_like(q)
     nd = meta.num_decodes
