@@ -1,8 +1,10 @@
 """CUDA graphs and the CUDA step path: greedy tokens with and without graphs, and against HF.
 
-The ``gpu`` tests need CUDA (skipped without it). The first test runs anywhere: it drives the CUDA
-runner's persistent-buffer step path on the CPU (reference attention) and checks it against the
-plain CPU path, so the buffer layout is covered by CI.
+The ``gpu`` tests need CUDA (skipped without it). The others run anywhere: dispatch decisions, the
+padding of step buffers, the CUDA runner's persistent-buffer step path on the CPU checked against
+the plain CPU path, and piecewise graphs end to end on the CPU with graph capture emulated (each
+"graph" re-runs its piece on its static inputs and copies the results into its static outputs,
+so a wrong address, a missed copy or attention seeing padding changes the tokens).
 
 Exactness: graphs replay the same kernels on padded batches with fixed decode splits, so in
 float32 the greedy tokens must agree exactly with the no-graph run; in bfloat16 the rounding of
@@ -16,7 +18,8 @@ import pytest
 import torch
 
 from kiln import SamplingParams
-from kiln.compiler.cudagraph import GraphMode, StepBuffers, dispatch
+from kiln.compiler.cudagraph import NULL_BLOCK_ID, GraphMode, StepBuffers, dispatch, wanted_graph_modes
+from kiln.compiler.piecewise import PieceGraphs, PiecewiseCUDAGraphs
 
 PROMPT_LENS = (5, 17, 33, 64, 3)  # 5 requests: pads to capture size 8
 
@@ -40,17 +43,124 @@ def _llm(model: str, dtype: str, mode: str, cudagraph: str, device: str = "cuda"
                **extra)
 
 
-def test_dispatch_pads_uniform_decodes_only():
-    class Sizes:
-        sizes = [1, 2, 4, 8]
+class _Sizes:
+    """Stands in for full or piecewise graphs in dispatch decisions."""
 
-        def padded_size(self, n):
-            return next((s for s in self.sizes if s >= n), None)
+    def __init__(self, *sizes: int) -> None:
+        self.sizes = list(sizes)
 
-    assert dispatch(Sizes(), 5, 5) == (GraphMode.FULL, 8)
-    assert dispatch(Sizes(), 5, 4) == (GraphMode.NONE, 5)  # a prefill in the batch
-    assert dispatch(Sizes(), 9, 9) == (GraphMode.NONE, 9)  # larger than every capture size
-    assert dispatch(None, 1, 1) == (GraphMode.NONE, 1)
+    def padded_size(self, n):
+        return next((s for s in self.sizes if s >= n), None)
+
+
+def test_dispatch_full_pads_uniform_decodes_only():
+    full = _Sizes(1, 2, 4, 8)
+    assert dispatch(full, None, 5, 5, 5) == (GraphMode.FULL, 8)
+    assert dispatch(full, None, 20, 5, 4) == (GraphMode.NONE, 20)  # a prefill in the batch
+    assert dispatch(full, None, 9, 9, 9) == (GraphMode.NONE, 9)  # more requests than every capture size
+    assert dispatch(None, None, 1, 1, 1) == (GraphMode.NONE, 1)
+
+
+def test_dispatch_piecewise_pads_every_batch_that_fits():
+    pieces = _Sizes(1, 2, 4, 8, 16, 32)
+    assert dispatch(None, pieces, 20, 5, 4) == (GraphMode.PIECEWISE, 32)  # mixed: tokens padded
+    assert dispatch(None, pieces, 5, 5, 5) == (GraphMode.PIECEWISE, 8)  # decode-only too
+    assert dispatch(None, pieces, 17, 1, 0) == (GraphMode.PIECEWISE, 32)  # one prefill chunk
+    assert dispatch(None, pieces, 32, 3, 1) == (GraphMode.PIECEWISE, 32)  # exactly a size: no padding
+    assert dispatch(None, pieces, 33, 3, 1) == (GraphMode.NONE, 33)  # too big for every size
+
+
+def test_dispatch_full_and_piecewise():
+    full, pieces = _Sizes(1, 2, 4, 8), _Sizes(1, 2, 4, 8, 16, 32)
+    assert dispatch(full, pieces, 3, 3, 3) == (GraphMode.FULL, 4)  # decode-only: full graph
+    assert dispatch(full, pieces, 20, 5, 4) == (GraphMode.PIECEWISE, 32)  # mixed: piece graphs
+    assert dispatch(full, pieces, 12, 12, 12) == (GraphMode.PIECEWISE, 16)  # decodes past the full sizes
+    assert dispatch(full, pieces, 40, 5, 4) == (GraphMode.NONE, 40)
+
+
+def test_wanted_graph_modes(caplog):
+    assert wanted_graph_modes("none") == set()
+    assert wanted_graph_modes("full") == wanted_graph_modes("full", has_pieces=False) == {GraphMode.FULL}
+    assert wanted_graph_modes("piecewise") == {GraphMode.PIECEWISE}
+    assert wanted_graph_modes("full_and_piecewise") == {GraphMode.FULL, GraphMode.PIECEWISE}
+    assert not caplog.records
+    # eager / stock: no pieces to capture; piecewise falls back, loudly.
+    assert wanted_graph_modes("piecewise", has_pieces=False) == set()
+    assert "running without CUDA graphs" in caplog.text
+    assert wanted_graph_modes("full_and_piecewise", has_pieces=False) == {GraphMode.FULL}
+    assert "mixed batches run without graphs" in caplog.text
+
+
+def test_pad_tokens_fills_null_rows_and_metadata_stays_real():
+    buf = StepBuffers(16, 4, 8, torch.device("cpu"))
+    buf.ids_np[:16], buf.pos_np[:16], buf.slot_np[:16] = 7, 9, 99  # stale values of an earlier step
+    # Two requests: a decode at position 20 (block 3) and a 4-token prefill (block 5).
+    buf.ids_np[:5], buf.pos_np[:5] = [11, 12, 13, 14, 15], [20, 0, 1, 2, 3]
+    buf.slot_np[:5] = [3 * 16 + 4, 5 * 16, 5 * 16 + 1, 5 * 16 + 2, 5 * 16 + 3]
+    buf.seq_lens_np[:2], buf.qsl_np[:3] = [21, 4], [0, 1, 5]
+    buf.pad_tokens(5, 8)
+    assert buf.ids_np[:9].tolist() == [11, 12, 13, 14, 15, 0, 0, 0, 7]
+    assert buf.pos_np[:9].tolist() == [20, 0, 1, 2, 3, 0, 0, 0, 9]
+    assert buf.slot_np[5:9].tolist() == [NULL_BLOCK_ID] * 3 + [99]
+    buf.upload(8, 2)
+    assert buf.input_ids[:8].tolist() == [11, 12, 13, 14, 15, 0, 0, 0]
+    meta = buf.metadata(5, 2, 1, [1, 4], [21, 4])
+    assert meta.slot_mapping.shape == (5,) and meta.query_start_loc.tolist() == [0, 1, 5]
+    assert meta.seq_lens.tolist() == [21, 4] and meta.block_tables.shape == (2, 8)
+
+
+def emulated_graph(run):
+    """CUDA-graph semantics without CUDA: replay re-runs the piece on the inputs it was captured
+    with (the same tensors) and copies the results into the captured outputs."""
+    outputs = run()
+
+    def replay():
+        fresh = run()
+        for static, new in zip(_as_list(outputs), _as_list(fresh)):
+            static.copy_(new)
+
+    return replay, outputs
+
+
+def _as_list(out):
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+class _Owner:
+    """The part of PiecewiseCUDAGraphs a PieceGraphs reads."""
+
+    def __init__(self, constants):
+        self.step, self.record, self.constant_ids = None, emulated_graph, {id(t) for t in constants}
+
+
+def test_piece_graph_copies_inputs_that_moved_and_checks_scalars():
+    from kiln.compiler.piecewise import _Step
+
+    weight = torch.full((4,), 2.0)
+    calls = []
+
+    def piece(x, w, n):
+        calls.append(n)
+        return (x * w + n, x[:1].clone())
+
+    owner = _Owner(constants=[weight])
+    wrapper = PieceGraphs("submod_0", piece, owner)
+    static_x = torch.zeros(8, 4)
+    owner.step = _Step(8, 1, capturing=True)
+    wrapper(static_x, weight, 8)  # warm-up, then capture
+    owner.step = _Step(8, 3, capturing=False)
+    graph = wrapper.graphs[8]
+    assert graph.checked == [0] and graph.scalars == [(2, 8)]  # the weight is never compared
+    static_x.fill_(1.0)  # same address: read in place
+    out, first = wrapper(static_x, weight, 8)
+    assert out is graph.outputs[0] and torch.equal(out, torch.full((8, 4), 10.0))
+    moved = torch.full((8, 4), 3.0)  # another address: copied into the captured input
+    out, first = wrapper(moved, weight, 8)
+    assert torch.equal(out, torch.full((8, 4), 14.0)) and torch.equal(static_x, moved)
+    with pytest.raises(RuntimeError, match="captured with 8"):
+        wrapper(static_x, weight, 4)
+    owner.step = None  # outside a step: straight through, no graph
+    assert wrapper(torch.ones(2, 4), weight, 2)[0].shape == (2, 4)
 
 
 def test_buffer_step_path_matches_cpu_path():
@@ -61,6 +171,106 @@ def test_buffer_step_path_matches_cpu_path():
     runner = llm.engine.executor.runner
     runner.buffers = StepBuffers(256, 8, -(-runner.max_model_len // runner.block_size), runner.device)
     assert _greedy(llm, prompts, 12) == want
+
+
+MIXED_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def _mixed_llm(mode: str, cudagraph: str, device: str = "cuda", dtype: str = "float32", model: str = "random:tiny"):
+    """A 64-token step budget with capture sizes up to 32: steps of 33-64 tokens run without graphs."""
+    from kiln import LLM
+
+    return LLM(model=model, dtype=dtype, device=device, max_model_len=1024,
+               compile={"mode": mode, "cudagraph": cudagraph, "capture_sizes": MIXED_CAPTURE_SIZES},
+               cache={"kv_cache_memory_gib": 1.0}, scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 64})
+
+
+def _mixed_workload(llm, vocab: int, max_tokens: int = 16, late_after: int = 2) -> dict[str, list[int]]:
+    """Greedy tokens of five prompts submitted together and a sixth after ``late_after`` steps that
+    shares its first 32 tokens (two blocks: a prefix-cache hit) with the 64-token one. Under a
+    64-token budget the steps mix decodes, a chunked prefill and the late prefill. Checks that every
+    block is back in the pool at the end."""
+    prompts = _prompts(vocab)
+    late = prompts[3][:32] + _prompts(vocab, lens=(8,), seed=1)[0]
+    engine = llm.engine
+    engine.kv_manager.reset_prefix_cache()  # a rerun on the same engine schedules the same steps
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while step <= late_after or engine.has_unfinished_requests():
+        if step == late_after:
+            engine.add_request("late", late, params)
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    assert len(tokens) == len(prompts) + 1
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_usable_blocks  # no block leaked
+    return tokens
+
+
+@pytest.fixture
+def dispatch_log(monkeypatch):
+    """Every dispatch decision of the model runner: (mode, num_tokens, padded, has a prefill)."""
+    import kiln.runtime.model_runner as model_runner
+
+    log = []
+
+    def recording(full, piecewise, num_tokens, num_reqs, num_decodes):
+        mode, padded = dispatch(full, piecewise, num_tokens, num_reqs, num_decodes)
+        log.append((mode, num_tokens, padded, num_decodes < num_reqs))
+        return mode, padded
+
+    monkeypatch.setattr(model_runner, "dispatch", recording)
+    return log
+
+
+def _spy_attention(graphs: PiecewiseCUDAGraphs) -> list[tuple[int, int, int]]:
+    """Per attention call: (rows of q, tokens in the metadata, slots in the metadata)."""
+    from kiln.forward_context import get_forward_context
+
+    seen = []
+    for call in graphs.attention_calls:
+        def spy(q, *args, inner=call.inner):
+            meta = get_forward_context().attn
+            seen.append((q.shape[0], int(meta.query_start_loc[-1]), meta.slot_mapping.shape[0]))
+            return inner(q, *args)
+
+        call.inner = spy
+    return seen
+
+
+def _assert_mixed_batches_padded(log) -> None:
+    assert any(mode is GraphMode.PIECEWISE and prefill and padded > n for mode, n, padded, prefill in log), log
+    assert any(mode is GraphMode.NONE and n > MIXED_CAPTURE_SIZES[-1] for mode, n, _, _ in log), log
+    assert all(padded >= n for _, n, padded, _ in log)
+
+
+def test_piecewise_graphs_emulated_on_cpu_match_no_graphs(dispatch_log):
+    """The whole piecewise path (dispatch, padding, wrappers, static buffers, attention on the real
+    rows) on CPU, with graph capture emulated: same greedy tokens as without graphs."""
+    llm = _mixed_llm("kiln", "none", device="cpu")
+    vocab = llm.engine.executor.vocab_size
+    want = _mixed_workload(llm, vocab)
+    runner = llm.engine.executor.runner
+    runner.buffers = StepBuffers(64, 8, -(-runner.max_model_len // runner.block_size), runner.device)
+    graphs = PiecewiseCUDAGraphs(runner.forward, runner.buffers, MIXED_CAPTURE_SIZES + (128,), record=emulated_graph)
+    assert graphs.sizes == list(MIXED_CAPTURE_SIZES)  # 128 > max_num_batched_tokens: dropped
+    assert len(graphs.pieces) == len(graphs.attention_calls) + 1
+    assert {c.buffer_key for c in graphs.attention_calls} == {"shared"}
+    graphs.capture(runner.kv_caches)
+    assert graphs.captured_sizes == set(MIXED_CAPTURE_SIZES)
+    assert all(set(p.graphs) == set(MIXED_CAPTURE_SIZES) for p in graphs.pieces)
+    seen = _spy_attention(graphs)
+    runner.piecewise_graphs = graphs
+    dispatch_log.clear()
+    assert _mixed_workload(llm, vocab) == want
+    _assert_mixed_batches_padded(dispatch_log)
+    assert seen and all(q_rows == num_tokens == num_slots for q_rows, num_tokens, num_slots in seen)  # no padding
+    runner.piecewise_graphs = None  # the wrappers stay installed and call straight through
+    assert _mixed_workload(llm, vocab) == want
 
 
 def _agreeing_prefix(a: list[int], b: list[int]) -> int:
@@ -122,3 +332,49 @@ def test_full_graphs_match_hf_float32():
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
                               pad_token_id=0)
         assert out[0, len(prompt):].tolist() == tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cudagraph", ["piecewise", "full_and_piecewise"])
+def test_piecewise_graphs_match_no_graphs_float32(cudagraph, dispatch_log):
+    want = _mixed_workload(_mixed_llm("kiln", "none"), 49152)
+    llm = _mixed_llm("kiln", cudagraph)
+    runner = llm.engine.executor.runner
+    graphs = runner.piecewise_graphs
+    assert graphs is not None and graphs.captured_sizes == set(MIXED_CAPTURE_SIZES)
+    assert graphs.capture_seconds > 0
+    assert (runner.cuda_graphs is not None) == (cudagraph == "full_and_piecewise")
+    dispatch_log.clear()
+    assert _mixed_workload(llm, 49152) == want
+    _assert_mixed_batches_padded(dispatch_log)
+    decode_only = {mode for mode, n, _, prefill in dispatch_log if not prefill}
+    assert decode_only == ({GraphMode.FULL} if cudagraph == "full_and_piecewise" else {GraphMode.PIECEWISE})
+    assert all(mode is not GraphMode.FULL for mode, _, _, prefill in dispatch_log if prefill)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["random:tiny", "random:qwen2.5-0.5b"])
+def test_piecewise_graphs_match_no_graphs_bfloat16(model):
+    llm = _mixed_llm("kiln", "full_and_piecewise", dtype="bfloat16", model=model)
+    runner = llm.engine.executor.runner
+    got = _mixed_workload(llm, 49152, max_tokens=32)
+    graphs = runner.cuda_graphs, runner.piecewise_graphs
+    runner.cuda_graphs = runner.piecewise_graphs = None  # the same engine, graph dispatch off
+    want = _mixed_workload(llm, 49152, max_tokens=32)
+    runner.cuda_graphs, runner.piecewise_graphs = graphs
+    prefixes = [_agreeing_prefix(got[r], want[r]) for r in want]
+    assert min(prefixes) >= 4, prefixes
+    assert sum(prefixes) >= 0.5 * 32 * len(want), prefixes
+
+
+@pytest.mark.gpu
+def test_piecewise_needs_kiln_mode(caplog):
+    """compile.mode=eager has no pieces: piecewise warns and runs without graphs, full still works."""
+    want = _mixed_workload(_mixed_llm("eager", "none"), 49152)
+    llm = _mixed_llm("eager", "full_and_piecewise")
+    runner = llm.engine.executor.runner
+    assert runner.piecewise_graphs is None and runner.cuda_graphs is not None
+    assert "piecewise graphs need compile.mode=kiln" in caplog.text
+    assert _mixed_workload(llm, 49152) == want
+    runner = _mixed_llm("eager", "piecewise").engine.executor.runner
+    assert runner.piecewise_graphs is None and runner.cuda_graphs is None

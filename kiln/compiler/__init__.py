@@ -1,4 +1,5 @@
-"""The compiler: capture, kiln's torch.compile backend, graph splitting, per-piece Inductor builds.
+"""The compiler: capture, kiln's torch.compile backend, graph splitting, per-piece Inductor builds,
+CUDA graphs (full and piecewise) and their per-batch dispatch.
 
 Entry point: ``build_forward(model, compile_config) -> (input_ids, positions) -> hidden``.
 """

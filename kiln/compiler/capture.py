@@ -169,6 +169,17 @@ class KilnForward:
     def inductor_seconds(self) -> float:
         return self.backend.compiler.compile_seconds
 
+    @property
+    def split_graph(self) -> Optional[torch.fx.GraphModule]:
+        """The split graph every call runs (compiled pieces and attention calls); None before the build."""
+        return self._graph
+
+    def constant_inputs(self) -> list[torch.Tensor]:
+        """The graph inputs that are the same tensors on every call: parameters and buffers."""
+        if self._plan is None:
+            raise RuntimeError("build the forward first")
+        return [t for t in self._plan.template if isinstance(t, torch.Tensor)]
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self._graph is None:
             self._build(input_ids.device, input_ids.dtype, positions.dtype)

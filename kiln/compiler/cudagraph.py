@@ -18,13 +18,20 @@ What this module owns:
   write only the null block 0 (token 0, position 0, slot 0, seq_len 1), which the block pool never
   hands out, so they cannot touch a real request's cache.
 
-- ``dispatch``: which runtime path a batch takes (``GraphMode``).
+- ``dispatch``: which runtime path a batch takes (``GraphMode``)::
+
+      decode-only, requests fit a full size  -> FULL       (requests padded with null decodes)
+      otherwise, tokens fit a piecewise size -> PIECEWISE  (tokens padded, attention sees the real ones)
+      otherwise                              -> NONE       (the forward as built, no padding)
+
+  ``piecewise`` graphs (the pieces between attention ops, ``compile.mode=kiln`` only) live in
+  ``kiln.compiler.piecewise``.
 
 Rules kept here: captures happen at start-up, never while serving; all graphs share one memory
 pool and are captured from the largest size down, so smaller graphs reuse the larger one's
 blocks; the Triton decode kernel is captured inside ``static_decode_splits(max_model_len)`` so its
-split count does not depend on the capture batch's context lengths. ``piecewise`` (pieces between
-attention ops captured per size, attention eager) is not implemented: it runs without graphs.
+split count does not depend on the capture batch's context lengths. Padding only ever reads and
+writes the null block.
 """
 
 from __future__ import annotations
@@ -34,12 +41,15 @@ import enum
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 import torch
 
 from kiln.forward_context import AttentionMetadata, ForwardContext, forward_context
+
+if TYPE_CHECKING:
+    from kiln.compiler.piecewise import PiecewiseCUDAGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -50,18 +60,26 @@ NULL_BLOCK_ID = 0  # kiln.runtime.block_pool: never handed out, never freed
 class GraphMode(enum.Enum):
     NONE = "none"  # run the forward as built (eager, stock or kiln pieces)
     FULL = "full"  # replay the whole-forward graph of a capture size
+    PIECEWISE = "piecewise"  # replay each piece's graph of a capture size, attention eager between
 
 
-def wanted_graph_modes(cudagraph: str) -> set[GraphMode]:
-    """Which graphs ``compile.cudagraph`` asks for (piecewise is not implemented: none)."""
-    if cudagraph in ("full", "full_and_piecewise"):
-        if cudagraph == "full_and_piecewise":
-            logger.warning("compile.cudagraph=full_and_piecewise: piecewise graphs are not implemented; "
-                           "mixed batches run without graphs, decode-only batches replay full graphs")
-        return {GraphMode.FULL}
-    if cudagraph == "piecewise":
-        logger.warning("compile.cudagraph=piecewise is not implemented; running without CUDA graphs")
-    return set()
+def wanted_graph_modes(cudagraph: str, has_pieces: bool = True) -> set[GraphMode]:
+    """Which graphs ``compile.cudagraph`` asks for. Piecewise graphs need pieces (``compile.mode=kiln``):
+    without them ``piecewise`` runs without graphs and ``full_and_piecewise`` as ``full``, with a warning."""
+    wanted = {"none": set(), "full": {GraphMode.FULL}, "piecewise": {GraphMode.PIECEWISE},
+              "full_and_piecewise": {GraphMode.FULL, GraphMode.PIECEWISE}}[cudagraph]
+    if GraphMode.PIECEWISE in wanted and not has_pieces:
+        logger.warning("compile.cudagraph=%s: piecewise graphs need compile.mode=kiln (the forward split at "
+                       "attention); %s", cudagraph, "mixed batches run without graphs, decode-only batches "
+                       "replay full graphs" if GraphMode.FULL in wanted else "running without CUDA graphs")
+        wanted.discard(GraphMode.PIECEWISE)
+    return wanted
+
+
+def next_capture_size(sizes: list[int], n: int) -> Optional[int]:
+    """The smallest of the (sorted) ``sizes`` that is ``>= n``, or None."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
 
 
 class StepBuffers:
@@ -104,6 +122,13 @@ class StepBuffers:
         self.seq_lens_np[first_req:num_reqs] = 1
         self.table_np[first_req:num_reqs, 0] = NULL_BLOCK_ID
         self.qsl_np[first_req + 1:num_reqs + 1] = np.arange(first_token + 1, end_tok + 1)
+
+    def pad_tokens(self, first_token: int, num_tokens: int) -> None:
+        """Host side: token rows [first_token, num_tokens) become padding that no request owns:
+        token 0, position 0, slot 0 of the null block (piecewise graphs run them, attention never sees them)."""
+        self.ids_np[first_token:num_tokens] = 0
+        self.pos_np[first_token:num_tokens] = 0
+        self.slot_np[first_token:num_tokens] = NULL_BLOCK_ID
 
     def upload(self, num_tokens: int, num_reqs: int) -> None:
         """Copy the filled host prefixes to the device (asynchronous: the host buffers are only
@@ -161,8 +186,7 @@ class FullCUDAGraphs:
 
     def padded_size(self, num_reqs: int) -> Optional[int]:
         """The smallest capture size that holds ``num_reqs`` requests, or None."""
-        i = bisect.bisect_left(self.sizes, num_reqs)
-        return self.sizes[i] if i < len(self.sizes) else None
+        return next_capture_size(self.sizes, num_reqs)
 
     def _run(self, size: int) -> GraphOutputs:
         hidden = self.forward(self.buffers.input_ids[:size], self.buffers.positions[:size])
@@ -172,14 +196,15 @@ class FullCUDAGraphs:
         return GraphOutputs(hidden, logits, logits.argmax(dim=-1))
 
     @torch.inference_mode()
-    def capture(self, kv_caches: list[torch.Tensor]) -> None:
-        """Capture every size, largest first, into one shared pool; logs time and memory."""
+    def capture(self, kv_caches: list[torch.Tensor], pool: Optional[tuple] = None) -> None:
+        """Capture every size, largest first, into one shared pool (``pool``, else a new one);
+        logs time and memory."""
         from kiln.ops.triton_attention import static_decode_splits
 
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         buf = self.buffers
         for size in reversed(self.sizes):
             buf.fill_null_requests(0, 0, size)
@@ -208,11 +233,20 @@ class FullCUDAGraphs:
         return out
 
 
-def dispatch(graphs: Optional[FullCUDAGraphs], num_reqs: int, num_decodes: int) -> tuple[GraphMode, int]:
-    """The path of one batch and its padded request count: a full graph for a uniform decode
-    batch that fits a capture size, else no graph."""
-    if graphs is not None and num_decodes == num_reqs:
-        size = graphs.padded_size(num_reqs)
+def dispatch(full: Optional[FullCUDAGraphs], piecewise: Optional[PiecewiseCUDAGraphs],
+             num_tokens: int, num_reqs: int, num_decodes: int) -> tuple[GraphMode, int]:
+    """The path of one batch and the number of tokens it runs with, padding included.
+
+    A uniform decode batch that fits a full capture size replays a full graph (its requests padded
+    to that size, one token each); any other batch whose tokens fit a piecewise capture size
+    replays piece graphs (its tokens padded); anything else runs without graphs, unpadded.
+    ``full`` / ``piecewise`` are None when that kind of graph is off."""
+    if full is not None and num_decodes == num_reqs:
+        size = full.padded_size(num_reqs)
         if size is not None:
             return GraphMode.FULL, size
-    return GraphMode.NONE, num_reqs
+    if piecewise is not None:
+        size = piecewise.padded_size(num_tokens)
+        if size is not None:
+            return GraphMode.PIECEWISE, size
+    return GraphMode.NONE, num_tokens

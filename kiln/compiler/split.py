@@ -5,7 +5,8 @@
 calls stay opaque and run eagerly (they read the KV cache and metadata from the forward context).
 A Llama model with L layers gives L + 1 pieces; all but the first and last are the same code
 (o_proj, residual, MLP, next layer's norm, qkv_proj, rotary), which ``kiln.compiler.piece``
-compiles once.
+compiles once. With ``compile.cudagraph=piecewise`` every piece is also captured as a CUDA graph per
+capture size, attention still eager between them (``kiln.compiler.piecewise``).
 
 The split points are one list: ``split_op_names()`` = the generic attention op plus every
 attention kernel op registered with ``kiln.passes.attention_backend``.

@@ -8,12 +8,15 @@ samples. It never decides what runs: that is the scheduler's job.
 On CUDA it also: selects the Triton attention kernels; sizes the KV cache from
 ``cache.gpu_memory_fraction`` after a profiled forward at the largest batch
 (``scheduler.max_num_batched_tokens``); prepares every step in persistent pinned/device buffers
-(``kiln.compiler.cudagraph.StepBuffers``); and, with ``compile.cudagraph`` full, replays a captured
-graph for uniform decode batches (``kiln.compiler.cudagraph.dispatch``).
+(``kiln.compiler.cudagraph.StepBuffers``); and replays CUDA graphs as ``compile.cudagraph`` asks,
+chosen per batch by ``kiln.compiler.cudagraph.dispatch``: a full graph for uniform decode batches,
+piece graphs (``kiln.compiler.piecewise``, ``compile.mode=kiln`` only) for any batch of up to the
+largest capture size, padded to a capture size with attention run on the real tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -22,9 +25,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from kiln.compiler import ArtifactCache, build_forward, build_now, compile_seconds
+from kiln.compiler import ArtifactCache, KilnForward, build_forward, build_now, compile_seconds
 from kiln.compiler.cudagraph import (FullCUDAGraphs, GraphMode, GraphOutputs, StepBuffers, dispatch,
                                     wanted_graph_modes)
+from kiln.compiler.piecewise import PiecewiseCUDAGraphs
 from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig
 from kiln.forward_context import AttentionMetadata, ForwardContext, forward_context
 from kiln.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
@@ -78,7 +82,8 @@ class ModelRunner:
                                      artifact_cache=ArtifactCache(cache_config.resolved_dir, self._artifact_name()))
         build_now(self.forward, self.device)  # kiln: load the compiled forward from the cache, or compile it
         self.buffers: Optional[StepBuffers] = None
-        self.cuda_graphs: Optional[FullCUDAGraphs] = None
+        self.cuda_graphs: Optional[FullCUDAGraphs] = None  # full graphs (uniform decode batches)
+        self.piecewise_graphs: Optional[PiecewiseCUDAGraphs] = None
         self.activation_bytes = 0
         if is_cuda:
             sched = scheduler_config or SchedulerConfig()
@@ -89,10 +94,8 @@ class ModelRunner:
         self.num_blocks = min_over_ranks(self._decide_num_blocks(cache_config), tp, self.device)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         kv_seconds = time.perf_counter() - t_kv
-        if is_cuda and GraphMode.FULL in wanted_graph_modes(compile_config.cudagraph):
-            self.cuda_graphs = FullCUDAGraphs(self.forward, self.buffers, compile_config.capture_sizes,
-                                              self.max_model_len, compute_logits=self.model.compute_logits)
-            self.cuda_graphs.capture(self.kv_caches)
+        if is_cuda:
+            self._capture_cuda_graphs(compile_config)
         self.sampler = Sampler(seed=model_config.seed)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens of context) in %.2f GiB",
@@ -100,10 +103,26 @@ class ModelRunner:
             self.num_blocks * self._bytes_per_block() / 2**30,
         )
         self.startup_seconds = {"load_weights_s": self.load_seconds, **compile_seconds(self.forward),
-                                "cudagraph_s": self.cuda_graphs.capture_seconds if self.cuda_graphs else 0.0,
+                                "cudagraph_s": sum(g.capture_seconds for g in (self.cuda_graphs,
+                                                                               self.piecewise_graphs) if g),
                                 "kv_alloc_s": kv_seconds, "ready_s": time.perf_counter() - t_start}
         logger.info("start-up: load weights %.2f s, Dynamo %.2f s, Inductor %.2f s, compile cache load %.2f s, "
                     "CUDA graphs %.2f s, KV allocation %.2f s; ready in %.2f s", *self.startup_seconds.values())
+
+    def _capture_cuda_graphs(self, compile_config: CompileConfig) -> None:
+        """After the KV cache exists: full graphs first (the piece wrappers are not installed yet, so
+        nothing nests), then piece graphs; all in one memory pool (graphs never run concurrently)."""
+        modes = wanted_graph_modes(compile_config.cudagraph, has_pieces=isinstance(self.forward, KilnForward))
+        if not modes:
+            return
+        pool = torch.cuda.graph_pool_handle()
+        if GraphMode.FULL in modes:
+            self.cuda_graphs = FullCUDAGraphs(self.forward, self.buffers, compile_config.capture_sizes,
+                                              self.max_model_len, compute_logits=self.model.compute_logits)
+            self.cuda_graphs.capture(self.kv_caches, pool)
+        if GraphMode.PIECEWISE in modes:
+            self.piecewise_graphs = PiecewiseCUDAGraphs(self.forward, self.buffers, compile_config.capture_sizes)
+            self.piecewise_graphs.capture(self.kv_caches, pool)
 
     def _artifact_name(self) -> str:
         # A rank's shard is a different graph from the whole model's; ranks never share a directory.
@@ -197,7 +216,7 @@ class ModelRunner:
             input_ids, positions, meta, sample_rows = self._prepare_inputs(sched)
             with forward_context(ForwardContext(attn=meta, kv_caches=self.kv_caches)):
                 hidden = self.forward(input_ids, positions)  # [num_tokens, hidden]
-        if not sample_rows or self.tp.rank != 0:
+        if not sample_rows:
             return RunnerOutput()
         greedy_ids = None
         contiguous = len(sample_rows) == sample_rows[-1] + 1  # rows 0..n-1 (decode-only): a view
@@ -205,7 +224,10 @@ class ModelRunner:
         if graph_out is not None and graph_out.logits is not None:  # the graph computed them already
             logits, greedy_ids = graph_out.logits[rows], graph_out.greedy_ids[rows]
         else:
+            # Every rank: under tensor parallelism the logits are gathered over the group.
             logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab] float32
+        if self.tp.rank != 0:  # rank 0 alone samples
+            return RunnerOutput()
         requests = [s.request for s in sched.scheduled if s.samples]  # one per sample row
         out = self.sampler(logits, requests, greedy_ids)
         result = RunnerOutput()
@@ -290,16 +312,21 @@ class ModelRunner:
         num_decodes = 0
         while num_decodes < num_reqs and query_lens[num_decodes] == 1:
             num_decodes += 1
-        mode, padded = dispatch(self.cuda_graphs, num_reqs, num_decodes)
+        mode, padded = dispatch(self.cuda_graphs, self.piecewise_graphs, num_tokens, num_reqs, num_decodes)
         if mode is GraphMode.FULL:
             buf.fill_null_requests(num_reqs, num_tokens, padded)
             buf.upload(padded, padded)
             out = self.cuda_graphs.replay(padded)
             return out.hidden, sample_rows, out
-        buf.upload(num_tokens, num_reqs)
+        # PIECEWISE: rows [num_tokens, padded) are padding the piece graphs run and attention never
+        # sees (its metadata is the real batch's); NONE: padded == num_tokens.
+        buf.pad_tokens(num_tokens, padded)
+        buf.upload(padded, num_reqs)
         meta = buf.metadata(num_tokens, num_reqs, num_decodes, query_lens, seq_lens)
-        with forward_context(ForwardContext(attn=meta, kv_caches=self.kv_caches)):
-            hidden = self.forward(buf.input_ids[:num_tokens], buf.positions[:num_tokens])
+        graphs = self.piecewise_graphs.replaying(padded, num_tokens) if mode is GraphMode.PIECEWISE \
+            else contextlib.nullcontext()
+        with forward_context(ForwardContext(attn=meta, kv_caches=self.kv_caches)), graphs:
+            hidden = self.forward(buf.input_ids[:padded], buf.positions[:padded])  # [padded, hidden]
         return hidden, sample_rows, None
 
     def forget(self, request_id: str) -> None:
