@@ -133,10 +133,20 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     backend: str = "uni"  # uni | mp | ray
+    # A rank silent this long in one step (hung, deadlocked in a collective) fails the engine.
+    step_timeout_s: float = 300.0
+    # nccl | symm_mem: small all-reduces through PyTorch symmetric memory (CUDA, one host), NCCL above.
+    all_reduce: str = "nccl"
+    # ray: how the placement group lays the ranks (one bundle each) over nodes; PACK fills a node first.
+    placement_strategy: str = "PACK"  # PACK | STRICT_PACK | SPREAD | STRICT_SPREAD
 
     def __post_init__(self) -> None:
         _check_positive("parallel", "tensor_parallel_size", self.tensor_parallel_size)
+        _check_positive("parallel", "step_timeout_s", self.step_timeout_s)
+        _check_choice("parallel", "all_reduce", self.all_reduce, ("nccl", "symm_mem"))
         _check_choice("parallel", "backend", self.backend, ("uni", "mp", "ray"))
+        _check_choice("parallel", "placement_strategy", self.placement_strategy,
+                      ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"))
 
 
 @dataclass(frozen=True)

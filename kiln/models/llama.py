@@ -9,7 +9,8 @@ Rules this module keeps:
 - q/k/v and gate/up are fused into one Linear each: at batch 1 the step is bound by per-op
   overhead and weight reads, and one matmul reads the same bytes with fewer launches.
 - Tensor parallelism (``kiln.models.parallel``) only shrinks the per-rank sizes and adds one
-  ``torch.ops.kiln.all_reduce`` after o_proj and down_proj; with one rank the graph is unchanged.
+  ``torch.ops.kiln.all_reduce`` after the embedding, o_proj and down_proj, and one
+  ``torch.ops.kiln.all_gather`` of the logits; with one rank the graph is unchanged.
 - Numerics follow transformers: RMSNorm statistics in float32, RoPE table computed in float32
   then cast to the model dtype, rotate-half (neox) layout.
 """
@@ -24,10 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.attend_paged)
-import kiln.ops.collective  # noqa: F401  (registers torch.ops.kiln.all_reduce)
+import kiln.ops.collective  # noqa: F401  (registers torch.ops.kiln.all_reduce and all_gather)
 from kiln.models.arch import ArchConfig
 from kiln.models.parallel import (SINGLE, Shard, TensorParallel, check_tensor_parallel, column_shard, head_shards,
-                                  local_intermediate_size, local_num_heads, local_num_kv_heads, row_shard)
+                                  local_intermediate_size, local_num_heads, local_num_kv_heads, row_shard,
+                                  vocab_range, vocab_shard)
 
 
 class RMSNorm(nn.Module):
@@ -75,6 +77,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     (negation is exact), in four ops instead of the six of slice-neg-cat.
     """
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's rows of the embedding table (``vocab_range``); with one rank, ``nn.Embedding``.
+
+    A rank looks up the ids in its range and gives zeros for the others; the all-reduce sums the
+    one non-zero row per token, so the result is exact."""
+
+    def __init__(self, arch: ArchConfig, tp: TensorParallel = SINGLE) -> None:
+        self.vocab_start, num_rows = vocab_range(arch, tp)
+        super().__init__(num_rows, arch.hidden_size)
+        self.tp_size = tp.size
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super().forward(input_ids)
+        local_ids = input_ids - self.vocab_start  # [T]
+        mine = (local_ids >= 0) & (local_ids < self.num_embeddings)
+        x = F.embedding(torch.where(mine, local_ids, 0), self.weight)  # [T, hidden]
+        return torch.ops.kiln.all_reduce(x.masked_fill(~mine.unsqueeze(-1), 0.0))
 
 
 class LlamaAttention(nn.Module):
@@ -137,12 +159,13 @@ class LlamaForCausalLM(nn.Module):
         check_tensor_parallel(arch, tp.size)
         self.arch = arch
         self.tp = tp
-        # Embedding, norms and LM head are replicated on every rank (see kiln.models.parallel).
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # Embedding and LM head hold this rank's vocabulary rows, norms are replicated (kiln.models.parallel).
+        self.embed_tokens = VocabParallelEmbedding(arch, tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # Tied models read the embedding matrix in compute_logits instead of holding a second Linear.
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        num_vocab_rows = self.embed_tokens.num_embeddings
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, num_vocab_rows, bias=False)
         # Not persistent: recomputed from ArchConfig, never loaded from a checkpoint.
         self.register_buffer("cos_sin_cache", rope_cos_sin_table(arch, arch.max_position_embeddings), persistent=False)
 
@@ -164,9 +187,17 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] (only the rows to sample) -> [N, vocab] float32."""
+        """hidden: [N, hidden] (only the rows to sample) -> [N, vocab] float32.
+
+        Under tensor parallelism a collective: every rank must call it for the same rows."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)  # [N, this rank's vocab rows]
+        if self.tp.size == 1:
+            return logits.float()
+        logits = torch.ops.kiln.all_gather(logits)  # [N, padded vocab], ranks in order
+        if logits.shape[-1] != self.arch.vocab_size:
+            logits = logits[:, :self.arch.vocab_size]  # the padding's columns (zero rows) never sample
+        return logits.float().contiguous()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -174,6 +205,7 @@ class LlamaForCausalLM(nn.Module):
 
         Tensors are full (unsharded); under tensor parallelism each rank copies only its slice."""
         targets = {name: (dest, shard) for name, dest, shard in self._weight_slices()}
+        self._zero_vocab_padding()
         loaded: set[str] = set()
         for name, tensor in weights:
             if name not in targets:
@@ -187,11 +219,19 @@ class LlamaForCausalLM(nn.Module):
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             dest.copy_(tensor)
+            del tensor  # before the next is drawn or read: one full tensor at a time
             loaded.add(name)
         missing = sorted(set(targets) - loaded)
         if missing:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise ValueError(f"checkpoint lacks {len(missing)} weight(s): {missing[:5]}{more}")
+
+    def _zero_vocab_padding(self) -> None:
+        """Zero the embedding / LM head rows past the vocabulary (no checkpoint tensor fills them)."""
+        _, num_real = vocab_shard(self.arch, self.tp)
+        for head in (self.embed_tokens, self.lm_head):
+            if head is not None:
+                head.weight[num_real:].zero_()
 
     def _weight_targets(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, the slice of a kiln parameter it fills); fused weights are row ranges. With one
@@ -203,10 +243,11 @@ class LlamaForCausalLM(nn.Module):
         """(HF name, the slice of a kiln parameter it fills, the slice of the HF tensor this rank
         loads or None for all of it); fused weights are row ranges."""
         arch, tp = self.arch, self.tp
-        yield "model.embed_tokens.weight", self.embed_tokens.weight, None
+        vocab, num_real = vocab_shard(arch, tp)  # this rank's vocab rows; padding rows take no tensor
+        yield "model.embed_tokens.weight", self.embed_tokens.weight[:num_real], vocab
         yield "model.norm.weight", self.norm.weight, None
         if self.lm_head is not None:
-            yield "lm_head.weight", self.lm_head.weight, None
+            yield "lm_head.weight", self.lm_head.weight[:num_real], vocab
         heads = head_shards(arch, tp)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."

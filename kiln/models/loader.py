@@ -8,13 +8,17 @@
 3. a local Hugging Face directory: config.json, *.safetensors (sharded or not) and tokenizer files.
 
 Rules kept here: the model is built on the meta device and materialized directly on the target
-device in the target dtype, so a big random preset never exists as a float32 CPU copy; every
-failure to resolve a name is a ValueError that says what to change.
+device in the target dtype, so a big random preset never exists as a float32 CPU copy; random
+weights are drawn one full tensor at a time on the target device, each from a generator seeded by
+(seed, tensor name), and sharded on load like a checkpoint, so a rank never holds the whole model
+and every tensor-parallel size holds the same one; every failure to resolve a name is a
+ValueError that says what to change.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -98,15 +102,34 @@ def build_empty_model(arch: ArchConfig, device: torch.device, dtype: torch.dtype
 
 @torch.no_grad()
 def init_random_weights(model: LlamaForCausalLM, seed: int, std: float = RANDOM_INIT_STD) -> None:
-    """Norm weights 1, everything else N(0, std): finite, non-degenerate logits at any depth, since
-    every layer's input is renormalized."""
-    device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    for name, param in model.named_parameters():
+    """Fill ``model`` (any rank's shard) with the random model named by ``seed``: each rank loads
+    its slice of the same full tensors, so every tensor-parallel size holds the same model."""
+    param = next(model.parameters())
+    model.load_weights(iter_random_weights(model.arch, seed, param.device, param.dtype, std))
+
+
+def iter_random_weights(arch: ArchConfig, seed: int, device: torch.device, dtype: torch.dtype,
+                        std: float = RANDOM_INIT_STD) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every weight of a random ``arch`` model, drawn on ``device``.
+
+    Norm weights are 1, everything else N(0, std): finite, non-degenerate logits at any depth,
+    since every layer's input is renormalized. Each tensor has its own generator, seeded from
+    (seed, name), so a tensor never depends on which others a rank draws, and only one full
+    tensor exists at a time (``load_weights`` keeps its slice and drops it)."""
+    with torch.device("meta"):
+        shapes = [(name, t.shape) for name, t in LlamaForCausalLM(arch)._weight_targets()]
+    for name, shape in shapes:
         if name.endswith("norm.weight"):
-            param.fill_(1.0)
+            yield name, torch.ones(shape, device=device, dtype=dtype)
         else:
-            param.normal_(0.0, std, generator=generator)
+            generator = torch.Generator(device=device).manual_seed(_tensor_seed(seed, name))
+            yield name, torch.empty(shape, device=device, dtype=dtype).normal_(0.0, std, generator=generator)
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    """A 63-bit seed from (model seed, tensor name), the same in every process (unlike ``hash``)."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def iter_safetensors(hf_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -136,15 +159,10 @@ def _load_random(preset: str, model_config: ModelConfig, cache_dir: str, device,
     arch = dataclasses.replace(PRESETS[preset], bos_token_id=tokenizer.bos_token_id,
                                eos_token_id=(tokenizer.eos_token_id,))
     max_model_len = _max_model_len(model_config, arch)
-    model = build_empty_model(arch, device, dtype)
+    model = build_empty_model(arch, device, dtype, tp)
     init_random_weights(model, model_config.seed)
-    if tp.size > 1:
-        # Every rank draws the single-device weights, then keeps its slice: the same model as tp=1.
-        full, model = model, build_empty_model(arch, device, dtype, tp)
-        model.load_weights(full._weight_targets())
-        del full
-        if torch.device(device).type == "cuda":
-            torch.cuda.empty_cache()  # else the KV cache sizing counts the freed copy as in use
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # else the KV cache sizing counts the freed full tensors as in use
     return LoadedModel(model, arch, tokenizer, RANDOM_PREFIX + preset, None, max_model_len)
 
 

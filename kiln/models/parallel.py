@@ -8,15 +8,22 @@ The plan is Megatron's, on the fused projections kiln already uses::
 Column-parallel: a rank holds a contiguous range of output rows, so its output is a slice of the
 full one and needs no communication. Row-parallel: a rank holds the matching input columns, so its
 output is a partial sum, and one ``torch.ops.kiln.all_reduce`` per block restores the full
-activation. Embedding, norms and the LM head are replicated: every rank embeds the whole batch,
-and rank 0 alone computes logits and samples (the simplest correct choice; a vocab-parallel head
-would save ``vocab x hidden`` weights per rank at the cost of a gather).
+activation. Norms are replicated. Embedding and LM head are vocab-parallel: a rank holds a
+contiguous range of vocabulary rows (the tied head shares the embedding's shard), so no rank keeps
+``vocab x hidden`` weights whole::
+
+    ids ─ embed (this rank's rows; other ids -> 0) ─ all_reduce ─ layers ─ norm ─ lm_head (this rank's rows) ─ all_gather ─ logits
+
+After the gather every rank holds the full logits; rank 0 alone samples, but every rank computes
+logits whenever any row samples, since the gather needs the whole group.
 
 Rules kept here:
 - ``TensorParallel(rank=0, size=1)`` is exactly the single-device model: no shard, no collective.
 - Heads split evenly: ``num_heads % size == 0``. KV heads split when ``num_kv_heads % size == 0``
   and are replicated when ``size % num_kv_heads == 0`` (GQA with fewer KV heads than ranks: each
   KV head serves ``size // num_kv_heads`` ranks). Anything else is a ValueError before any rank starts.
+- The vocabulary pads up to a multiple of ``size``: the padding rows (on the last rank(s)) are zero
+  and their logits are cut off after the gather, so the sampler sees exactly ``vocab_size`` columns.
 - Weights shard on load: a rank copies only its slice of each Hugging Face tensor.
 """
 
@@ -103,6 +110,23 @@ def row_shard(full_cols: int, tp: TensorParallel) -> Shard:
         return None
     n = full_cols // tp.size
     return (1, tp.rank * n, n)
+
+
+def vocab_range(arch: ArchConfig, tp: TensorParallel) -> tuple[int, int]:
+    """(first id, number of rows) of this rank's range of the padded vocabulary."""
+    num_rows = -(-arch.vocab_size // tp.size)
+    return tp.rank * num_rows, num_rows
+
+
+def vocab_shard(arch: ArchConfig, tp: TensorParallel) -> tuple[Shard, int]:
+    """Embedding / LM head weight [vocab, hidden]: the rows this rank loads and how many of its
+    rows they fill (fewer than ``vocab_range``'s on a rank that holds padding)."""
+    if tp.size == 1:
+        return None, arch.vocab_size
+    start, num_rows = vocab_range(arch, tp)
+    start = min(start, arch.vocab_size)
+    num_real = min(num_rows, arch.vocab_size - start)
+    return (0, start, num_real), num_real
 
 
 def min_over_ranks(value: int, tp: TensorParallel, device: torch.device) -> int:

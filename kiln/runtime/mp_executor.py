@@ -1,16 +1,17 @@
 """MultiprocExecutor: tensor parallelism over ``tensor_parallel_size`` processes on this host.
 
-    engine process                              rank processes (torch.multiprocessing, spawn)
-    Scheduler ─ SchedulerOutput ─ pickled once ─┬─> rank 0: ModelRunner shard ─ forward ─ sample ─┐
-                                                └─> rank 1: ModelRunner shard ─ forward ──────────┤
-    Engine <──────────── RunnerOutput (rank 0) <── all-reduce between ranks (gloo / NCCL) ────────┘
+    engine process                                  rank processes (torch.multiprocessing, spawn)
+    Scheduler ─ SchedulerOutput ─ StepEncoder ─ StepDelta, pickled once ─┬─> rank 0: mirror ─ ModelRunner shard ─ sample ─┐
+                                                                         └─> rank 1: mirror ─ ModelRunner shard ──────────┤
+    Engine <──────────────────────── RunnerOutput (rank 0) <── all-reduce between ranks (gloo / NCCL) ────────────────────┘
 
 The scheduler runs once, in the engine; every rank runs the same forward on its shard; rank 0
-samples. All ranks are workers, so the engine process holds no model and no process group.
+samples. All ranks are workers, so the engine process holds no model and no process group. A step
+sends only what changed since the last one (``kiln.runtime.step_delta``).
 
 Rules kept here:
 - Never a silent hang: every wait selects on the pipes *and* the process sentinels with a timeout;
-  a rank that dies, errs or stays silent past ``step_timeout_s`` fails the step with a RuntimeError
+  a rank that dies, errs or stays silent past ``parallel.step_timeout_s`` fails the step with a RuntimeError
   naming the rank (a rank's own exception, e.g. a ValueError on start-up, is re-raised as is), and
   the executor is shut down.
 - No orphans: ``shutdown`` (also run at exit) asks, then terminates, then kills every worker; the
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import pickle
-import socket
 import time
 from multiprocessing.connection import Connection, wait
 from typing import Any, Optional
@@ -33,10 +33,10 @@ from kiln.models.parallel import TensorParallel
 from kiln.runtime.executor import Executor
 from kiln.runtime.model_runner import RunnerOutput
 from kiln.runtime.scheduler_output import SchedulerOutput
-from kiln.runtime.worker import WorkerSpec, worker_main
+from kiln.runtime.step_delta import StepEncoder
+from kiln.runtime.worker import WorkerSpec, free_port, worker_main
 
 START_TIMEOUT_S = 900.0  # start-up includes weight loading and compilation
-STEP_TIMEOUT_S = 300.0
 _JOIN_TIMEOUT_S = 5.0
 
 
@@ -44,19 +44,20 @@ class MultiprocExecutor(Executor):
     """One ``ModelRunner`` shard per rank, each in its own process."""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, compile: CompileConfig, parallel: ParallelConfig,
-                 scheduler: Optional[SchedulerConfig] = None, step_timeout_s: float = STEP_TIMEOUT_S,
-                 start_timeout_s: float = START_TIMEOUT_S):
+                 scheduler: Optional[SchedulerConfig] = None, start_timeout_s: float = START_TIMEOUT_S):
         self.world_size = parallel.tensor_parallel_size
-        self.step_timeout_s = step_timeout_s
+        self.step_timeout_s = step_timeout_s = parallel.step_timeout_s
         self._failure: Optional[str] = None
+        self._encoder = StepEncoder()
         ctx = mp.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         self._conns: list[Connection] = []
         self.procs: list[Any] = []
         atexit.register(self.shutdown)
         for rank in range(self.world_size):
             spec = WorkerSpec(model, cache, compile, scheduler, TensorParallel(rank, self.world_size),
-                              init_method, collective_timeout_s=max(step_timeout_s, start_timeout_s))
+                              init_method, collective_timeout_s=max(step_timeout_s, start_timeout_s),
+                              all_reduce=parallel.all_reduce)
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=worker_main, args=(spec, child_conn), name=f"kiln-tp-rank{rank}")
             proc.start()
@@ -73,12 +74,13 @@ class MultiprocExecutor(Executor):
         self.vocab_size = head["arch"].vocab_size
 
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
-        self._send(range(self.world_size), ("execute", sched))
+        self._send(range(self.world_size), ("execute", self._encoder.encode(sched)))
         return self._gather("ok", self.step_timeout_s)[0]
 
     def forget(self, request_ids: list[str]) -> None:
         if request_ids:
-            self._send([0], ("forget", request_ids))
+            self._encoder.forget(request_ids)
+            self._send(range(self.world_size), ("forget", request_ids))
 
     def shutdown(self) -> None:
         """Stop every worker: ask, then terminate, then kill. Safe to call more than once."""
@@ -170,9 +172,3 @@ class MultiprocExecutor(Executor):
     def _exit_codes(self) -> str:
         codes = {r: p.exitcode for r, p in enumerate(self.procs) if p.exitcode is not None}
         return f" (exit codes {codes})" if codes else ""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

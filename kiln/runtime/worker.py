@@ -2,10 +2,15 @@
 
 Protocol over one duplex pipe per rank (messages are pickled once by the executor, sent as bytes):
 
-    executor ─ ("execute", SchedulerOutput) ─> every rank ─ forward (all-reduces between ranks)
+    executor ─ ("execute", StepDelta) ───────> every rank ─ forward (all-reduces between ranks)
     executor <─ ("ok", RunnerOutput | None) ── rank 0 samples and answers with tokens, others None
-    executor ─ ("forget", [request ids]) ────> rank 0 only (the sampler lives there), no answer
+    executor ─ ("forget", [request ids]) ────> every rank (mirrors; rank 0's sampler), no answer
     executor ─ ("shutdown", None) ───────────> every rank: leave the loop, destroy the group, exit
+
+A step travels as a ``StepDelta`` (``kiln.runtime.step_delta``): each rank keeps a mirror of the
+live requests, so a steady decode sends a few integers per request, not its whole context.
+``RankWorker`` is the rank's state (runner + mirror), the same whether a process loop (``mp``) or a
+Ray actor (``ray``) drives it.
 
 Rules kept here:
 - Every failure is answered, never swallowed: ("error", exception, traceback text), then exit.
@@ -18,7 +23,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -29,6 +36,8 @@ import torch
 
 from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig
 from kiln.models.parallel import TensorParallel
+from kiln.runtime.model_runner import RunnerOutput
+from kiln.runtime.step_delta import RequestMirror, StepDelta
 
 _PARENT_CHECK_S = 1.0
 
@@ -44,19 +53,47 @@ class WorkerSpec:
     tp: TensorParallel
     init_method: str  # e.g. tcp://127.0.0.1:<port>
     collective_timeout_s: float
+    all_reduce: str = "nccl"  # parallel.all_reduce
+    # The rank's GPU among those this process sees. None: its rank (mp: every rank sees every GPU
+    # of the host); a Ray actor sees only the GPU Ray gave it, so it passes 0.
+    local_gpu: Optional[int] = None
+
+
+class RankWorker:
+    """One rank: its model runner shard and its mirror of the live requests."""
+
+    def __init__(self, spec: WorkerSpec):
+        self.runner = _start(spec)
+        self.mirror = RequestMirror()
+
+    def ready_info(self) -> dict[str, Any]:
+        runner = self.runner
+        info: dict[str, Any] = {"num_blocks": runner.num_blocks}
+        if runner.tp.rank == 0:
+            info.update(max_model_len=runner.max_model_len, tokenizer=runner.tokenizer, arch=runner.arch)
+        return info
+
+    def execute(self, delta: StepDelta) -> Optional[RunnerOutput]:
+        out = self.runner.execute(self.mirror.apply(delta))
+        return out if self.runner.tp.rank == 0 else None
+
+    def forget(self, request_ids: list[str]) -> None:
+        self.mirror.forget(request_ids)
+        for request_id in request_ids:
+            self.runner.forget(request_id)
 
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Entry point of a spawned rank process."""
     parent_pid = os.getppid()
     try:
-        runner = _start(spec)
-        conn.send(("ready", _ready_info(runner)))
+        worker = RankWorker(spec)
+        conn.send(("ready", worker.ready_info()))
     except BaseException as exc:  # noqa: BLE001  (reported to the engine, which raises it)
         _report(conn, exc)
         return
     try:
-        _serve(runner, conn, parent_pid)
+        _serve(worker, conn, parent_pid)
     finally:
         _stop_group()
     # Interpreter teardown with torch loaded takes seconds and has nothing left to save.
@@ -71,26 +108,33 @@ def _start(spec: WorkerSpec):
     from kiln.models.loader import resolve_device
     from kiln.runtime.model_runner import ModelRunner
 
+    _thread_lock_for_progress_bars()
     device = resolve_device(spec.model.device)
     if device.type == "cuda":
-        torch.cuda.set_device(spec.tp.rank)
+        torch.cuda.set_device(spec.tp.rank if spec.local_gpu is None else spec.local_gpu)
     else:
         # Ranks share the host's cores; each taking all of them only adds contention.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.tp.size))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=spec.init_method,
                             rank=spec.tp.rank, world_size=spec.tp.size,
                             timeout=timedelta(seconds=spec.collective_timeout_s))
+    if device.type == "cuda" and spec.all_reduce == "symm_mem" and spec.tp.size > 1:
+        from kiln.models.loader import resolve_dtype
+        from kiln.ops import symm_mem_all_reduce
+
+        local_gpu = torch.device("cuda", torch.cuda.current_device())
+        symm_mem_all_reduce.setup(resolve_dtype(spec.model.dtype, device), local_gpu)
     return ModelRunner(spec.model, spec.cache, spec.compile, spec.scheduler, spec.tp)
 
 
-def _ready_info(runner) -> dict[str, Any]:
-    info: dict[str, Any] = {"num_blocks": runner.num_blocks}
-    if runner.tp.rank == 0:
-        info.update(max_model_len=runner.max_model_len, tokenizer=runner.tokenizer, arch=runner.arch)
-    return info
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for the group's rendezvous (``""``: on every interface)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
-def _serve(runner, conn: Connection, parent_pid: int) -> None:
+def _serve(worker: RankWorker, conn: Connection, parent_pid: int) -> None:
     while True:
         if not conn.poll(_PARENT_CHECK_S):
             if os.getppid() != parent_pid:  # the engine died without a word: do not linger
@@ -104,11 +148,9 @@ def _serve(runner, conn: Connection, parent_pid: int) -> None:
             return
         try:
             if method == "execute":
-                out = runner.execute(arg)
-                conn.send(("ok", out if runner.tp.rank == 0 else None))
+                conn.send(("ok", worker.execute(arg)))
             elif method == "forget":
-                for request_id in arg:
-                    runner.forget(request_id)
+                worker.forget(arg)
             else:
                 raise ValueError(f"unknown worker message {method!r}")
         except BaseException as exc:  # noqa: BLE001
@@ -125,6 +167,17 @@ def _report(conn: Connection, exc: BaseException) -> None:
             conn.send(("error", RuntimeError(repr(exc)), text))
         except (OSError, EOFError):
             pass
+
+
+def _thread_lock_for_progress_bars() -> None:
+    """tqdm (FX's interpreter makes a disabled bar while kiln compiles) otherwise creates a
+    multiprocessing lock, a named semaphore that ``os._exit`` never unlinks and the resource
+    tracker then reports as leaked. A rank's bars are never shared between processes."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 def _stop_group() -> None:
