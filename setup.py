@@ -63,6 +63,8 @@ setup(
         "uvicorn",
         "prometheus-client",
     ],
+    # parallel.backend=ray (tensor-parallel ranks as Ray actors, also across nodes); tested with 2.60.
+    extras_require={"ray": ["ray>=2.60"]},
     entry_points={"console_scripts": ["kiln=kiln.entrypoints.cli:main"]},
     package_data={"kiln": ["../configs/**/*.yaml"]},
     **cpu_extensions(),

@@ -1,8 +1,9 @@
 """Executors: the boundary between the engine core and the model runner(s).
 
 The engine talks to an ``Executor`` only, so the same engine drives one runner in this process
-(``uni``) or one runner per rank in other processes (``mp``: ``kiln.runtime.mp_executor``; ``ray``
-is refused with a clear error, see ``kiln.runtime.ray_executor``). An executor receives the
+(``uni``) or one runner per rank in other processes: local processes (``mp``:
+``kiln.runtime.mp_executor``) or Ray actors, on this host or across several (``ray``:
+``kiln.runtime.ray_executor``, which needs the optional package ``ray``). An executor receives the
 sub-configs it needs, never the whole EngineConfig.
 """
 
@@ -70,6 +71,6 @@ def make_executor(model: ModelConfig, cache: CacheConfig, compile: CompileConfig
     if parallel.tensor_parallel_size != 1:
         raise ValueError(
             f"parallel.backend=uni runs one process; tensor_parallel_size={parallel.tensor_parallel_size} "
-            "needs parallel.backend=mp"
+            "needs parallel.backend=mp (or ray)"
         )
     return UniProcExecutor(model, cache, compile, scheduler)
