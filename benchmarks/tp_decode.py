@@ -149,7 +149,7 @@ def main(argv=None) -> None:
                 metrics["tokens_match_tp1"] = float(tokens == reference[mode, cudagraph])
             if (mode, cudagraph) not in base:  # the smallest size measured is the scaling baseline
                 base[mode, cudagraph] = (tp, metrics)
-            else:
+            elif tp > base[mode, cudagraph][0]:
                 tp0, m0 = base[mode, cudagraph]
                 for key in ("b1_output_tok_s", "offline_output_tok_s"):
                     metrics[key.replace("output_tok_s", "scaling_eff")] = metrics[key] / (tp / tp0 * m0[key])
