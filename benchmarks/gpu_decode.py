@@ -16,7 +16,7 @@ For each model (random weights with real shapes, bf16) it measures, in this one 
   systems in ``--tp-systems``; capture sizes reach 512 so a 512-request decode replays a graph);
 
 for HF transformers ``generate`` (eager, same weights) and kiln ``compile.mode`` eager / kiln, each
-with ``compile.cudagraph`` none and full. "none" is the same engine as "full" with graph dispatch
+with ``compile.cudagraph`` none and full, and kiln with ``full_and_piecewise`` (``kiln-pw``). "none" is the same engine as "full" with graph dispatch
 switched off (``runner.cuda_graphs = None``), so both rows share one build and one KV cache.
 
 Phases run in priority order and stop starting new ones after ``--deadline-s``; results are
@@ -51,8 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--tp-prompt-len", type=int, default=256)
     p.add_argument("--tp-output-len", type=int, default=256)
-    p.add_argument("--modes", default="hf,eager,kiln", help="systems: hf, eager (kiln eager), kiln (compiled)")
-    p.add_argument("--tp-systems", default="hf-generate,kiln-eager-full,kiln-kiln-full",
+    p.add_argument("--modes", default="hf,eager,kiln,kiln-pw",
+                   help="systems: hf, eager (kiln eager), kiln (compiled), kiln-pw (compiled, full + piecewise graphs)")
+    p.add_argument("--tp-systems", default="hf-generate,kiln-eager-full,kiln-kiln-full,kiln-kiln-full_and_piecewise",
                    help="systems that also run the offline throughput phase (each costs a full run)")
     p.add_argument("--breakdown-steps", type=int, default=48, help="decode steps timed per phase; 0: none")
     p.add_argument("--deadline-s", type=float, default=1e9, help="start no new phase after this many seconds")
@@ -124,11 +125,11 @@ def hf_system(preset: str):
     return generate, hf, weight_bytes
 
 
-def kiln_system(preset: str, mode: str, max_num_seqs: int):
+def kiln_system(preset: str, mode: str, max_num_seqs: int, cudagraph: str = "full"):
     from kiln import LLM, SamplingParams
 
     llm = LLM(model=f"random:{preset}", dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
-              compile={"mode": mode, "cudagraph": "full", "capture_sizes": CAPTURE_SIZES},
+              compile={"mode": mode, "cudagraph": cudagraph, "capture_sizes": CAPTURE_SIZES},
               cache={"gpu_memory_fraction": 0.85},
               scheduler={"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 2048})
 
@@ -238,7 +239,7 @@ def step_breakdown(llm, args, preset: str, system: str) -> dict:
     timers = _PhaseTimers()
     timers.wrap(engine.scheduler, "schedule", "schedule_ms")
     timers.wrap(runner, "_run_cuda", "prepare_launch_ms")
-    timers.wrap(runner, "sampler", "sample_ms")
+    timers.wrap(runner, "collect", "sample_ms")
     timers.wrap(engine.scheduler, "update", "update_ms")
     timers.wrap(engine.output_processor, "process", "process_ms")
     torch.cuda.synchronize()
@@ -333,6 +334,13 @@ def run_model(preset: str, args, bandwidth: float, results: Results, t_start: fl
             generate, handle, weight_bytes = hf_system(preset)
             roofline = bandwidth / weight_bytes
             variants = {"hf-generate": None}
+        elif mode == "kiln-pw":  # full graphs for decode-only batches, piecewise for mixed ones
+            generate, handle = kiln_system(preset, "kiln", max(args.num_requests if with_tp else 1, 1),
+                                           cudagraph="full_and_piecewise")
+            runner = handle.engine.executor.runner
+            roofline = bandwidth / weight_bytes_per_step(runner.model)
+            graphs = runner.cuda_graphs
+            variants = {"kiln-kiln-full_and_piecewise": graphs}
         else:
             generate, handle = kiln_system(preset, mode, max_num_seqs=max(args.num_requests if with_tp else 1, 1))
             runner = handle.engine.executor.runner

@@ -8,8 +8,9 @@ it measures:
 
 - batch-1 decode: a ``--prompt-len`` prompt, ``--output-len`` new tokens, ``ignore_eos``; reported:
   output tok/s end to end, the decode step time ``(t(output_len) - t(1)) / (output_len - 1)`` and
-  the part of it spent waiting on the executor (``b1_executor_ms``: the ranks' forward, sampling
-  and the pipes; the rest is the engine's own scheduling and output processing);
+  the executor's time per step (``b1_executor_ms``: from ``submit`` to the tokens back: the ranks'
+  forward, sampling and the pipes, which overlap the engine's processing of the previous step's
+  outputs; the engine's scheduling is outside it);
 - offline throughput: ``--num-requests`` prompts of ``--offline-prompt-len`` tokens at once,
   ``--offline-output-len`` tokens each; output tok/s and total tok/s;
 - start-up seconds (process spawn, weights, compile, graphs);
@@ -84,19 +85,22 @@ def measure(llm, args) -> tuple[dict, list[int]]:
     timed_generate(llm, [prompt], 8)  # warm-up: first-call costs are not decode
     t_one, _ = timed_generate(llm, [prompt], 1)
     executor = llm.engine.executor
-    execute, waits = executor.execute_model, []
+    submit, wait, waits, started = executor.submit, executor.wait, [], []
 
-    def timed_execute(sched):
-        t = time.perf_counter()
-        out = execute(sched)
-        waits.append(time.perf_counter() - t)
+    def timed_submit(sched):
+        started.append(time.perf_counter())
+        return submit(sched)
+
+    def timed_wait(handle):  # from submit to the tokens (the engine processes outputs in between)
+        out = wait(handle)
+        waits.append(time.perf_counter() - started.pop())
         return out
 
-    executor.execute_model = timed_execute  # the engine looks the method up on every step
+    executor.submit, executor.wait = timed_submit, timed_wait  # the engine looks them up on every step
     try:
         t_all, tokens = timed_generate(llm, [prompt], args.output_len)
     finally:
-        del executor.execute_model
+        del executor.submit, executor.wait
     metrics = {"b1_output_tok_s": args.output_len / t_all,
                "b1_step_ms": 1e3 * (t_all - t_one) / (args.output_len - 1),
                "b1_executor_ms": 1e3 * sorted(waits[1:])[len(waits[1:]) // 2]}  # median decode step

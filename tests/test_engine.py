@@ -150,3 +150,117 @@ def test_unknown_model_and_missing_dir(kiln_cache_dir, tmp_path):
         LLM("no-such-model", cache={"dir": kiln_cache_dir})
     with pytest.raises(ValueError):
         LLM(str(tmp_path / "missing"), cache={"dir": kiln_cache_dir})
+
+
+# ---- the step pipeline: step k's outputs are processed while step k+1 runs -----------------------
+def _pipeline_workload(texts: list[str], smol_greedy) -> list[tuple[str, object, SamplingParams]]:
+    """Stop strings that hit mid-generation, a stop token, length, eos (a short chat answer), and
+    seeded n=2 sampling with logprobs, all in one batch."""
+    greedy = dict(max_tokens=MAX_TOKENS, temperature=0.0)
+    work = []
+    for i in range(6):
+        words = texts[i].split()
+        stop = [words[len(words) // 2]] if len(words) > 2 else []
+        work.append((f"s{i}", PROMPTS[i], SamplingParams(stop=stop, **greedy)))
+    work.append(("tok", PROMPTS[0], SamplingParams(stop_token_ids=[smol_greedy[0][4]], **greedy)))
+    work.append(("len", PROMPTS[7], SamplingParams(max_tokens=3, temperature=0.0)))
+    work.append(("eos", [{"role": "user", "content": "What is 2+2? Answer with one number."}],
+                 SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)))
+    work.append(("n2", PROMPTS[8], SamplingParams(n=2, max_tokens=10, temperature=0.8, seed=11, logprobs=1,
+                                                  stop=[","])))
+    return work
+
+
+def _stream(llm, work) -> dict[str, list[tuple]]:
+    """Every RequestOutput of every request, in order, as comparable tuples; checks that nothing is
+    reported after its finish."""
+    engine = llm.engine
+    for rid, prompt, params in work:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            prompt = llm.apply_chat_template(prompt)
+            engine.add_request(rid, prompt, params, add_special_tokens=False)
+        else:
+            engine.add_request(rid, prompt, params)
+    stream: dict[str, list[tuple]] = {rid: [] for rid, _, _ in work}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen = stream[out.request_id]
+            assert not (seen and seen[-1][0]), f"{out.request_id} reported after it finished"
+            seen.append((out.finished, [(c.text, c.token_ids, c.finish_reason, c.stop_reason,
+                                         [sorted(lp) for lp in c.logprobs or []]) for c in out.outputs]))
+    return stream
+
+
+def test_pipelined_steps_match_serial_steps(smol, smol_greedy, monkeypatch):
+    """The same stream of outputs with and without the pipeline, though stop strings are found while
+    the next step already runs the stopped request; no block or generator is left behind."""
+    texts = [smol.tokenizer.decode(ids, skip_special_tokens=True) for ids in smol_greedy]
+    work = _pipeline_workload(texts, smol_greedy)
+    engine = smol.engine
+    dropped = []  # requests that reached update() already finished: their in-flight token is dropped
+    update = engine.scheduler.update
+
+    def spying_update(sched, sampled):
+        dropped.extend(s.request.request_id for s in sched.scheduled if s.request.is_finished)
+        return update(sched, sampled)
+
+    monkeypatch.setattr(engine.scheduler, "update", spying_update)
+    monkeypatch.setattr(engine, "_overlap", False)
+    serial = _stream(smol, work)
+    assert dropped == []
+    _assert_no_leak(smol)
+    monkeypatch.setattr(engine, "_overlap", True)
+    pipelined = _stream(smol, work)
+    assert dropped  # the case this test is about happened
+    _assert_no_leak(smol)
+    assert engine.executor.runner.sampler._seeded == {}  # forgets queued behind the step in flight
+    assert pipelined.keys() == serial.keys()
+    for rid in serial:
+        assert pipelined[rid] == serial[rid], rid
+    finals = {rid: s[-1][1] for rid, s in serial.items()}
+    reasons = {c[2] for outs in finals.values() for c in outs}
+    assert reasons == {"stop", "length"}
+    assert finals["eos"][0][2] == "stop" and finals["eos"][0][3] is None  # ended by eos
+    assert finals["tok"][0][1][-1] == smol_greedy[0][4]
+    for i in range(6):  # a stop string ends the text where the full greedy text has it
+        text, ids, reason, stop, _ = finals[f"s{i}"][0]
+        assert texts[i].startswith(text) and ids == smol_greedy[i][:len(ids)]
+
+
+def test_a_step_is_processed_while_the_next_one_is_in_flight(smol, monkeypatch):
+    engine = smol.engine
+    log = []
+    for obj, name in [(engine.executor, "submit"), (engine.executor, "wait"), (engine.output_processor, "process")]:
+        def spy(*args, _inner=getattr(obj, name), _name=name):
+            log.append(_name)
+            return _inner(*args)
+
+        monkeypatch.setattr(obj, name, spy)
+    engine.add_request("order", PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0))
+    num_tokens = []
+    while engine.has_unfinished_requests():
+        num_tokens.append([len(o.outputs[0].token_ids) for o in engine.step()])
+        log.append("|")
+    assert num_tokens == [[], [1], [2], [3]]  # each call returns the step before it
+    assert " ".join(log) == ("submit process | wait submit process | wait submit process | "
+                             "wait process |")  # the last step schedules nothing: nothing submitted
+    _assert_no_leak(smol)
+
+
+def test_abort_while_its_step_is_in_flight(smol, smol_greedy):
+    engine = smol.engine
+    engine.add_request("a", PROMPTS[2], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    engine.add_request("b", PROMPTS[3], SamplingParams(max_tokens=6, temperature=0.0))
+    engine.step()
+    engine.step()  # outputs of the prefill; the first decode of both is in flight
+    in_flight = [s.request.request_id for s in engine._in_flight[0].scheduled]
+    assert in_flight == ["a", "b"]
+    out = engine.abort_request("a")
+    assert out.finished and out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) == 1
+    assert engine.kv_manager.get_block_ids("a") == []  # freed now; its step still writes them
+    later = []
+    while engine.has_unfinished_requests():
+        later += engine.step()
+    assert "a" not in {o.request_id for o in later}
+    assert later[-1].request_id == "b" and later[-1].outputs[0].token_ids == smol_greedy[3][:6]
+    _assert_no_leak(smol)

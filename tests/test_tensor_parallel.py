@@ -256,6 +256,23 @@ def test_tp2_matches_tp1(model, tp2_engines, kiln_cache_dir, odd_vocab_dir):
                                        atol=1e-4, rtol=1e-4)
 
 
+def test_tp2_stop_strings_found_while_the_ranks_run_the_next_step(tp2_engines, kiln_cache_dir):
+    """The ranks already run step k+1 when step k's text shows a stop string: the outputs are those
+    of a serial single-process run, and the stopped requests are forgotten on every rank."""
+    single = LLM("random:tiny", compile={"mode": "eager"}, cache={"dir": kiln_cache_dir})
+    single.engine._overlap = False  # the reference: each step run to the end
+    full = _generate(single)
+    params = [SamplingParams(max_tokens=12, temperature=0.0, stop=[o.text[len(o.text) // 2:][:2]] if o.text else [])
+              for o in full]
+    want = [o.outputs[0] for o in single.generate(PROMPTS, params, use_tqdm=False)]
+    llm = tp2_engines("random:tiny")
+    got = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert [(o.text, o.token_ids, o.finish_reason) for o in got] == [(o.text, o.token_ids, o.finish_reason)
+                                                                     for o in want]
+    assert any(o.finish_reason == "stop" and len(o.token_ids) < 12 for o in got)
+    assert len(llm.engine.executor._encoder) == 0 and not llm.engine.has_unfinished_requests()
+
+
 def test_backends_that_cannot_run_say_why(kiln_cache_dir):
     cache = {"dir": kiln_cache_dir}
     with pytest.raises(ValueError, match="needs parallel.backend=mp"):

@@ -13,7 +13,9 @@ Threads and rules:
 - When no request is unfinished the thread blocks on the input queue: an idle engine costs nothing.
 - ``abort`` is synchronous and safe from any thread or a ``finally``; the request's blocks are freed
   on the engine thread's next turn (at once when it is idle). A stream dropped before it finished
-  aborts its request.
+  aborts its request. Adds and aborts are applied between ``step()`` calls, while a step may be in
+  flight: they queue or free, never allocate (the engine's pipeline rule), and ``step()`` is called
+  while ``has_unfinished_requests()``, which counts the step in flight, so the last one is drained.
 - If the thread dies with an exception, every pending and later request raises EngineDeadError and
   ``is_healthy()`` turns False: nobody waits forever.
 """

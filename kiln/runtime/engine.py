@@ -1,21 +1,47 @@
 """LLMEngine: the engine core that the ``LLM`` API and the server both drive.
 
-One step::
+Step pipeline: the output processing of step k (detokenize, stop strings) runs while step k+1
+runs on the device (or on the rank processes). One ``step()`` call::
 
-    sched   = scheduler.schedule()            # who runs, how many tokens each, which blocks
-    result  = executor.execute_model(sched)   # forward + sample
-    updated = scheduler.update(sched, result) # append tokens, finish on eos / length
-    outputs = output_processor.process(...)   # detokenize, stop strings, group n samples
+    result_k  = executor.wait(handle_k)             # step k's tokens (the device -> host sync)
+    updated   = scheduler.update(sched_k, result_k) # append tokens, finish on eos / stop ids / length
+    sched_k+1 = scheduler.schedule()                # who runs next, which blocks
+    handle    = executor.submit(sched_k+1)          # step k+1 starts ...
+    outputs   = output_processor.process(updated)   # ... while step k is detokenized, stop strings
+    finish the samples that hit a stop string       #     found; those are freed and forgotten
+    return outputs                                  # step k's RequestOutputs
 
-Rules: every request that enters leaves through a finish (stop, length, abort) and gives its
-blocks back; bad input is refused in ``add_request`` with a ValueError that says what to change.
+    host     | wait k | update k, schedule k+1 | submit k+1 | process k  | wait k+1 | update k+1 ...
+    device   ... k ]     idle                                [ k+1 ........... ]
+
+So ``step()`` returns the outputs of the step that just completed, one call after it was
+scheduled; the first call after an idle engine returns none. ``schedule`` needs only what
+``update`` knows (token ids, eos, max_tokens), never the text. ``overlap=False`` (tests' reference)
+runs each step to the end instead: schedule, submit, wait, update, process.
+
+Rules:
+- Every request that enters leaves through a finish (stop, length, abort) and gives its blocks
+  back; bad input is refused in ``add_request`` with a ValueError that says what to change.
+- A request finished while its step is in flight (a stop string found in ``process``, an abort
+  between calls) gives its blocks back at once; the step still writes its K/V into them. That is
+  safe because blocks are handed out only by ``schedule``, which runs after ``wait`` for the step
+  in flight, and nothing else allocates: ``abort_request`` and ``add_request`` only free or queue.
+  ``update`` drops the finished request's token from that step, and it is never reported again.
+- Since step k+1 is scheduled before step k's stop strings are known, a request stopped by one
+  still holds its seat, budget and blocks in step k+1 (one wasted row), so a waiting request may
+  be admitted a step later than in a serial run. Greedy and seeded tokens do not depend on the
+  batch; unseeded random draws (one shared generator) may differ from a serial run.
+- Nothing the runner reads for a step changes between ``submit`` and ``wait`` (tokens and
+  num_computed_tokens move in ``update`` only), so an executor may run the step at either point.
+- ``has_unfinished_requests`` counts the step in flight, so a caller's loop drains it; a step
+  with an empty schedule is never submitted.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from kiln.config import EngineConfig
 from kiln.outputs import RequestOutput
@@ -24,6 +50,7 @@ from kiln.runtime.kv_cache_manager import KVCacheManager
 from kiln.runtime.output_processor import OutputProcessor
 from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.scheduler_output import SchedulerOutput
 from kiln.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -32,8 +59,11 @@ Prompt = Union[str, list[int]]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, overlap: bool = True):
+        """``overlap=False`` runs each step to the end before returning (a reference for tests)."""
         self.config = config
+        self._overlap = overlap
+        self._in_flight: Optional[tuple[SchedulerOutput, Any]] = None  # (step, executor handle)
         self.executor = make_executor(config.model, config.cache, config.compile, config.parallel, config.scheduler)
         self.tokenizer = self.executor.tokenizer
         self.max_model_len = self.executor.max_model_len
@@ -106,19 +136,44 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Advance one step; returns the RequestOutputs of the step that completed in this call."""
+        if self._overlap:
+            updated, logprobs = self._wait_in_flight()  # step k
+            self._submit_next()  # step k+1 runs while ...
+        else:
+            self._submit_next()
+            updated, logprobs = self._wait_in_flight()
+        outputs = self._process(updated, logprobs)  # ... step k is detokenized
+        if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
+            self._wait_in_flight()  # all in it hit a stop string: drain it, so an idle engine holds no step
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+
+    def _submit_next(self) -> None:
         sched = self.scheduler.schedule()
-        result = self.executor.execute_model(sched)
-        updated = self.scheduler.update(sched, result.sampled_token_ids)
-        outputs, stopped = self.output_processor.process(updated, result.logprobs)
+        if not sched.is_empty:
+            self._in_flight = (sched, self.executor.submit(sched))
+
+    def _wait_in_flight(self) -> tuple[list[Request], dict[str, Optional[dict[int, float]]]]:
+        """Wait for the step in flight, if any, and update the scheduler with its tokens."""
+        if self._in_flight is None:
+            return [], {}
+        sched, handle = self._in_flight
+        self._in_flight = None  # before wait: a failed step is not waited for again
+        result = self.executor.wait(handle)
+        return self.scheduler.update(sched, result.sampled_token_ids), result.logprobs
+
+    def _process(self, updated: list[Request], logprobs: dict[str, Optional[dict[int, float]]]
+                 ) -> list[RequestOutput]:
+        outputs, stopped = self.output_processor.process(updated, logprobs)
         for sid in stopped:
             self.scheduler.finish_request(sid, RequestStatus.FINISHED_STOPPED)
         finished = [r.request_id for r in updated if r.is_finished]
         if finished:
             self.executor.forget(finished)
         return outputs
-
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
 
     def stats(self) -> dict:
         return {

@@ -1,6 +1,8 @@
 """ModelRunner: owns the model, its KV cache tensors and the sampler on one device.
 
-One call per engine step: ``execute(SchedulerOutput) -> RunnerOutput``. It lays the scheduled
+One step is ``launch(SchedulerOutput) -> LaunchedStep`` then ``collect(LaunchedStep) -> RunnerOutput``
+(``execute`` does both): launch enqueues the device work, collect waits for the sampled tokens, so
+on a GPU the engine can process the previous step's outputs in between. It lays the scheduled
 requests out as one flat batch (decodes first, then prefill chunks), builds the attention metadata,
 runs the model inside ``forward_context``, computes logits only for the rows that sample, and
 samples. It never decides what runs: that is the scheduler's job.
@@ -33,7 +35,7 @@ from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig
 from kiln.forward_context import AttentionMetadata, ForwardContext, forward_context
 from kiln.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from kiln.models.parallel import SINGLE, TensorParallel, local_num_kv_heads, min_over_ranks
-from kiln.runtime.sampler import Sampler
+from kiln.runtime.sampler import SampledTokens, Sampler, host_to_device
 from kiln.runtime.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,14 @@ _GRAPH_RESERVE_BYTES = 512 * 2**20  # kept free for CUDA graphs, which are captu
 class RunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, Optional[dict[int, float]]] = field(default_factory=dict)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is enqueued; ``ModelRunner.collect`` turns it into a RunnerOutput."""
+
+    request_ids: list[str] = field(default_factory=list)  # one per sampled row, in row order
+    samples: Optional[SampledTokens] = None  # None: nothing sampled here (no row, or rank > 0)
 
 
 class ModelRunner:
@@ -205,10 +215,15 @@ class ModelRunner:
         return peak
 
     # ---- one step -------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        return self.collect(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
+        """Prepare the inputs and enqueue forward, logits and sampling; on a GPU it returns while
+        they run. Everything read from the requests is read here: ``collect`` reads none of it."""
         if sched.is_empty:
-            return RunnerOutput()
+            return LaunchedStep()
         graph_out = None
         if self.buffers is not None:
             hidden, sample_rows, graph_out = self._run_cuda(sched)
@@ -217,24 +232,27 @@ class ModelRunner:
             with forward_context(ForwardContext(attn=meta, kv_caches=self.kv_caches)):
                 hidden = self.forward(input_ids, positions)  # [num_tokens, hidden]
         if not sample_rows:
-            return RunnerOutput()
+            return LaunchedStep()
         greedy_ids = None
         contiguous = len(sample_rows) == sample_rows[-1] + 1  # rows 0..n-1 (decode-only): a view
-        rows = slice(0, len(sample_rows)) if contiguous else torch.tensor(sample_rows, device=self.device)
+        rows = slice(0, len(sample_rows)) if contiguous else host_to_device(sample_rows, self.device)
         if graph_out is not None and graph_out.logits is not None:  # the graph computed them already
             logits, greedy_ids = graph_out.logits[rows], graph_out.greedy_ids[rows]
         else:
             # Every rank: under tensor parallelism the logits are gathered over the group.
             logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab] float32
         if self.tp.rank != 0:  # rank 0 alone samples
-            return RunnerOutput()
+            return LaunchedStep()
         requests = [s.request for s in sched.scheduled if s.samples]  # one per sample row
-        out = self.sampler(logits, requests, greedy_ids)
-        result = RunnerOutput()
-        for req, tok, lp in zip(requests, out.token_ids, out.logprobs):
-            result.sampled_token_ids[req.request_id] = tok
-            result.logprobs[req.request_id] = lp
-        return result
+        return LaunchedStep([r.request_id for r in requests], self.sampler.launch(logits, requests, greedy_ids))
+
+    def collect(self, launched: LaunchedStep) -> RunnerOutput:
+        """Wait for a launched step and read its tokens back to the host."""
+        if launched.samples is None:
+            return RunnerOutput()
+        out = launched.samples.result()
+        return RunnerOutput(dict(zip(launched.request_ids, out.token_ids)),
+                            dict(zip(launched.request_ids, out.logprobs)))
 
     def _prepare_inputs(self, sched: SchedulerOutput):
         bs = self.block_size

@@ -7,7 +7,10 @@
 
 The scheduler runs once, in the engine; every rank runs the same forward on its shard; rank 0
 samples. All ranks are workers, so the engine process holds no model and no process group. A step
-sends only what changed since the last one (``kiln.runtime.step_delta``).
+sends only what changed since the last one (``kiln.runtime.step_delta``). ``submit`` sends a step
+and returns, ``wait`` gathers the answers: the ranks compute step k+1 while the engine turns step
+k into outputs; a ``forget`` sent meanwhile queues behind the step on each pipe, so it applies
+after it.
 
 Rules kept here:
 - Never a silent hang: every wait selects on the pipes *and* the process sentinels with a timeout;
@@ -49,6 +52,8 @@ class MultiprocExecutor(Executor):
         self.step_timeout_s = step_timeout_s = parallel.step_timeout_s
         self._failure: Optional[str] = None
         self._encoder = StepEncoder()
+        self._num_steps = 0
+        self._in_flight: Optional[int] = None  # the step submitted and not yet waited for
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self._conns: list[Connection] = []
@@ -73,8 +78,19 @@ class MultiprocExecutor(Executor):
         self.eos_token_id = eos[0] if isinstance(eos, (tuple, list)) and eos else eos
         self.vocab_size = head["arch"].vocab_size
 
-    def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
+    def submit(self, sched: SchedulerOutput) -> int:
+        """Send the step to every rank and return at once: the ranks run it while the engine works."""
+        if self._in_flight is not None:
+            raise RuntimeError("a step is already in flight: wait() for it before submitting another")
         self._send(range(self.world_size), ("execute", self._encoder.encode(sched)))
+        self._num_steps += 1
+        self._in_flight = self._num_steps
+        return self._num_steps
+
+    def wait(self, handle: int) -> RunnerOutput:
+        if handle != self._in_flight:
+            raise RuntimeError(f"step {handle} is not the one in flight ({self._in_flight})")
+        self._in_flight = None
         return self._gather("ok", self.step_timeout_s)[0]
 
     def forget(self, request_ids: list[str]) -> None:

@@ -11,7 +11,9 @@ driven by actor method calls instead of a pipe loop. The scheduler runs once, in
 is encoded once (``kiln.runtime.step_delta``), put in the object store once, and every actor
 executes it; rank 0's answer is the step's result. Each actor holds one bundle ({"GPU": 1} on CUDA,
 where Ray sets CUDA_VISIBLE_DEVICES so the rank's GPU is cuda:0; {"CPU": 1} on the CPU), placed by
-``parallel.placement_strategy`` (PACK: fill a node first).
+``parallel.placement_strategy`` (PACK: fill a node first). ``submit`` makes the calls and returns
+their ObjectRefs, ``wait`` gets them, so the ranks compute step k+1 while the engine turns step k
+into outputs; an actor runs its calls in order, so a ``forget`` made meanwhile applies after the step.
 
 Cluster: the one this process already joined, else the one ``RAY_ADDRESS`` names or one running on
 this host (``ray.init(address="auto")``), else a local one (also with ``RAY_ADDRESS=local``) that
@@ -100,6 +102,7 @@ class RayExecutor(Executor):
         self.step_timeout_s = parallel.step_timeout_s
         self._failure: Optional[str] = None
         self._encoder = StepEncoder()
+        self._in_flight: Optional[list[Any]] = None  # ObjectRefs of the step submitted, not yet waited for
         self.actors: list[Any] = []
         self.whereabouts: list[tuple[str, int]] = []  # (node IP, pid) per rank
         self._forgets: list[tuple[int, Any]] = []  # (rank, ObjectRef) not yet checked for errors
@@ -149,12 +152,22 @@ class RayExecutor(Executor):
                                                    scheduling_strategy=in_bundle,
                                                    runtime_env={"env_vars": env}).remote())
 
-    def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
+    def submit(self, sched: SchedulerOutput) -> list[Any]:
+        """Call every actor and return its ObjectRefs at once: the ranks run while the engine works."""
         import ray
 
         self._check_usable()
+        if self._in_flight is not None:
+            raise RuntimeError("a step is already in flight: wait() for it before submitting another")
         delta = ray.put(self._encoder.encode(sched))  # once, however many ranks
-        return self._gather([actor.execute.remote(delta) for actor in self.actors], self.step_timeout_s)[0]
+        self._in_flight = [actor.execute.remote(delta) for actor in self.actors]
+        return self._in_flight
+
+    def wait(self, handle: list[Any]) -> RunnerOutput:
+        if handle is not self._in_flight:
+            raise RuntimeError("wait() got a step that is not the one in flight")
+        self._in_flight = None
+        return self._gather(handle, self.step_timeout_s)[0]
 
     def forget(self, request_ids: list[str]) -> None:
         if request_ids:

@@ -11,6 +11,10 @@ shares its batch. Rules it keeps:
 - Reported logprobs come from the log-softmax of the raw logits (before penalties and
   temperature), as vLLM reports them by default.
 - The caller's logits tensor is never modified.
+- ``launch`` only enqueues device work and ``SampledTokens.result()`` reads it back (the one
+  device -> host sync), so on a GPU the engine can do host work while the kernels run. The small
+  per-row option tensors go up through pinned memory without waiting for the stream; top-p (one
+  ``any()``) and penalties (``unique``) still sync inside ``launch``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,33 @@ class SamplerOutput:
     logprobs: list[Optional[dict[int, float]]]
 
 
+@dataclass
+class SampledTokens:
+    """One step's draws, still on the device; ``result()`` waits for them."""
+
+    token_ids: torch.Tensor  # [num_reqs] int64
+    num_reqs: int
+    logprob_rows: list[int]  # rows that asked for logprobs
+    logprob_counts: list[int]  # per such row: how many top logprobs (params.logprobs)
+    sampled_logprobs: Optional[torch.Tensor] = None  # [len(logprob_rows)]
+    top_logprobs: Optional[torch.Tensor] = None  # [len(logprob_rows), max count]
+    top_ids: Optional[torch.Tensor] = None  # [len(logprob_rows), max count]
+
+    def result(self) -> SamplerOutput:
+        token_ids = self.token_ids.tolist()  # the device -> host sync
+        logprobs: list[Optional[dict[int, float]]] = [None] * self.num_reqs
+        if not self.logprob_rows:
+            return SamplerOutput(token_ids, logprobs)
+        sampled_lp = self.sampled_logprobs.tolist()
+        top_lp = self.top_logprobs.tolist() if self.top_logprobs is not None else [[] for _ in self.logprob_rows]
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else [[] for _ in self.logprob_rows]
+        for k, (row, n) in enumerate(zip(self.logprob_rows, self.logprob_counts)):
+            entry = {token_ids[row]: sampled_lp[k]}
+            entry.update(zip(top_ids[k][:n], top_lp[k][:n]))
+            logprobs[row] = entry
+        return SamplerOutput(token_ids, logprobs)
+
+
 class Sampler:
     """Call it once per step with that step's logits and the requests they belong to, in order."""
 
@@ -48,14 +79,20 @@ class Sampler:
         """Drop a finished request's generator (a no-op for unseeded or unknown requests)."""
         self._seeded.pop(request_id, None)
 
-    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request],
                  greedy_ids: Optional[torch.Tensor] = None) -> SamplerOutput:
-        """``greedy_ids``: ``logits.argmax(-1)`` if the caller already has it (a CUDA graph does)."""
+        """Sample and read back: ``launch(...).result()``."""
+        return self.launch(logits, requests, greedy_ids).result()
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, requests: list[Request],
+               greedy_ids: Optional[torch.Tensor] = None) -> SampledTokens:
+        """Enqueue the sampling; ``greedy_ids``: ``logits.argmax(-1)`` if the caller already has it
+        (a CUDA graph does)."""
         params = [r.sampling_params for r in requests]
         if all(_is_plain_greedy(p) for p in params):  # fast path: one argmax, one read-back
             ids = greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)
-            return SamplerOutput(ids.tolist(), [None] * len(params))
+            return SampledTokens(ids, len(params), [], [])
         raw = logits.float()  # [num_reqs, vocab]
         penalized = apply_penalties(raw, requests)
         is_greedy = [p.temperature < _MIN_TEMPERATURE for p in params]
@@ -63,8 +100,8 @@ class Sampler:
         if not all(is_greedy):
             probs = _filtered_probs(penalized, params)
             sampled = probs.div_(self._exponential_noise(probs, requests)).argmax(dim=-1)
-            token_ids = torch.where(torch.tensor(is_greedy, device=raw.device), token_ids, sampled)
-        return SamplerOutput(token_ids.tolist(), _logprobs(raw, token_ids, params))
+            token_ids = torch.where(host_to_device(is_greedy, raw.device), token_ids, sampled)
+        return _launch_logprobs(raw, token_ids, params)
 
     def _exponential_noise(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Exponential(1) noise; argmax(probs / noise) is a draw from probs (the exponential race).
@@ -104,7 +141,7 @@ def _is_plain_greedy(p: SamplingParams) -> bool:
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Softmax after temperature, top-k, top-p and min-p, one tensor op per option."""
     dev = logits.device
-    temperature = torch.tensor([max(p.temperature, _MIN_TEMPERATURE) for p in params], device=dev)
+    temperature = host_to_device([max(p.temperature, _MIN_TEMPERATURE) for p in params], dev)
     logits = logits / temperature.unsqueeze(1)
     vocab = logits.shape[1]
     if any(0 < p.top_k < vocab for p in params):
@@ -114,12 +151,12 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         # Top-k already masked the rest, so top-p need only rank the best max-k candidates.
         ks = [params[i].top_k for i in top_p_rows]
         num_candidates = max(ks) if all(0 < k < vocab for k in ks) else vocab
-        top_p = torch.tensor([params[i].top_p for i in top_p_rows], device=dev)
-        index = torch.tensor(top_p_rows, device=dev)
+        top_p = host_to_device([params[i].top_p for i in top_p_rows], dev)
+        index = host_to_device(top_p_rows, dev)
         logits = logits.index_copy(0, index, _apply_top_p(logits[index], top_p, num_candidates))
     probs = logits.softmax(dim=-1)  # [num_reqs, vocab]
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=dev)
+        min_p = host_to_device([p.min_p for p in params], dev)
         floor = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [num_reqs, 1]
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs
@@ -132,7 +169,7 @@ def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     """
     vocab = logits.shape[1]
     max_k = max(k for k in top_k if k < vocab)
-    k = torch.tensor(top_k, device=logits.device).unsqueeze(1)  # [num_reqs, 1]
+    k = host_to_device(top_k, logits.device).unsqueeze(1)  # [num_reqs, 1]
     best = logits.topk(max_k, dim=-1).values  # [num_reqs, max_k], descending
     kth = best.gather(1, k.clamp(max=max_k) - 1)
     kth = kth.masked_fill(k >= vocab, float("-inf"))
@@ -201,28 +238,25 @@ def _flatten_ids(
             torch.tensor(ids, dtype=torch.long, device=device))
 
 
-def _logprobs(
-    raw: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]
-) -> list[Optional[dict[int, float]]]:
-    """{token: logprob} of the sampled token and the top-N, from the raw logits' log-softmax."""
+def _launch_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]) -> SampledTokens:
+    """Logprobs of the sampled token and the top-N, from the raw logits' log-softmax (on the device)."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    out: list[Optional[dict[int, float]]] = [None] * len(params)
+    out = SampledTokens(token_ids, len(params), rows, [params[i].logprobs for i in rows])
     if not rows:
         return out
-    index = torch.tensor(rows, device=raw.device)
+    index = host_to_device(rows, raw.device)
     logprobs = raw[index].log_softmax(dim=-1)  # [num_rows, vocab]
-    sampled = token_ids[index]
-    sampled_lp = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
-    top_lp: list[list[float]] = [[] for _ in rows]
-    top_ids: list[list[int]] = [[] for _ in rows]
-    max_n = max(params[i].logprobs for i in rows)
+    out.sampled_logprobs = logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1)
+    max_n = max(out.logprob_counts)
     if max_n:
-        values, ids = logprobs.topk(max_n, dim=-1)  # [num_rows, max_n]
-        top_lp, top_ids = values.tolist(), ids.tolist()
-    sampled = sampled.tolist()
-    for k, row in enumerate(rows):
-        n = params[row].logprobs
-        entry = {sampled[k]: sampled_lp[k]}
-        entry.update(zip(top_ids[k][:n], top_lp[k][:n]))
-        out[row] = entry
+        out.top_logprobs, out.top_ids = logprobs.topk(max_n, dim=-1)  # [num_rows, max_n]
     return out
+
+
+def host_to_device(values: list, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A small host list on ``device``. On CUDA through pinned memory, without waiting: a plain
+    (pageable) copy would synchronize the stream, i.e. wait for the forward just launched."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

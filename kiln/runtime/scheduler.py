@@ -109,13 +109,15 @@ class Scheduler:
     def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
         """Advance each scheduled request past its chunk and append sampled tokens.
 
-        Returns the requests that received a token this step, finished ones included.
+        Returns the requests that received a token this step, finished ones included. A request
+        finished since ``schedule()`` (an abort, or a stop string found while the step was in
+        flight) is skipped: its token is dropped and it is not returned.
         """
         received = []
         for scheduled in output.scheduled:
             request = scheduled.request
             if request.status is not RequestStatus.RUNNING:
-                continue  # finished (aborted) after schedule(); its token is dropped
+                continue  # finished after schedule() (abort, stop string while in flight): token dropped
             samples = scheduled.samples  # read before num_computed_tokens moves
             request.num_computed_tokens += scheduled.num_new_tokens
             if not samples:
