@@ -52,6 +52,13 @@ class Executor(abc.ABC):
     def shutdown(self) -> None:
         pass
 
+    def _describe_model(self, num_blocks: int, max_model_len: int, tokenizer: object, arch) -> None:
+        """Record what the engine reads of the model (``arch``: rank 0's ArchConfig)."""
+        self.num_blocks, self.max_model_len, self.tokenizer = num_blocks, max_model_len, tokenizer
+        eos = arch.eos_token_id
+        self.eos_token_id = eos[0] if isinstance(eos, (tuple, list)) and eos else eos
+        self.vocab_size = arch.vocab_size
+
 
 @dataclass
 class _Deferred:
@@ -73,12 +80,8 @@ class UniProcExecutor(Executor):
     def __init__(self, model: ModelConfig, cache: CacheConfig, compile: CompileConfig,
                  scheduler: Optional[SchedulerConfig] = None):
         self.runner = ModelRunner(model, cache, compile, scheduler)
-        self.num_blocks = self.runner.num_blocks
-        self.max_model_len = self.runner.max_model_len
-        self.tokenizer = self.runner.tokenizer
-        eos = self.runner.arch.eos_token_id
-        self.eos_token_id = eos[0] if isinstance(eos, (tuple, list)) and eos else eos
-        self.vocab_size = self.runner.arch.vocab_size
+        self._describe_model(self.runner.num_blocks, self.runner.max_model_len, self.runner.tokenizer,
+                             self.runner.arch)
         self._launch_in_submit = self.runner.device.type == "cuda"
         self._in_flight = False
         self._forgets: list[str] = []  # forgotten while a step was in flight: applied after it

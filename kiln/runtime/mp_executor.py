@@ -37,7 +37,7 @@ from kiln.runtime.executor import Executor
 from kiln.runtime.model_runner import RunnerOutput
 from kiln.runtime.scheduler_output import SchedulerOutput
 from kiln.runtime.step_delta import StepEncoder
-from kiln.runtime.worker import WorkerSpec, free_port, worker_main
+from kiln.runtime.worker import WorkerSpec, free_port, raise_rank_failure, worker_main
 
 START_TIMEOUT_S = 900.0  # start-up includes weight loading and compilation
 _JOIN_TIMEOUT_S = 5.0
@@ -71,12 +71,8 @@ class MultiprocExecutor(Executor):
             self.procs.append(proc)
         infos = self._gather("ready", start_timeout_s)
         head = infos[0]
-        self.num_blocks = min(info["num_blocks"] for info in infos)
-        self.max_model_len = head["max_model_len"]
-        self.tokenizer = head["tokenizer"]
-        eos = head["arch"].eos_token_id
-        self.eos_token_id = eos[0] if isinstance(eos, (tuple, list)) and eos else eos
-        self.vocab_size = head["arch"].vocab_size
+        self._describe_model(min(info["num_blocks"] for info in infos), head["max_model_len"], head["tokenizer"],
+                             head["arch"])
 
     def submit(self, sched: SchedulerOutput) -> int:
         """Send the step to every rank and return at once: the ranks run it while the engine works."""
@@ -172,9 +168,7 @@ class MultiprocExecutor(Executor):
     def _fail(self, reason: str, exc: Optional[BaseException] = None):
         self._failure = reason
         self._stop(grace_s=0.0)  # survivors may be blocked in a collective with the dead rank
-        if isinstance(exc, (ValueError, TypeError)):
-            raise exc from RuntimeError(reason)  # a configuration error: keep its type for the user
-        raise RuntimeError(reason) from exc
+        raise_rank_failure(reason, exc)
 
     def _check_usable(self) -> None:
         if self._failure is not None:

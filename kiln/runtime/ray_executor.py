@@ -46,7 +46,7 @@ from kiln.runtime.executor import Executor
 from kiln.runtime.model_runner import RunnerOutput
 from kiln.runtime.scheduler_output import SchedulerOutput
 from kiln.runtime.step_delta import StepDelta, StepEncoder
-from kiln.runtime.worker import RankWorker, WorkerSpec, free_port
+from kiln.runtime.worker import RankWorker, WorkerSpec, free_port, raise_rank_failure
 
 START_TIMEOUT_S = 900.0  # start-up includes weight loading and compilation
 PLACEMENT_TIMEOUT_S = 120.0  # how long the cluster may take to find room for every rank
@@ -121,12 +121,8 @@ class RayExecutor(Executor):
                  for rank in range(self.world_size)]
         infos = self._gather([a.start.remote(s) for a, s in zip(self.actors, specs)], start_timeout_s)
         head = infos[0]
-        self.num_blocks = min(info["num_blocks"] for info in infos)
-        self.max_model_len = head["max_model_len"]
-        self.tokenizer = head["tokenizer"]
-        eos = head["arch"].eos_token_id
-        self.eos_token_id = eos[0] if isinstance(eos, (tuple, list)) and eos else eos
-        self.vocab_size = head["arch"].vocab_size
+        self._describe_model(min(info["num_blocks"] for info in infos), head["max_model_len"], head["tokenizer"],
+                             head["arch"])
 
     def _start_actors(self, use_gpu: bool, strategy: str) -> None:
         import ray
@@ -224,9 +220,7 @@ class RayExecutor(Executor):
     def _fail(self, reason: str, exc: Optional[BaseException] = None):
         self._failure = reason
         self.shutdown()  # survivors may be blocked in a collective with the dead rank
-        if isinstance(exc, (ValueError, TypeError)):
-            raise exc from RuntimeError(reason)  # a configuration error: keep its type for the user
-        raise RuntimeError(reason) from exc
+        raise_rank_failure(reason, exc)
 
     def _check_usable(self) -> None:
         if self._failure is not None:
