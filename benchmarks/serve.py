@@ -50,6 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile-mode", default="eager", help="compile.mode of the started server")
+    p.add_argument("--cudagraph", default="none", help="compile.cudagraph of the started server (GPU)")
     p.add_argument("--device", default=None, help="device label for the results (default: this machine's)")
     p.add_argument("--out", default=None, help="JSON path (default: results/serve-<model>-<device>.json)")
     return p.parse_args(argv)
@@ -131,7 +132,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     from kiln.entrypoints.bench_serve import HEALTH_TIMEOUT_S, free_port, wait_healthy
 
     port = free_port()
-    config = EngineConfig(model=ModelConfig(args.model), compile=CompileConfig(mode=args.compile_mode),
+    compile_config = CompileConfig(mode=args.compile_mode, cudagraph=args.cudagraph)
+    config = EngineConfig(model=ModelConfig(args.model), compile=compile_config,
                           server=ServerConfig(host="127.0.0.1", port=port))
     path = Path(tempfile.mkdtemp()) / "engine.json"
     path.write_text(json.dumps(dataclasses.asdict(config)))
@@ -168,7 +170,7 @@ def main(argv=None) -> None:
     rate = args.rate if math.isfinite(args.rate) else "inf"  # JSON has no infinity
     config = {"system": "kiln-server", "url": args.url or "started", "rate": rate,
               "num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
-              "compile_mode": args.compile_mode}
+              "compile_mode": args.compile_mode, "cudagraph": args.cudagraph}
     record = make_record("serve", args.model, config, metrics)
     record["device"] = device
     slug = re.sub(r"[^a-z0-9.]+", "-", f"{args.model}-{device.split(':')[0]}".lower()).strip("-")
