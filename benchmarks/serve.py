@@ -129,7 +129,8 @@ def summarize(results: list[dict], duration_s: float) -> dict:
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
     from kiln.config import CompileConfig, EngineConfig, ModelConfig, ServerConfig
-    from kiln.entrypoints.bench_serve import HEALTH_TIMEOUT_S, free_port, wait_healthy
+    from kiln.entrypoints.bench_serve import HEALTH_TIMEOUT_S, wait_healthy
+    from kiln.runtime.worker import free_port
 
     port = free_port()
     compile_config = CompileConfig(mode=args.compile_mode, cudagraph=args.cudagraph)

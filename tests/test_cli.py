@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from omegaconf import OmegaConf
 from kiln.config import EngineConfig
 from kiln.entrypoints import cache_cmd
 from kiln.entrypoints.cli import CONFIG_DIR, CliConfig, engine_config, register_configs
+from kiln.runtime.worker import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -131,18 +131,12 @@ def test_generate_prints_text(tmp_path):
     assert "[INFO]" not in res.stdout  # logs go to stderr; stdout is the text only
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(importlib.util.find_spec("kiln.entrypoints.openai.api_server") is None,
                     reason="the OpenAI server (kiln.entrypoints.openai) is not in this tree yet")
 def test_serve_answers_health(tmp_path):
     import httpx
 
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen(

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import time
 
 import pytest
@@ -18,6 +17,7 @@ from kiln.models.arch import PRESETS
 from kiln.models.loader import build_empty_model, init_random_weights, iter_random_weights
 from kiln.models.parallel import TensorParallel, check_tensor_parallel, vocab_range
 from kiln.ops.collective import all_gather_reference, all_reduce_reference
+from kiln.runtime.worker import free_port
 from tests.utils import assert_same_completions
 
 PROMPTS = ["Hello there", "The capital of France is", list(range(100, 140)), "1, 2, 3"]
@@ -110,15 +110,9 @@ def test_uneven_heads_are_a_clear_error():
 
 
 # ---- the collective ops -------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def one_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 
@@ -142,7 +136,7 @@ def test_collectives_match_their_references():
     inputs = [torch.randn(2, 3, 5) for _ in range(size)]
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_collectives_on_rank, args=(r, size, port, inputs, results)) for r in range(size)]
     for p in procs:
         p.start()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,14 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kiln.config import EngineConfig
+from kiln.runtime.worker import free_port
 
 HEALTH_TIMEOUT_S = 600.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(base_url: str, proc: subprocess.Popen, timeout_s: float) -> None:

@@ -128,7 +128,7 @@ def _start(spec: WorkerSpec):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now, for the group's rendezvous (``""``: on every interface)."""
+    """A TCP port free on ``host`` now (``""``: on every interface): a group's rendezvous, a server."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
