@@ -10,8 +10,12 @@ def cpu_extensions() -> dict:
 
     Optional: without torch at build time (an isolated build) or with a compiler that fails, kiln
     installs without it and runs the pure-torch reference. Set KILN_REQUIRE_EXTENSION=1 to make a
-    failed build an error instead.
+    failed build an error instead, or KILN_SKIP_EXTENSION=1 not to build it at all (a quick
+    pure-Python build, as the packaging test makes).
     """
+    if os.environ.get("KILN_SKIP_EXTENSION") == "1":
+        print("kiln: KILN_SKIP_EXTENSION=1; not building the C++ extension kiln._C", file=sys.stderr)
+        return {}
     try:
         import torch
         from torch.utils.cpp_extension import BuildExtension, CppExtension
@@ -66,6 +70,7 @@ setup(
     # parallel.backend=ray (tensor-parallel ranks as Ray actors, also across nodes); tested with 2.60.
     extras_require={"ray": ["ray>=2.60"]},
     entry_points={"console_scripts": ["kiln=kiln.entrypoints.cli:main"]},
-    package_data={"kiln": ["../configs/**/*.yaml"]},
+    # The Hydra YAML ships inside the package (kiln/configs/), so `kiln` works from a wheel too.
+    package_data={"kiln": ["configs/*.yaml", "configs/*/*.yaml"]},
     **cpu_extensions(),
 )

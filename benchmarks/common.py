@@ -1,7 +1,7 @@
 """Helpers shared by the scripts in ``benchmarks/``: the results format of ``kiln bench``.
 
 A script builds one record per measured system with ``make_record`` (name, model, device, config,
-metrics, status, error, timestamp, torch version; see ``kiln.entrypoints.bench_report``), then
+metrics, status, error, timestamp, torch version; see ``kiln.bench.report``), then
 ``save_results`` writes each record to ``results/<name>-<system>-<time>.json`` and appends one row per
 record to ``results/<name>.md``. The sweep of ``kiln bench`` writes the same records, so a
 script's history and a sweep can be read, tabulated and plotted by the same code.
@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
-from kiln.entrypoints.bench_report import (  # noqa: F401  (re-exported for the scripts)
+from kiln.bench.report import (  # noqa: F401  (re-exported for the scripts)
     append_table_rows, device_name, format_number, make_record, write_record,
 )
 

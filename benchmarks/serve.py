@@ -7,7 +7,7 @@ token each for common tokenizers, +- ``--input-jitter``); every request asks for
 ``--output-len`` tokens (``ignore_eos``). Reports throughput (requests/s, output tokens/s) and
 TTFT / TPOT / end-to-end latency percentiles (p50, p90, p99), prints a table, writes one JSON
 record (format: ``common.py``) to ``--out`` and appends its row to ``serve.md`` beside it. The
-server is started as ``python -m kiln.entrypoints.bench_serve``, which calls ``run_server``.
+server is started as ``python -m kiln.bench.serve``, which calls ``run_server``.
 
     python benchmarks/serve.py --num-requests 16 --rate 2 --output-len 64
     python benchmarks/serve.py --url http://127.0.0.1:8000 --rate inf --num-requests 64
@@ -129,7 +129,7 @@ def summarize(results: list[dict], duration_s: float) -> dict:
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
     from kiln.config import CompileConfig, EngineConfig, ModelConfig, ServerConfig
-    from kiln.entrypoints.bench_serve import HEALTH_TIMEOUT_S, wait_healthy
+    from kiln.bench.serve import HEALTH_TIMEOUT_S, wait_healthy
     from kiln.runtime.worker import free_port
 
     port = free_port()
@@ -138,7 +138,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
                           server=ServerConfig(host="127.0.0.1", port=port))
     path = Path(tempfile.mkdtemp()) / "engine.json"
     path.write_text(json.dumps(dataclasses.asdict(config)))
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.entrypoints.bench_serve", str(path)])
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.bench.serve", str(path)])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, HEALTH_TIMEOUT_S)

@@ -57,7 +57,7 @@ class CacheConfig:
 
     block_size: int = 16
     enable_prefix_caching: bool = True
-    kv_cache_memory_gib: Optional[float] = None  # None: CPU 2 GiB budget, GPU from gpu_memory_fraction
+    kv_cache_memory_gib: Optional[float] = None  # None: CPU 1 GiB budget, GPU from gpu_memory_fraction
     gpu_memory_fraction: float = 0.9
     num_blocks: Optional[int] = None  # overrides the memory budget (tests use tiny pools)
     dir: Optional[str] = None  # None: $KILN_CACHE_DIR or ~/.cache/kiln
@@ -95,7 +95,10 @@ CUDAGRAPH_MODES = ("none", "piecewise", "full", "full_and_piecewise")
 
 @dataclass(frozen=True)
 class CompileConfig:
-    """How the model is compiled (see DESIGN.md, compile axes)."""
+    """How the model is compiled: ``mode`` (COMPILE_MODES) times ``cudagraph`` (CUDAGRAPH_MODES).
+
+    See docs/architecture.md (``kiln/compiler/``) for what each mode builds and how a step picks a graph.
+    """
 
     mode: str = "eager"
     cudagraph: str = "none"

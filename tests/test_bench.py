@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.config import CompileConfig, EngineConfig, ModelConfig
-from kiln.entrypoints import bench_worker
-from kiln.entrypoints.bench import BenchConfig, skip_reason
-from kiln.entrypoints.bench_plots import PLOT_FILES, write_plots
-from kiln.entrypoints.bench_report import (
+from kiln.bench import worker as bench_worker
+from kiln.bench.plots import PLOT_FILES, write_plots
+from kiln.bench.report import (
     RESULT_FILE, TABLE_FILE, append_table_rows, load_records, make_record, records_table,
 )
+from kiln.bench.sweep import BenchConfig, skip_reason
+from kiln.config import CompileConfig, EngineConfig, ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 COMPILE = {"compile": {"mode": "eager", "cudagraph": "none"}}

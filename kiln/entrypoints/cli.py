@@ -8,7 +8,7 @@
     kiln generate "prompt='Hello, world'"   # a value with a comma (a sweep list to Hydra) is quoted
 
 Hydra stays at this edge: ``main`` registers the config dataclasses in Hydra's ConfigStore (the
-``kiln_schema`` that ``configs/config.yaml`` extends), Hydra composes YAML and overrides, and
+``kiln_schema`` that ``kiln/configs/config.yaml`` extends), Hydra composes YAML and overrides, and
 ``OmegaConf.to_object`` turns the result into ``CliConfig``, whose dataclasses validate themselves.
 Nothing below receives a DictConfig. A wrong value ends the command with one line naming the field
 and the allowed values (exit code 2); ``HYDRA_FULL_ERROR=1`` shows the traceback instead.
@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NoReturn, Optional
 
+from kiln.bench.sweep import BenchConfig
 from kiln.config import (
     CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig,
 )
-from kiln.entrypoints.bench import BenchConfig
 
-# The YAML lives beside the package (kiln/../configs): found in a checkout and in an editable install.
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+# The Hydra YAML is package data (kiln/configs/), so a wheel install finds it as a checkout does.
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 SCHEMA_NAME = "kiln_schema"
 COMMANDS = {
     "serve": "run the OpenAI-compatible server",
@@ -158,12 +158,12 @@ def cmd_bench(cli: CliConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from kiln.entrypoints.bench import JobPaths, run_job
+    from kiln.bench.sweep import JobPaths, run_job
 
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
-    # Not hydra_cfg.sweep.dir: its ${now:...} would be re-evaluated now. configs/config.yaml makes
+    # Not hydra_cfg.sweep.dir: its ${now:...} would be re-evaluated now. kiln/configs/config.yaml makes
     # each job's directory one level below the sweep's (subdir: the job number).
     report_dir = job_dir.parent if multirun else job_dir
     record = run_job(engine_config(cli), cli.bench, JobPaths(job_dir=job_dir, report_dir=report_dir))
@@ -181,7 +181,7 @@ def usage() -> str:
     lines = ["usage: kiln <command> [group=option ...] [key=value ...] [Hydra flags: --cfg job, --help, -m]",
              "", "commands:"]
     lines += [f"  {name:<9} {text}" for name, text in COMMANDS.items()]
-    lines += ["", "config groups (configs/<group>/<option>.yaml):"]
+    lines += ["", f"config groups ({CONFIG_DIR}/<group>/<option>.yaml):"]
     lines += [f"  {g.name + ':':<11} {', '.join(sorted(p.stem for p in g.glob('*.yaml')))}" for g in groups]
     lines += ["", "`kiln <command> --help` shows every option and its default."]
     return "\n".join(lines)
@@ -192,7 +192,7 @@ def run_hydra(command: str, args: list[str]) -> None:
     import hydra
 
     if not (CONFIG_DIR / "config.yaml").is_file():
-        fail(f"no configs found at {CONFIG_DIR}; install kiln from its source tree (pip install -e .)", 1)
+        fail(f"no configs found at {CONFIG_DIR}; this kiln installation lacks its package data", 1)
     register_configs()
     task = TASKS[command]
 

@@ -1,7 +1,7 @@
-"""One benchmark run in its own process: ``python -m kiln.entrypoints.bench_worker SPEC RESULT``.
+"""One benchmark run in its own process: ``python -m kiln.bench.worker SPEC RESULT``.
 
-SPEC is the JSON that ``bench.run_job`` wrote ({name, model, config}); RESULT receives one record
-(``bench_report`` format). Whatever the run raises is caught and recorded as status "error" with a
+SPEC is the JSON that ``sweep.run_job`` wrote ({name, model, config}); RESULT receives one record
+(``kiln.bench.report`` format). Whatever the run raises is caught and recorded as status "error" with a
 one-line reason (the traceback goes to ``error.txt`` beside RESULT), so a sweep always gets a record.
 
 Start-up (``startup_s``: ``LLM`` construction, loading and compiling included) is measured apart
@@ -16,9 +16,9 @@ import time
 import traceback
 from pathlib import Path
 
+from kiln.bench.report import make_record, write_record
+from kiln.bench.sweep import BenchConfig
 from kiln.config import EngineConfig
-from kiln.entrypoints.bench import BenchConfig
-from kiln.entrypoints.bench_report import make_record, write_record
 
 
 def build_llm(engine: EngineConfig):
@@ -120,7 +120,7 @@ def measure_startup(engine: EngineConfig, bench: BenchConfig) -> dict:
 
 
 def measure_serve(engine: EngineConfig, bench: BenchConfig) -> dict:
-    from kiln.entrypoints.bench_serve import measure_serve as serve
+    from kiln.bench.serve import measure_serve as serve
 
     return serve(engine, bench)
 
@@ -142,7 +142,7 @@ def main(argv: list[str]) -> int:
     import json
 
     if len(argv) != 2:
-        print("usage: python -m kiln.entrypoints.bench_worker SPEC.json RESULT.json", file=sys.stderr)
+        print("usage: python -m kiln.bench.worker SPEC.json RESULT.json", file=sys.stderr)
         return 2
     spec_path, result_path = Path(argv[0]), Path(argv[1])
     spec = json.loads(spec_path.read_text())

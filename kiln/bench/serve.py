@@ -1,6 +1,6 @@
 """The ``serve`` benchmark: start the OpenAI server in a child process, then load it over HTTP.
 
-    python -m kiln.entrypoints.bench_serve CONFIG.json   # the child: run_server(EngineConfig)
+    python -m kiln.bench.serve CONFIG.json   # the child: run_server(EngineConfig)
 
 Measures ``server_startup_s`` (spawn to a healthy ``GET /health``), then for each batch size sends
 ``num_requests`` completions that many at a time: output tokens/s and request latency percentiles.
@@ -52,7 +52,7 @@ def measure_serve(engine, bench) -> dict:
         config_path = Path(tmp) / "engine.json"
         config_path.write_text(json.dumps(dataclasses.asdict(engine)))
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "kiln.entrypoints.bench_serve", str(config_path)])
+        proc = subprocess.Popen([sys.executable, "-m", "kiln.bench.serve", str(config_path)])
         try:
             wait_healthy(base_url, proc, HEALTH_TIMEOUT_S)
             metrics = {"server_startup_s": time.perf_counter() - t0}

@@ -1,4 +1,4 @@
-"""Plots over a set of benchmark records (see ``bench_report`` for the record format).
+"""Plots over a set of benchmark records (see ``kiln.bench.report`` for the record format).
 
 Three figures, always written so a sweep directory has a fixed layout (a figure with no data says so):
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kiln.entrypoints.bench_report import run_label
+from kiln.bench.report import run_label
 
 _BATCH_METRIC = re.compile(r"^output_tok_s_bs(\d+)$")
 _PERCENTILE_METRIC = re.compile(r"^(\w+)_ms_p(\d+)$")

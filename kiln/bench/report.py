@@ -10,7 +10,7 @@ Every kiln benchmark writes this one format (the ``kiln bench`` sweep and the sc
 
 Rules kept here: metrics are flat ``name -> number`` with the unit in the name (``_s``, ``_ms``,
 ``_tok_s``), per-batch-size metrics end in ``_bs<N>``; a record that is not "ok" says why in ``error``.
-Plots live in ``bench_plots``; this module imports neither torch nor matplotlib at import time.
+Plots live in ``kiln.bench.plots``; this module imports neither torch nor matplotlib at import time.
 """
 
 from __future__ import annotations

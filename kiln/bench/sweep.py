@@ -3,7 +3,7 @@
     kiln bench -m compile.mode=eager,stock,kiln compile.cudagraph=none,piecewise,full bench=throughput
 
 Hydra expands the sweep into jobs; each job (``run_job``) either records why its combination does not
-apply on this machine (``skip_reason``), or runs ``kiln.entrypoints.bench_worker`` in a subprocess, so
+apply on this machine (``skip_reason``), or runs ``kiln.bench.worker`` in a subprocess, so
 compile caches, Inductor state and memory never bleed from one combination into the next. A worker
 that raises still writes its record (status "error"); one that dies or times out gets one written
 here. After every job the sweep's table and plots are rewritten, so an interrupted sweep still
@@ -27,17 +27,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from kiln.config import EngineConfig
-from kiln.entrypoints.bench_report import (
+from kiln.bench.report import (
     RESULT_FILE, TABLE_FILE, format_number, load_records, make_record, run_label, write_record, write_table,
 )
+from kiln.config import EngineConfig
 
 BENCH_KINDS = ("throughput", "latency", "serve", "startup")
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """What one benchmark run measures (configs/bench/*.yaml)."""
+    """What one benchmark run measures (kiln/configs/bench/*.yaml)."""
 
     kind: str = "throughput"  # throughput | latency | serve | startup
     batch_sizes: tuple[int, ...] = (1, 8, 32)  # concurrent requests per measured point
@@ -108,7 +108,7 @@ def _run_worker(spec: dict, timeout_s: float, job_dir: Path, tag: str = "") -> d
     result_path = job_dir / (f"result{tag}.json" if tag else RESULT_FILE)
     spec_path.write_text(json.dumps(spec, indent=2) + "\n")
     result_path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "kiln.entrypoints.bench_worker", str(spec_path), str(result_path)]
+    cmd = [sys.executable, "-m", "kiln.bench.worker", str(spec_path), str(result_path)]
     # stdout/stderr pass through: the worker's progress bars are the sweep's progress bars.
     try:
         proc = subprocess.run(cmd, timeout=timeout_s)
@@ -155,7 +155,7 @@ def summary_line(record: dict) -> str:
 
 def write_report(report_dir: Path) -> list[Path]:
     """Rewrite the table and plots of every record under ``report_dir``."""
-    from kiln.entrypoints.bench_plots import write_plots
+    from kiln.bench.plots import write_plots
 
     records = load_records(report_dir)
     table = write_table(records, report_dir / TABLE_FILE, title="kiln bench")
