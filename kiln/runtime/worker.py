@@ -30,7 +30,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any, NoReturn, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -156,15 +156,6 @@ def _serve(worker: RankWorker, conn: Connection, parent_pid: int) -> None:
         except BaseException as exc:  # noqa: BLE001
             _report(conn, exc)
             return
-
-
-def raise_rank_failure(reason: str, exc: Optional[BaseException] = None) -> NoReturn:
-    """How an executor surfaces a failed rank: a rank's configuration error (ValueError or
-    TypeError, e.g. heads that do not divide) keeps its type for the user; anything else is a
-    RuntimeError that says which rank failed and how."""
-    if isinstance(exc, (ValueError, TypeError)):
-        raise exc from RuntimeError(reason)
-    raise RuntimeError(reason) from exc
 
 
 def _report(conn: Connection, exc: BaseException) -> None:

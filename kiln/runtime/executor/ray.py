@@ -20,11 +20,12 @@ this host (``ray.init(address="auto")``), else a local one (also with ``RAY_ADDR
 kiln starts and stops again with the last executor on it. A cluster kiln did not start is never
 shut down.
 
-Rules kept here (the ``mp`` executor's contract):
-- Never a silent hang: every wait is a ``ray.wait`` with a deadline; a rank whose actor dies
-  (RayActorError), errs or stays silent past ``parallel.step_timeout_s`` fails the step with a
-  RuntimeError naming the rank (a rank's own ValueError/TypeError, e.g. on start-up, is re-raised
-  as is), and the executor is shut down; later steps raise "has failed".
+Rules kept here (beside ``base``'s fail-fast rules, which this executor follows):
+- Every wait is a ``ray.wait`` with a deadline. An actor that dies arrives as a RayActorError, a
+  rank's exception as a RayTaskError whose cause is the exception itself. A ``forget`` is not
+  awaited, but the next gather checks it, so a failed forget still fails the engine.
+- Placement never waits forever: ``PLACEMENT_TIMEOUT_S`` at most, not at all on a local cluster
+  kiln started that is too small.
 - No orphans: ``shutdown`` (also run at exit, and idempotent) kills every actor, waits a moment for
   the local ones' processes to go, and removes the placement group.
 - Ray stays optional: it is imported only when this backend is chosen, and without it
@@ -42,13 +43,12 @@ from typing import Any, Optional
 
 from kiln.config import CacheConfig, CompileConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from kiln.models.parallel import TensorParallel
-from kiln.runtime.executor import Executor
+from kiln.runtime.executor.base import START_TIMEOUT_S, Executor, RankFailures, collective_timeout_s
 from kiln.runtime.model_runner import RunnerOutput
 from kiln.runtime.scheduler_output import SchedulerOutput
 from kiln.runtime.step_delta import StepDelta, StepEncoder
-from kiln.runtime.worker import RankWorker, WorkerSpec, free_port, raise_rank_failure
+from kiln.runtime.worker import RankWorker, WorkerSpec, free_port
 
-START_TIMEOUT_S = 900.0  # start-up includes weight loading and compilation
 PLACEMENT_TIMEOUT_S = 120.0  # how long the cluster may take to find room for every rank
 _EXIT_WAIT_S = 5.0
 # Environment the ranks need from the engine's (the cache dir, NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_*,
@@ -100,7 +100,7 @@ class RayExecutor(Executor):
 
         self.world_size = parallel.tensor_parallel_size
         self.step_timeout_s = parallel.step_timeout_s
-        self._failure: Optional[str] = None
+        self._failures = RankFailures("Ray", stop=self.shutdown)
         self._encoder = StepEncoder()
         self._in_flight: Optional[list[Any]] = None  # ObjectRefs of the step submitted, not yet waited for
         self.actors: list[Any] = []
@@ -116,13 +116,10 @@ class RayExecutor(Executor):
         init_method = f"tcp://{_url_host(self.whereabouts[0][0])}:{port}"
         model = dataclasses.replace(model, device="cuda" if use_gpu else "cpu")  # as the bundles were chosen
         specs = [WorkerSpec(model, cache, compile, scheduler, TensorParallel(rank, self.world_size), init_method,
-                            collective_timeout_s=max(self.step_timeout_s, start_timeout_s),
+                            collective_timeout_s=collective_timeout_s(self.step_timeout_s, start_timeout_s),
                             all_reduce=parallel.all_reduce, local_gpu=0 if use_gpu else None)
                  for rank in range(self.world_size)]
-        infos = self._gather([a.start.remote(s) for a, s in zip(self.actors, specs)], start_timeout_s)
-        head = infos[0]
-        self._describe_model(min(info["num_blocks"] for info in infos), head["max_model_len"], head["tokenizer"],
-                             head["arch"])
+        self._describe_ranks(self._gather([a.start.remote(s) for a, s in zip(self.actors, specs)], start_timeout_s))
 
     def _start_actors(self, use_gpu: bool, strategy: str) -> None:
         import ray
@@ -135,11 +132,11 @@ class RayExecutor(Executor):
         no_room = (f"the Ray cluster has no room for {self.world_size} bundles of {bundle} ({strategy}): "
                    f"{free:g} of its {total:g} {kind}s are free")
         if self._cluster.on_started and total < self.world_size:
-            self._fail(no_room)  # a local cluster kiln started does not grow: do not wait
+            self._failures.fail(no_room)  # a local cluster kiln started does not grow: do not wait
         self._placement = placement_group([dict(bundle) for _ in range(self.world_size)], strategy=strategy)
         ready, _ = ray.wait([self._placement.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:  # an autoscaling cluster may add nodes meanwhile
-            self._fail(f"{no_room} (waited {PLACEMENT_TIMEOUT_S:.0f} s)")
+            self._failures.fail(f"{no_room} (waited {PLACEMENT_TIMEOUT_S:.0f} s)")
         env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV)}
         actor_class = ray.remote(RankActor)
         for rank in range(self.world_size):
@@ -152,9 +149,8 @@ class RayExecutor(Executor):
         """Call every actor and return its ObjectRefs at once: the ranks run while the engine works."""
         import ray
 
-        self._check_usable()
-        if self._in_flight is not None:
-            raise RuntimeError("a step is already in flight: wait() for it before submitting another")
+        self._failures.check_usable()
+        self._check_idle(self._in_flight is not None)
         delta = ray.put(self._encoder.encode(sched))  # once, however many ranks
         self._in_flight = [actor.execute.remote(delta) for actor in self.actors]
         return self._in_flight
@@ -167,10 +163,9 @@ class RayExecutor(Executor):
 
     def forget(self, request_ids: list[str]) -> None:
         if request_ids:
-            self._check_usable()
+            self._failures.check_usable()
             self._encoder.forget(request_ids)
-            # No answer awaited now: an actor runs its calls in order, and the next step's gather
-            # checks these too, so a failed forget still fails the engine.
+            # No answer awaited now: an actor runs its calls in order, and the next gather checks these.
             self._forgets += [(rank, a.forget.remote(request_ids)) for rank, a in enumerate(self.actors)]
 
     def shutdown(self) -> None:
@@ -197,9 +192,7 @@ class RayExecutor(Executor):
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                silent = sorted({rank_of[ref] for ref in pending})
-                self._fail(f"tensor-parallel rank(s) {silent} gave no answer within {timeout_s:.0f} s "
-                           f"(hung or deadlocked in a collective)")
+                self._failures.no_answer(sorted({rank_of[ref] for ref in pending}), timeout_s)
             for ref in ready:
                 answers[ref] = self._get(ref, rank_of[ref])
         return [answers[ref] for ref in refs]
@@ -211,20 +204,11 @@ class RayExecutor(Executor):
         try:
             return ray.get(ref)
         except RayActorError as exc:
-            self._fail(f"tensor-parallel rank {rank}{self._where(rank)} died ({_first_line(exc)})", exc)
+            self._failures.fail(f"tensor-parallel rank {rank}{self._where(rank)} died ({_first_line(exc)})", exc)
         except RayTaskError as exc:
-            self._fail(f"tensor-parallel rank {rank}{self._where(rank)} failed:\n{exc}", exc.cause)
+            self._failures.fail(f"tensor-parallel rank {rank}{self._where(rank)} failed:\n{exc}", exc.cause)
         except RayError as exc:
-            self._fail(f"tensor-parallel rank {rank}{self._where(rank)} is unreachable ({exc!r})", exc)
-
-    def _fail(self, reason: str, exc: Optional[BaseException] = None):
-        self._failure = reason
-        self.shutdown()  # survivors may be blocked in a collective with the dead rank
-        raise_rank_failure(reason, exc)
-
-    def _check_usable(self) -> None:
-        if self._failure is not None:
-            raise RuntimeError(f"the Ray executor has failed and is shut down: {self._failure}")
+            self._failures.fail(f"tensor-parallel rank {rank}{self._where(rank)} is unreachable ({exc!r})", exc)
 
     def _where(self, rank: int) -> str:
         if rank < len(self.whereabouts):

@@ -6,17 +6,15 @@
     Engine <──────────────────────── RunnerOutput (rank 0) <── all-reduce between ranks (gloo / NCCL) ────────────────────┘
 
 The scheduler runs once, in the engine; every rank runs the same forward on its shard; rank 0
-samples. All ranks are workers, so the engine process holds no model and no process group. A step
-sends only what changed since the last one (``kiln.runtime.step_delta``). ``submit`` sends a step
-and returns, ``wait`` gathers the answers: the ranks compute step k+1 while the engine turns step
-k into outputs; a ``forget`` sent meanwhile queues behind the step on each pipe, so it applies
-after it.
+samples. All ranks are workers (``kiln.runtime.worker``), so the engine process holds no model and
+no process group. A step sends only what changed since the last one (``kiln.runtime.step_delta``).
+``submit`` sends a step and returns, ``wait`` gathers the answers: the ranks compute step k+1
+while the engine turns step k into outputs; a ``forget`` sent meanwhile queues behind the step on
+each pipe, so it applies after it.
 
-Rules kept here:
-- Never a silent hang: every wait selects on the pipes *and* the process sentinels with a timeout;
-  a rank that dies, errs or stays silent past ``parallel.step_timeout_s`` fails the step with a RuntimeError
-  naming the rank (a rank's own exception, e.g. a ValueError on start-up, is re-raised as is), and
-  the executor is shut down.
+Rules kept here (beside ``base``'s fail-fast rules, which this executor follows):
+- Every wait selects on the pipes *and* the process sentinels with a deadline, so a rank that
+  dies is seen at once, not when the deadline passes; its last words (an error) are read first.
 - No orphans: ``shutdown`` (also run at exit) asks, then terminates, then kills every worker; the
   workers themselves exit when the engine's pipe closes or its process disappears.
 """
@@ -33,13 +31,12 @@ import torch.multiprocessing as mp
 
 from kiln.config import CacheConfig, CompileConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from kiln.models.parallel import TensorParallel
-from kiln.runtime.executor import Executor
+from kiln.runtime.executor.base import START_TIMEOUT_S, Executor, RankFailures, collective_timeout_s
 from kiln.runtime.model_runner import RunnerOutput
 from kiln.runtime.scheduler_output import SchedulerOutput
 from kiln.runtime.step_delta import StepEncoder
-from kiln.runtime.worker import WorkerSpec, free_port, raise_rank_failure, worker_main
+from kiln.runtime.worker import WorkerSpec, free_port, worker_main
 
-START_TIMEOUT_S = 900.0  # start-up includes weight loading and compilation
 _JOIN_TIMEOUT_S = 5.0
 
 
@@ -49,8 +46,8 @@ class MultiprocExecutor(Executor):
     def __init__(self, model: ModelConfig, cache: CacheConfig, compile: CompileConfig, parallel: ParallelConfig,
                  scheduler: Optional[SchedulerConfig] = None, start_timeout_s: float = START_TIMEOUT_S):
         self.world_size = parallel.tensor_parallel_size
-        self.step_timeout_s = step_timeout_s = parallel.step_timeout_s
-        self._failure: Optional[str] = None
+        self.step_timeout_s = parallel.step_timeout_s
+        self._failures = RankFailures("multiprocess", stop=lambda: self._stop(grace_s=0.0))
         self._encoder = StepEncoder()
         self._num_steps = 0
         self._in_flight: Optional[int] = None  # the step submitted and not yet waited for
@@ -58,26 +55,22 @@ class MultiprocExecutor(Executor):
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self._conns: list[Connection] = []
         self.procs: list[Any] = []
+        group_timeout_s = collective_timeout_s(self.step_timeout_s, start_timeout_s)
         atexit.register(self.shutdown)
         for rank in range(self.world_size):
             spec = WorkerSpec(model, cache, compile, scheduler, TensorParallel(rank, self.world_size),
-                              init_method, collective_timeout_s=max(step_timeout_s, start_timeout_s),
-                              all_reduce=parallel.all_reduce)
+                              init_method, collective_timeout_s=group_timeout_s, all_reduce=parallel.all_reduce)
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=worker_main, args=(spec, child_conn), name=f"kiln-tp-rank{rank}")
             proc.start()
             child_conn.close()  # the child's end lives in the child: EOF here means it is gone
             self._conns.append(parent_conn)
             self.procs.append(proc)
-        infos = self._gather("ready", start_timeout_s)
-        head = infos[0]
-        self._describe_model(min(info["num_blocks"] for info in infos), head["max_model_len"], head["tokenizer"],
-                             head["arch"])
+        self._describe_ranks(self._gather("ready", start_timeout_s))
 
     def submit(self, sched: SchedulerOutput) -> int:
         """Send the step to every rank and return at once: the ranks run it while the engine works."""
-        if self._in_flight is not None:
-            raise RuntimeError("a step is already in flight: wait() for it before submitting another")
+        self._check_idle(self._in_flight is not None)
         self._send(range(self.world_size), ("execute", self._encoder.encode(sched)))
         self._num_steps += 1
         self._in_flight = self._num_steps
@@ -121,7 +114,7 @@ class MultiprocExecutor(Executor):
 
     # ---- pipes ----------------------------------------------------------------------------------
     def _send(self, ranks, message: tuple) -> None:
-        self._check_usable()
+        self._failures.check_usable()
         data = pickle.dumps(message)  # once, however many ranks
         for rank in ranks:
             try:
@@ -129,8 +122,9 @@ class MultiprocExecutor(Executor):
             except (OSError, ValueError) as exc:
                 proc = self.procs[rank]
                 if proc.exitcode is not None or not proc.is_alive():
-                    self._fail(self._died(rank))
-                self._fail(f"tensor-parallel rank {rank} is unreachable ({exc!r}){self._exit_codes()}")
+                    self._failures.fail(self._died(rank))
+                self._failures.fail(f"tensor-parallel rank {rank} is unreachable ({exc!r})"
+                                    f"{self._exit_codes()}")
 
     def _gather(self, expected: str, timeout_s: float) -> list[Any]:
         """One answer per rank, in rank order; raises as soon as any rank dies, errs or times out."""
@@ -141,38 +135,27 @@ class MultiprocExecutor(Executor):
             sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
             ready = wait([*pending, *sentinels], timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                missing = sorted(set(range(self.world_size)) - set(answers))
-                self._fail(f"tensor-parallel rank(s) {missing} gave no answer within {timeout_s:.0f} s "
-                           f"(hung or deadlocked in a collective)")
+                self._failures.no_answer(sorted(set(range(self.world_size)) - set(answers)), timeout_s)
             for conn in [c for c in ready if c in pending]:
                 answers[pending[conn]] = self._read(conn, pending[conn], expected)
             for sentinel in [s for s in ready if s in sentinels]:
                 rank = sentinels[sentinel]
                 if rank not in answers and self._conns[rank].poll():
                     self._read(self._conns[rank], rank, expected)  # its last words: an error, raised
-                self._fail(self._died(rank))
+                self._failures.fail(self._died(rank))
         return [answers[r] for r in range(self.world_size)]
 
     def _read(self, conn: Connection, rank: int, expected: str) -> Any:
         try:
             message = conn.recv()
         except (EOFError, OSError):
-            self._fail(f"tensor-parallel rank {rank} closed its pipe{self._exit_codes()}")
+            self._failures.fail(f"tensor-parallel rank {rank} closed its pipe{self._exit_codes()}")
         if message[0] == "error":
             _, exc, text = message
-            self._fail(f"tensor-parallel rank {rank} failed:\n{text}", exc)
+            self._failures.fail(f"tensor-parallel rank {rank} failed:\n{text}", exc)
         if message[0] != expected:
-            self._fail(f"tensor-parallel rank {rank} answered {message[0]!r}, expected {expected!r}")
+            self._failures.fail(f"tensor-parallel rank {rank} answered {message[0]!r}, expected {expected!r}")
         return message[1]
-
-    def _fail(self, reason: str, exc: Optional[BaseException] = None):
-        self._failure = reason
-        self._stop(grace_s=0.0)  # survivors may be blocked in a collective with the dead rank
-        raise_rank_failure(reason, exc)
-
-    def _check_usable(self) -> None:
-        if self._failure is not None:
-            raise RuntimeError(f"the multiprocess executor has failed and is shut down: {self._failure}")
 
     def _died(self, rank: int) -> str:
         proc = self.procs[rank]

@@ -1,0 +1,36 @@
+"""Executors: the boundary between the engine core and the model runner(s).
+
+    base.py     the ``Executor`` contract; the failure rules of the multi-rank executors
+    uniproc.py  ``uni``: one runner in this process
+    mp.py       ``mp``: one runner shard per rank, each in a local process
+    ray.py      ``ray``: one runner shard per rank, each in a Ray actor (the optional package ``ray``)
+
+``make_executor`` picks one by ``parallel.backend``; Ray is imported only when it is asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from kiln.config import CacheConfig, CompileConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from kiln.runtime.executor.base import Executor
+from kiln.runtime.executor.mp import MultiprocExecutor
+from kiln.runtime.executor.uniproc import UniProcExecutor
+
+__all__ = ["Executor", "MultiprocExecutor", "UniProcExecutor", "make_executor"]
+
+
+def make_executor(model: ModelConfig, cache: CacheConfig, compile: CompileConfig, parallel: ParallelConfig,
+                  scheduler: Optional[SchedulerConfig] = None) -> Executor:
+    if parallel.backend == "mp":
+        return MultiprocExecutor(model, cache, compile, parallel, scheduler)
+    if parallel.backend == "ray":
+        from kiln.runtime.executor.ray import make_ray_executor  # Ray stays optional
+
+        return make_ray_executor(model, cache, compile, parallel, scheduler)
+    if parallel.tensor_parallel_size != 1:
+        raise ValueError(
+            f"parallel.backend=uni runs one process; tensor_parallel_size={parallel.tensor_parallel_size} "
+            "needs parallel.backend=mp (or ray)"
+        )
+    return UniProcExecutor(model, cache, compile, scheduler)

@@ -1,0 +1,65 @@
+"""UniProcExecutor: one model runner in this process (``parallel.backend=uni``).
+
+On a GPU ``submit`` launches the step (the kernels run while the engine works) and ``wait`` reads
+the tokens back. On the CPU the runner computes synchronously, so a launch in ``submit`` would
+finish the whole step before the engine could process the previous one, delaying every output by
+a step for nothing; there the step runs in ``wait``. Nothing the runner reads changes between the
+two calls (the engine's pipeline rule), so both orders give the same tokens.
+
+Rules kept here: a ``forget`` made while a step is in flight (e.g. of a seeded generator the step
+still draws from) is held back and applied after that step's ``wait``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig
+from kiln.runtime.executor.base import Executor
+from kiln.runtime.model_runner import LaunchedStep, RunnerOutput
+from kiln.runtime.scheduler_output import SchedulerOutput
+
+
+@dataclass
+class _Deferred:
+    """A step submitted on the CPU: it runs in ``wait``."""
+
+    sched: SchedulerOutput
+
+
+class UniProcExecutor(Executor):
+    """One ``ModelRunner`` in this process."""
+
+    def __init__(self, model: ModelConfig, cache: CacheConfig, compile: CompileConfig,
+                 scheduler: Optional[SchedulerConfig] = None):
+        from kiln.runtime.model_runner import ModelRunner
+
+        self.runner = ModelRunner(model, cache, compile, scheduler)
+        self._describe_model(self.runner.num_blocks, self.runner.max_model_len, self.runner.tokenizer,
+                             self.runner.arch)
+        self._launch_in_submit = self.runner.device.type == "cuda"
+        self._in_flight = False
+        self._forgets: list[str] = []  # forgotten while a step was in flight: applied after it
+
+    def submit(self, sched: SchedulerOutput) -> Union[LaunchedStep, _Deferred]:
+        self._check_idle(self._in_flight)
+        handle = self.runner.launch(sched) if self._launch_in_submit else _Deferred(sched)
+        self._in_flight = True
+        return handle
+
+    def wait(self, handle: Union[LaunchedStep, _Deferred]) -> RunnerOutput:
+        try:
+            launched = self.runner.launch(handle.sched) if isinstance(handle, _Deferred) else handle
+            return self.runner.collect(launched)
+        finally:
+            self._in_flight = False
+            forgets, self._forgets = self._forgets, []
+            self.forget(forgets)
+
+    def forget(self, request_ids: list[str]) -> None:
+        if self._in_flight:
+            self._forgets.extend(request_ids)
+            return
+        for rid in request_ids:
+            self.runner.forget(rid)
