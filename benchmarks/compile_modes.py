@@ -63,7 +63,7 @@ def _decode_step_timings_inner(runner, num_requests: int, iters: int) -> dict[st
     )
     ids, pos = torch.full((num_requests,), 1234), torch.full((num_requests,), context_len - 1)
     with forward_context(ForwardContext(attn=meta, kv_caches=runner.kv_caches)):
-        times = runner.forward.time_call_paths(ids, pos, iters)
+        times = runner.compiled.forward.time_call_paths(ids, pos, iters)
         times["eager_model"] = _mean_us(lambda: runner.model(ids, pos), iters)
     return times
 
@@ -87,7 +87,7 @@ def bench_mode(mode: str, args) -> dict:
         "decode_bs1_tok_s": round(args.output_len / (full_s - prefill_s), 2),
         f"concurrent{args.num_requests}_out_tok_s": round(args.num_requests * args.output_len / batch_s, 2),
     }
-    forward = runner.forward
+    forward = runner.compiled.forward
     if isinstance(forward, KilnForward):
         row["kiln_compile_s"] = round(forward.compile_seconds, 2)
         row["kiln_inductor_builds"] = forward.num_compiles

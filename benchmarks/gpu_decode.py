@@ -17,7 +17,7 @@ For each model (random weights with real shapes, bf16) it measures, in this one 
 
 for HF transformers ``generate`` (eager, same weights) and kiln ``compile.mode`` eager / kiln, each
 with ``compile.cudagraph`` none and full, and kiln with ``full_and_piecewise`` (``kiln-pw``). "none" is the same engine as "full" with graph dispatch
-switched off (``runner.cuda_graphs = None``), so both rows share one build and one KV cache.
+switched off (``runner.compiled.full_graphs = None``), so both rows share one build and one KV cache.
 
 Phases run in priority order and stop starting new ones after ``--deadline-s``; results are
 written after every phase (``--out``: one JSON of all records and a markdown table).
@@ -238,7 +238,8 @@ def step_breakdown(llm, args, preset: str, system: str) -> dict:
     engine.step()
     timers = _PhaseTimers()
     timers.wrap(engine.scheduler, "schedule", "schedule_ms")
-    timers.wrap(runner, "_run_cuda", "prepare_launch_ms")
+    timers.wrap(runner.input_batch, "prepare", "prepare_ms")
+    timers.wrap(runner.compiled, "run", "launch_ms")
     timers.wrap(runner, "collect", "sample_ms")
     timers.wrap(engine.scheduler, "update", "update_ms")
     timers.wrap(engine.output_processor, "process", "process_ms")
@@ -251,7 +252,7 @@ def step_breakdown(llm, args, preset: str, system: str) -> dict:
     out = {k: 1e3 * v / n for k, v in timers.seconds.items()}
     out["step_ms"] = 1e3 * total / n
     out["other_ms"] = out["step_ms"] - sum(1e3 * v / n for v in timers.seconds.values())
-    graphs = runner.cuda_graphs
+    graphs = runner.compiled.full_graphs
     if graphs is not None and 1 in graphs.sizes:
         # The buffers hold the last step's inputs: a replay rewrites that step's K/V with the same values.
         out["graph_gpu_ms"] = _gpu_ms(lambda: graphs.replay(1))
@@ -273,7 +274,7 @@ def step_breakdown(llm, args, preset: str, system: str) -> dict:
 def _kernel_table(engine, runner, path: Path, steps: int = 3) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    graphs, runner.cuda_graphs = runner.cuda_graphs, None
+    graphs, runner.compiled.full_graphs = runner.compiled.full_graphs, None
     try:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
@@ -289,7 +290,7 @@ def _kernel_table(engine, runner, path: Path, steps: int = 3) -> None:
     except Exception as e:  # the profile is a diagnosis: never lose the run for it
         print(f"profile failed: {type(e).__name__}: {e}", flush=True)
     finally:
-        runner.cuda_graphs = graphs
+        runner.compiled.full_graphs = graphs
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -339,18 +340,18 @@ def run_model(preset: str, args, bandwidth: float, results: Results, t_start: fl
                                            cudagraph="full_and_piecewise")
             runner = handle.engine.executor.runner
             roofline = bandwidth / weight_bytes_per_step(runner.model)
-            graphs = runner.cuda_graphs
+            graphs = runner.compiled.full_graphs
             variants = {"kiln-kiln-full_and_piecewise": graphs}
         else:
             generate, handle = kiln_system(preset, mode, max_num_seqs=max(args.num_requests if with_tp else 1, 1))
             runner = handle.engine.executor.runner
             roofline = bandwidth / weight_bytes_per_step(runner.model)
-            graphs = runner.cuda_graphs
+            graphs = runner.compiled.full_graphs
             variants = {f"kiln-{mode}-none": None, f"kiln-{mode}-full": graphs}
         startup_s = time.perf_counter() - t0
         for system, graphs in variants.items():
             if mode != "hf":
-                runner.cuda_graphs = graphs
+                runner.compiled.full_graphs = graphs
             metrics, tokens = decode_metrics(generate, args, roofline)
             if mode == "hf":
                 hf_tokens = tokens

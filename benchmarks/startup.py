@@ -56,7 +56,7 @@ def child(opts: dict) -> None:
     runner = llm.engine.executor.runner
     print("RESULT " + json.dumps({
         "ready_wall": ready, "first_token_wall": first_token, "token": out[0].outputs[0].token_ids[0],
-        "cache_hit": bool(getattr(runner.forward, "cache_hit", False)), **runner.startup_seconds,
+        "cache_hit": bool(getattr(runner.compiled.forward, "cache_hit", False)), **runner.startup_seconds,
     }), flush=True)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -46,6 +46,9 @@ class ForwardContext:
     attn: Optional[AttentionMetadata]
     # One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V).
     kv_caches: list[torch.Tensor]
+    # The kernel the generic ``kiln.attend_paged`` runs (the KernelSet's, set by the compiled
+    # model); None: the pure-torch reference. Graphs compiled by kiln call the kernel's own op.
+    attention_impl: Optional[Callable[..., torch.Tensor]] = None
 
 
 _current: Optional[ForwardContext] = None

@@ -93,7 +93,7 @@ t0 = time.perf_counter()
 llm = LLM(model="random:tiny", compile={"mode": "kiln"}, cache={"dir": opts["cache_dir"], "num_blocks": 64})
 ready_s = time.perf_counter() - t0
 runner = llm.engine.executor.runner
-forward = runner.forward
+forward = runner.compiled.forward
 prompts = [[1, 2, 3, 4, 5, 6, 7], [900, 800, 700, 600, 500, 400, 300, 200, 100, 11, 12, 13]]
 outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
 

@@ -144,25 +144,12 @@ def test_kiln_no_recompiles_over_batch_sizes_1_to_64(model, kiln_forward):
 def test_kiln_static_sizes_and_fusions(model):
     """compile.sizes gets static builds chosen by num_tokens; fusions forced on (CPU's default is
     off) still give eager's logits, and the fused ops really run inside the compiled pieces."""
-    from kiln.ops import activation, layernorm
-
-    calls = {"silu_and_mul": 0, "add_rms_norm": 0}
-
-    def counting(name, reference):
-        def impl(*args):
-            calls[name] += 1
-            return reference(*args)
-        return impl
-
-    activation.set_silu_and_mul_impl(counting("silu_and_mul", activation.silu_and_mul_reference))
-    layernorm.set_add_rms_norm_impl(counting("add_rms_norm", layernorm.add_rms_norm_reference))
-    try:
-        forward = build_forward(model, CompileConfig(mode="kiln", sizes=(4,)), PassConfig(fusion="on"))
-        schedule = _schedule(ARCH.vocab_size)
-        got = _run_schedule(forward, model, schedule)
-    finally:
-        activation.set_silu_and_mul_impl(None)
-        layernorm.set_add_rms_norm_impl(None)
+    forward = build_forward(model, CompileConfig(mode="kiln", sizes=(4,)),
+                            PassConfig(kernels=_COUNTING_KERNELS, fusion="on"))
+    _FUSED_CALLS.update(silu_and_mul=0, add_rms_norm=0)
+    schedule = _schedule(ARCH.vocab_size)
+    got = _run_schedule(forward, model, schedule)
+    calls = dict(_FUSED_CALLS)
     _assert_same_logits(got, _run_schedule(model, model, schedule))
     # Per forward: one silu_and_mul per layer; add_rms_norm after every residual add that feeds a
     # norm (4 post-attention, 3 next-layer input norms, the final norm).
@@ -176,6 +163,32 @@ def test_kiln_static_sizes_and_fusions(model):
     middle.by_size[4] = _raise
     with pytest.raises(RuntimeError, match="static build for 4"):
         _run_schedule(forward, model, schedule[:1] + [{r: [1] for r in "abc"} | {"d": [2]}])
+
+
+def _counting(name, reference):
+    def impl(*args):
+        _FUSED_CALLS[name] += 1
+        return reference(*args)
+    return impl
+
+
+def _counting_kernels():
+    """The reference kernels behind ops of their own that count their calls."""
+    import dataclasses
+
+    from kiln.ops import activation, layernorm
+    from kiln.ops.registry import Kernel, reference_kernels
+
+    silu = activation.define_silu_and_mul_op(
+        "kiln_test_count::silu_and_mul", _counting("silu_and_mul", activation.silu_and_mul_reference))
+    norm = layernorm.define_add_rms_norm_op(
+        "kiln_test_count::add_rms_norm", _counting("add_rms_norm", layernorm.add_rms_norm_reference))
+    return dataclasses.replace(reference_kernels(), silu_and_mul=Kernel("counting", torch.ops.kiln_test_count.silu_and_mul),
+                               add_rms_norm=Kernel("counting", torch.ops.kiln_test_count.add_rms_norm)), (silu, norm)
+
+
+_FUSED_CALLS = {"silu_and_mul": 0, "add_rms_norm": 0}
+_COUNTING_KERNELS, _COUNTING_OPS = _counting_kernels()
 
 
 def _raise(*args):

@@ -16,8 +16,8 @@ import torch
 
 from kiln.forward_context import ForwardContext, forward_context
 from kiln.ops import cpu_attention as ca
-from kiln.ops.attention import attend_paged_reference, get_attention_impl, set_attention_impl
-from kiln.passes import attention_backend
+from kiln.ops.attention import attend_paged_reference
+from kiln.ops.registry import select_kernels
 
 if not ca.load_extension():
     pytest.skip("kiln._C is not built: run `pip install --no-build-isolation -e .`", allow_module_level=True)
@@ -89,44 +89,32 @@ def test_bad_metadata_is_an_error_not_a_crash():
                                             m.seq_lens, m.query_start_loc, 0.125)
 
 
-@pytest.fixture
-def restore_attention_backend():
-    """enable_cpu_attention changes process-global state; put it back for the other test modules."""
-    previous_impl, previous_kernels = get_attention_impl(), dict(attention_backend._kernels)
-    # Start clean: an engine built earlier in the session may already have enabled the kernel.
-    set_attention_impl(None)
-    attention_backend._kernels.clear()
-    yield
-    set_attention_impl(previous_impl)
-    attention_backend._kernels.clear()
-    attention_backend._kernels.update(previous_kernels)
-
-
 def _small_batch(seed=9):
     spec = ca.PagedBatchSpec(decode_seq_lens=(9, 30), prefill_chunks=((26, 10),), num_heads=8, num_kv_heads=2)
     return ca.random_paged_batch(spec, seed=seed)
 
 
-def test_enable_routes_kiln_attend_paged_to_the_kernel(restore_attention_backend):
+def test_cpu_kernels_route_kiln_attend_paged_to_the_kernel():
     batch = _small_batch()
     scale = batch.q.shape[-1] ** -0.5
     ref = attend_paged_reference(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.meta, scale)
-    assert ca.enable_cpu_attention()
-    assert get_attention_impl() is ca.cpu_attend_paged
-    assert "kiln_cpu::attend_paged" in attention_backend.attention_op_names()
+    kernels = select_kernels("cpu")
+    assert kernels.attention.impl is ca.cpu_attend_paged
+    assert "kiln_cpu::attend_paged" in kernels.split_op_names()
+    # The generic op runs the forward context's kernel (eager and stock modes); the kernel op its own.
     for op in (torch.ops.kiln.attend_paged, torch.ops.kiln_cpu.attend_paged):
         cache = batch.kv_cache.clone()
-        with forward_context(ForwardContext(attn=batch.meta, kv_caches=[cache])):
+        ctx = ForwardContext(attn=batch.meta, kv_caches=[cache], attention_impl=kernels.attention.impl)
+        with forward_context(ctx):
             out = op(batch.q, batch.k, batch.v, 0, scale)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_without_the_extension_nothing_is_enabled(monkeypatch, restore_attention_backend):
+def test_without_the_extension_the_reference_is_selected(monkeypatch):
     monkeypatch.setattr(ca, "_extension_loaded", False)
-    previous = get_attention_impl()
-    assert not ca.enable_cpu_attention()
-    assert get_attention_impl() is previous
-    assert "kiln_cpu::attend_paged" not in attention_backend.attention_op_names()
+    kernels = select_kernels("cpu")
+    assert kernels.attention.impl is attend_paged_reference
+    assert "kiln_cpu::attend_paged" not in kernels.split_op_names()
     batch = _small_batch()  # and the drop-in still works, on the reference
     scale = batch.q.shape[-1] ** -0.5
     ref = attend_paged_reference(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.meta, scale)

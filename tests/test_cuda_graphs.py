@@ -1,8 +1,7 @@
 """CUDA graphs and the CUDA step path: greedy tokens with and without graphs, and against HF.
 
 The ``gpu`` tests need CUDA (skipped without it). The others run anywhere: dispatch decisions, the
-padding of step buffers, the CUDA runner's persistent-buffer step path on the CPU checked against
-the plain CPU path, and piecewise graphs end to end on the CPU with graph capture emulated (each
+padding of step buffers, and piecewise graphs end to end on the CPU with graph capture emulated (each
 "graph" re-runs its piece on its static inputs and copies the results into its static outputs,
 so a wrong address, a missed copy or attention seeing padding changes the tokens).
 
@@ -18,7 +17,9 @@ import pytest
 import torch
 
 from kiln import SamplingParams
-from kiln.compiler.cudagraph import NULL_BLOCK_ID, GraphMode, StepBuffers, dispatch, wanted_graph_modes
+from kiln.compiler.compiled_model import dispatch
+from kiln.compiler.cudagraph import GraphMode, wanted_graph_modes
+from kiln.compiler.inputs import NULL_BLOCK_ID, InputBuffers, InputLimits
 from kiln.compiler.piecewise import PieceGraphs, PiecewiseCUDAGraphs
 
 PROMPT_LENS = (5, 17, 33, 64, 3)  # 5 requests: pads to capture size 8
@@ -92,7 +93,7 @@ def test_wanted_graph_modes(caplog):
 
 
 def test_pad_tokens_fills_null_rows_and_metadata_stays_real():
-    buf = StepBuffers(16, 4, 8, torch.device("cpu"))
+    buf = InputBuffers(InputLimits(16, 4, 8), torch.device("cpu"))
     buf.ids_np[:16], buf.pos_np[:16], buf.slot_np[:16] = 7, 9, 99  # stale values of an earlier step
     # Two requests: a decode at position 20 (block 3) and a 4-token prefill (block 5).
     buf.ids_np[:5], buf.pos_np[:5] = [11, 12, 13, 14, 15], [20, 0, 1, 2, 3]
@@ -163,16 +164,6 @@ def test_piece_graph_copies_inputs_that_moved_and_checks_scalars():
     assert wrapper(torch.ones(2, 4), weight, 2)[0].shape == (2, 4)
 
 
-def test_buffer_step_path_matches_cpu_path():
-    """The persistent-buffer step (the CUDA path) on CPU tensors gives the CPU path's tokens."""
-    llm = _llm("random:tiny", "float32", "eager", "none", device="cpu")
-    prompts = _prompts(llm.engine.executor.vocab_size)
-    want = _greedy(llm, prompts, 12)
-    runner = llm.engine.executor.runner
-    runner.buffers = StepBuffers(256, 8, -(-runner.max_model_len // runner.block_size), runner.device)
-    assert _greedy(llm, prompts, 12) == want
-
-
 MIXED_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)
 
 
@@ -214,7 +205,7 @@ def _mixed_workload(llm, vocab: int, max_tokens: int = 16, late_after: int = 2) 
 @pytest.fixture
 def dispatch_log(monkeypatch):
     """Every dispatch decision of the model runner: (mode, num_tokens, padded, has a prefill)."""
-    import kiln.runtime.model_runner as model_runner
+    import kiln.compiler.compiled_model as compiled_model
 
     log = []
 
@@ -223,7 +214,7 @@ def dispatch_log(monkeypatch):
         log.append((mode, num_tokens, padded, num_decodes < num_reqs))
         return mode, padded
 
-    monkeypatch.setattr(model_runner, "dispatch", recording)
+    monkeypatch.setattr(compiled_model, "dispatch", recording)
     return log
 
 
@@ -254,22 +245,21 @@ def test_piecewise_graphs_emulated_on_cpu_match_no_graphs(dispatch_log):
     llm = _mixed_llm("kiln", "none", device="cpu")
     vocab = llm.engine.executor.vocab_size
     want = _mixed_workload(llm, vocab)
-    runner = llm.engine.executor.runner
-    runner.buffers = StepBuffers(64, 8, -(-runner.max_model_len // runner.block_size), runner.device)
-    graphs = PiecewiseCUDAGraphs(runner.forward, runner.buffers, MIXED_CAPTURE_SIZES + (128,), record=emulated_graph)
+    compiled = llm.engine.executor.runner.compiled
+    graphs = PiecewiseCUDAGraphs(compiled.forward, compiled.inputs, MIXED_CAPTURE_SIZES + (128,), record=emulated_graph)
     assert graphs.sizes == list(MIXED_CAPTURE_SIZES)  # 128 > max_num_batched_tokens: dropped
     assert len(graphs.pieces) == len(graphs.attention_calls) + 1
     assert {c.buffer_key for c in graphs.attention_calls} == {"shared"}
-    graphs.capture(runner.kv_caches)
+    graphs.capture(compiled._capture_scope, compiled.kv_caches)
     assert graphs.captured_sizes == set(MIXED_CAPTURE_SIZES)
     assert all(set(p.graphs) == set(MIXED_CAPTURE_SIZES) for p in graphs.pieces)
     seen = _spy_attention(graphs)
-    runner.piecewise_graphs = graphs
+    compiled.piecewise_graphs = graphs
     dispatch_log.clear()
     assert _mixed_workload(llm, vocab) == want
     _assert_mixed_batches_padded(dispatch_log)
     assert seen and all(q_rows == num_tokens == num_slots for q_rows, num_tokens, num_slots in seen)  # no padding
-    runner.piecewise_graphs = None  # the wrappers stay installed and call straight through
+    compiled.piecewise_graphs = None  # the wrappers stay installed and call straight through
     assert _mixed_workload(llm, vocab) == want
 
 
@@ -286,7 +276,7 @@ def test_full_graphs_match_no_graphs_float32(mode):
     prompts = _prompts(49152)
     want = _greedy(_llm("random:tiny", "float32", "eager", "none"), prompts, 24)
     llm = _llm("random:tiny", "float32", mode, "full")
-    assert llm.engine.executor.runner.cuda_graphs is not None
+    assert llm.engine.executor.runner.compiled.full_graphs is not None
     assert _greedy(llm, prompts, 24) == want
     assert _greedy(llm, prompts[:1], 24) == want[:1]  # batch 1: capture size 1, no padding
 
@@ -298,9 +288,9 @@ def test_full_graphs_match_no_graphs_bfloat16(model):
     llm = _llm(model, "bfloat16", "eager", "full")
     runner = llm.engine.executor.runner
     got = _greedy(llm, prompts, 32)
-    graphs, runner.cuda_graphs = runner.cuda_graphs, None  # the same engine, graph dispatch off
+    graphs, runner.compiled.full_graphs = runner.compiled.full_graphs, None  # the same engine, graph dispatch off
     want = _greedy(llm, prompts, 32)
-    runner.cuda_graphs = graphs
+    runner.compiled.full_graphs = graphs
     prefixes = [_agreeing_prefix(g, w) for g, w in zip(got, want)]
     assert min(prefixes) >= 4, prefixes
     assert sum(prefixes) >= 0.5 * 32 * len(prompts), prefixes
@@ -340,10 +330,10 @@ def test_piecewise_graphs_match_no_graphs_float32(cudagraph, dispatch_log):
     want = _mixed_workload(_mixed_llm("kiln", "none"), 49152)
     llm = _mixed_llm("kiln", cudagraph)
     runner = llm.engine.executor.runner
-    graphs = runner.piecewise_graphs
+    graphs = runner.compiled.piecewise_graphs
     assert graphs is not None and graphs.captured_sizes == set(MIXED_CAPTURE_SIZES)
     assert graphs.capture_seconds > 0
-    assert (runner.cuda_graphs is not None) == (cudagraph == "full_and_piecewise")
+    assert (runner.compiled.full_graphs is not None) == (cudagraph == "full_and_piecewise")
     dispatch_log.clear()
     assert _mixed_workload(llm, 49152) == want
     _assert_mixed_batches_padded(dispatch_log)
@@ -358,10 +348,10 @@ def test_piecewise_graphs_match_no_graphs_bfloat16(model):
     llm = _mixed_llm("kiln", "full_and_piecewise", dtype="bfloat16", model=model)
     runner = llm.engine.executor.runner
     got = _mixed_workload(llm, 49152, max_tokens=32)
-    graphs = runner.cuda_graphs, runner.piecewise_graphs
-    runner.cuda_graphs = runner.piecewise_graphs = None  # the same engine, graph dispatch off
+    graphs = runner.compiled.full_graphs, runner.compiled.piecewise_graphs
+    runner.compiled.full_graphs = runner.compiled.piecewise_graphs = None  # the same engine, graph dispatch off
     want = _mixed_workload(llm, 49152, max_tokens=32)
-    runner.cuda_graphs, runner.piecewise_graphs = graphs
+    runner.compiled.full_graphs, runner.compiled.piecewise_graphs = graphs
     prefixes = [_agreeing_prefix(got[r], want[r]) for r in want]
     assert min(prefixes) >= 4, prefixes
     assert sum(prefixes) >= 0.5 * 32 * len(want), prefixes
@@ -373,8 +363,8 @@ def test_piecewise_needs_kiln_mode(caplog):
     want = _mixed_workload(_mixed_llm("eager", "none"), 49152)
     llm = _mixed_llm("eager", "full_and_piecewise")
     runner = llm.engine.executor.runner
-    assert runner.piecewise_graphs is None and runner.cuda_graphs is not None
+    assert runner.compiled.piecewise_graphs is None and runner.compiled.full_graphs is not None
     assert "piecewise graphs need compile.mode=kiln" in caplog.text
     assert _mixed_workload(llm, 49152) == want
     runner = _mixed_llm("eager", "piecewise").engine.executor.runner
-    assert runner.piecewise_graphs is None and runner.cuda_graphs is None
+    assert runner.compiled.piecewise_graphs is None and runner.compiled.full_graphs is None

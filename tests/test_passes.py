@@ -21,9 +21,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from kiln.ops.activation import silu_and_mul_reference
 from kiln.ops.layernorm import add_rms_norm_reference, rms_norm_reference
 from kiln.passes.add_rms_norm_fusion import AddRMSNormFusionPass
-from kiln.passes.attention_backend import (
-    AttentionBackendPass, attention_op_names, register_attention_kernel, unregister_attention_kernel,
-)
+from kiln.ops.registry import AttentionKernel, KernelSet, reference_kernels, select_kernels
+from kiln.passes.attention_backend import AttentionBackendPass
 from kiln.passes.base import KilnPass
 from kiln.passes.manager import PassConfig, PassManager, build_passes
 from kiln.passes.noop_elimination import NoOpEliminationPass
@@ -192,28 +191,28 @@ def _attention_graph() -> torch.fx.GraphModule:
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
-def test_attention_backend_pass_swaps_in_the_registered_kernel():
-    from kiln.passes import attention_backend
+def _test_kernels(device_type: str = "cpu") -> KernelSet:
+    """The reference set with the test op as its attention kernel."""
+    import dataclasses
 
-    # An engine built earlier in the session may have registered the C++ CPU kernel.
-    saved = dict(attention_backend._kernels)
-    attention_backend._kernels.clear()
+    return dataclasses.replace(reference_kernels(device_type),
+                               attention=AttentionKernel("test", torch.ops.kiln_test.attend_paged))
+
+
+def test_attention_backend_pass_swaps_in_the_kernel_set_op():
     gm = _attention_graph()
-    assert AttentionBackendPass("cpu")(gm.graph) == 0  # no kernel registered: untouched
-    register_attention_kernel("cpu", torch.ops.kiln_test.attend_paged)
-    try:
-        assert "kiln_test::attend_paged" in attention_op_names()
-        manager = PassManager([AttentionBackendPass("cpu")])
-        manager.run_dynamo(gm)
-        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-        assert targets == [torch.ops.kiln_test.attend_paged] * 2
-        assert manager.num_rewrites["AttentionBackendPass"] == 2
-        assert AttentionBackendPass("cuda")(_attention_graph().graph) == 0  # other devices: untouched
-        unregister_attention_kernel("cpu")
-        assert attention_op_names() == ("kiln::attend_paged",)
-    finally:
-        attention_backend._kernels.clear()
-        attention_backend._kernels.update(saved)
+    assert AttentionBackendPass(reference_kernels())(gm.graph) == 0  # the reference: untouched
+    kernels = _test_kernels()
+    assert kernels.split_op_names() == ("kiln::attend_paged", "kiln_test::attend_paged")
+    manager = PassManager([AttentionBackendPass(kernels)])
+    manager.run_dynamo(gm)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets == [torch.ops.kiln_test.attend_paged] * 2
+    assert manager.num_rewrites["AttentionBackendPass"] == 2
+    assert AttentionBackendPass(reference_kernels("cuda"))(_attention_graph().graph) == 0
+    assert reference_kernels().split_op_names() == ("kiln::attend_paged",)
+    # Two sets never interfere: building one changes nothing the other's pass writes.
+    assert AttentionBackendPass(kernels).options() != AttentionBackendPass(reference_kernels()).options()
 
 
 def test_split_graph_cuts_at_every_attention_call():
@@ -268,10 +267,11 @@ def test_uuid_tracks_source_and_options():
 def test_pass_list_order_and_auto_fusion():
     names = [p.name for p in build_passes(PassConfig())]
     assert names == ["AttentionBackendPass", "NoOpEliminationPass", "SiluMulFusionPass", "AddRMSNormFusionPass"]
-    cpu = {p.name: p.options() for p in build_passes(PassConfig(device_type="cpu"))}
-    cuda = {p.name: p.options() for p in build_passes(PassConfig(device_type="cuda"))}
+    cpu = {p.name: p.options() for p in build_passes(PassConfig(kernels=select_kernels("cpu")))}
+    cuda = {p.name: p.options() for p in build_passes(PassConfig(kernels=select_kernels("cuda")))}
     assert cpu["SiluMulFusionPass"] == {"enabled": False}  # no CPU kernel beats Inductor's loop
-    assert cuda["SiluMulFusionPass"] == {"enabled": True}
+    assert cuda["SiluMulFusionPass"] == {"enabled": True, "op": "kiln_triton::silu_and_mul"}
+    assert cuda["AddRMSNormFusionPass"] == {"enabled": True, "op": "kiln_triton::add_rms_norm"}
     with pytest.raises(ValueError, match="fusion"):
         PassConfig(fusion="sometimes")
 

@@ -160,18 +160,15 @@ def test_split_count_fills_the_gpu_but_not_below_min_split_tokens(kernels):
 
 
 def test_plugs_into_attend_paged_op(kernels):
-    from kiln.ops.attention import attend_paged_reference, get_attention_impl, set_attention_impl
+    from kiln.ops.attention import attend_paged_reference
 
     spec = _spec(kernels, "tiny", decodes=(9,), prefills=((26, 10),), group=4)
     batch = kernels.random_paged_batch(spec, DEVICE, seed=8)
     scale = spec.head_dim**-0.5
     ref = attend_paged_reference(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.meta, scale)
-    cache = batch.kv_cache.clone()
-    previous = get_attention_impl()
-    set_attention_impl(kernels.triton_attend_paged)
-    try:
-        with forward_context(ForwardContext(attn=batch.meta, kv_caches=[cache])):
-            out = torch.ops.kiln.attend_paged(batch.q, batch.k, batch.v, 0, scale)
-    finally:
-        set_attention_impl(previous)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    for op in (torch.ops.kiln.attend_paged, torch.ops.kiln_triton.attend_paged):
+        cache = batch.kv_cache.clone()
+        ctx = ForwardContext(attn=batch.meta, kv_caches=[cache], attention_impl=kernels.triton_attend_paged)
+        with forward_context(ctx):
+            out = op(batch.q, batch.k, batch.v, 0, scale)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

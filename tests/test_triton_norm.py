@@ -53,14 +53,10 @@ def test_bfloat16_matches_reference(num_tokens, hidden, intermediate):
     assert max(errors.values()) < 1e-2, errors
 
 
-def test_enable_registers_both_kernels():
-    from kiln.ops.activation import has_fast_silu_and_mul, set_silu_and_mul_impl
-    from kiln.ops.layernorm import has_fast_add_rms_norm, set_add_rms_norm_impl
-    from kiln.ops.triton_norm import enable_triton_norm_ops
+def test_cuda_kernel_set_selects_both_kernels():
+    from kiln.ops.registry import select_kernels
 
-    enable_triton_norm_ops()
-    try:
-        assert has_fast_add_rms_norm() and has_fast_silu_and_mul()
-    finally:  # process-global: leave the references for the other tests
-        set_add_rms_norm_impl(None)
-        set_silu_and_mul_impl(None)
+    kernels = select_kernels("cuda")
+    assert kernels.add_rms_norm.fast and kernels.silu_and_mul.fast
+    assert kernels.add_rms_norm.op_name == "kiln_triton::add_rms_norm"
+    assert kernels.silu_and_mul.op_name == "kiln_triton::silu_and_mul"

@@ -1,11 +1,16 @@
 """The compiler: capture, kiln's torch.compile backend, graph splitting, per-piece Inductor builds,
 CUDA graphs (full and piecewise) and their per-batch dispatch.
 
-Entry point: ``build_forward(model, compile_config) -> (input_ids, positions) -> hidden``.
+Its boundary is one object, ``CompiledModel`` (``kiln.compiler.compiled_model``): built from the
+loaded model, the ``CompileConfig`` and a ``KernelSet``; ``run(ModelInputs) -> ModelOutputs``.
+``build_forward`` is the lower-level entry: ``(input_ids, positions) -> hidden`` for one mode.
 """
 
 from kiln.compiler.artifact_cache import ArtifactCache
 from kiln.compiler.capture import KilnForward
+from kiln.compiler.compiled_model import CompiledModel, ModelOutputs
 from kiln.compiler.forward import build_forward, build_now, compile_seconds
+from kiln.compiler.inputs import InputBuffers, InputLimits, ModelInputs
 
-__all__ = ["ArtifactCache", "build_forward", "build_now", "compile_seconds", "KilnForward"]
+__all__ = ["ArtifactCache", "build_forward", "build_now", "compile_seconds", "CompiledModel", "InputBuffers",
+           "InputLimits", "KilnForward", "ModelInputs", "ModelOutputs"]

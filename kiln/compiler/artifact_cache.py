@@ -103,9 +103,7 @@ def cache_key(factors: dict[str, Any]) -> str:
 
 def kiln_source_hash() -> str:
     """sha256 over every .py file of the kiln package (relative path and contents)."""
-    import kiln
-
-    root = Path(kiln.__file__).parent
+    root = Path(__file__).resolve().parents[1]  # the kiln package
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         h.update(path.relative_to(root).as_posix().encode() + b"\0")

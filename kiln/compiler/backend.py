@@ -3,7 +3,7 @@
 Dynamo hands it the captured graph once (``num_tokens`` symbolic). It then:
 
 1. runs the dynamo-stage passes (``PassManager.run_dynamo``),
-2. splits the graph at the attention ops (``kiln.compiler.split``),
+2. splits the graph at the attention ops (``kiln.compiler.split``; the KernelSet names them),
 3. walks the split graph on fake inputs and, at each piece, compiles it with Inductor
    (``kiln.compiler.piece``; the post-grad passes run inside), swapping the submodule for the
    compiled piece; attention submodules stay as they are,
@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 import sympy
 import torch
@@ -31,6 +31,7 @@ from torch._dispatch.python import enable_python_dispatcher
 from kiln.compiler.debug import DebugDump
 from kiln.compiler.piece import PieceCompiler
 from kiln.compiler.split import split_graph
+from kiln.ops.registry import GENERIC_ATTENTION_OP
 from kiln.passes.manager import PassManager
 
 logger = logging.getLogger(__name__)
@@ -70,8 +71,10 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
 
 
 class KilnBackend:
-    def __init__(self, passes: PassManager, sizes: tuple[int, ...], dump: Optional[DebugDump] = None) -> None:
+    def __init__(self, passes: PassManager, sizes: tuple[int, ...], dump: Optional[DebugDump] = None,
+                 split_op_names: Collection[str] = (GENERIC_ATTENTION_OP,)) -> None:
         self.passes = passes
+        self.split_op_names = tuple(split_op_names)
         self.dump = dump
         patches = dump.inductor_config_patches() if dump else {}
         self.sizes = set(sizes)
@@ -92,7 +95,7 @@ class KilnBackend:
         self.passes.run_dynamo(gm)
         if self.dump:
             self.dump.write("dynamo_graph.py", gm.code)
-        split_gm, pieces = split_graph(gm)
+        split_gm, pieces = split_graph(gm, self.split_op_names)
         compile_names = {p.name for p in pieces if not p.is_split_op}
         labels: dict[str, str] = {}
         self._compile_pieces(split_gm, example_inputs, compile_names, labels)

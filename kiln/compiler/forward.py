@@ -23,6 +23,7 @@ from kiln.compiler.backend import KilnBackend
 from kiln.compiler.capture import CAPTURE_NUM_TOKENS, KilnForward
 from kiln.compiler.debug import DebugDump
 from kiln.config import CompileConfig
+from kiln.ops.registry import select_kernels
 from kiln.passes.manager import PassConfig, PassManager, build_passes
 
 logger = logging.getLogger(__name__)
@@ -39,8 +40,10 @@ def build_forward(model: nn.Module, config: CompileConfig, pass_config: Optional
                   artifact_cache: Optional[ArtifactCache] = None) -> Forward:
     """``(input_ids [T], positions [T]) -> hidden [T, H]``, compiled as ``config.mode`` says.
 
-    ``pass_config`` defaults to ``PassConfig(device_type=<the model's device>)``. ``artifact_cache``
-    (kiln mode only) loads and stores the compiled forward across processes.
+    ``pass_config`` (kiln mode) carries the ``KernelSet`` the passes write into the graph; it
+    defaults to the kernels selected for the model's device. ``artifact_cache`` (kiln mode only)
+    loads and stores the compiled forward across processes. In eager and stock modes the generic
+    attention op runs the kernel the forward context names (``CompiledModel`` sets it).
     """
     device_type = _model_device_type(model)
     if config.cudagraph != "none" and device_type != "cuda":
@@ -51,7 +54,8 @@ def build_forward(model: nn.Module, config: CompileConfig, pass_config: Optional
     if config.mode == "stock":
         return torch.compile(model, dynamic=True)
     if config.mode == "kiln":
-        return build_kiln_forward(model, config, pass_config or PassConfig(device_type=device_type), artifact_cache)
+        pass_config = pass_config or PassConfig(kernels=select_kernels(device_type))
+        return build_kiln_forward(model, config, pass_config, artifact_cache)
     raise ValueError(f"compile.mode={config.mode!r} is not allowed; choose one of ['eager', 'stock', 'kiln']")
 
 
@@ -59,7 +63,7 @@ def build_kiln_forward(model: nn.Module, config: CompileConfig, pass_config: Pas
                        artifact_cache: Optional[ArtifactCache] = None) -> KilnForward:
     dump = DebugDump(config.debug_dump_dir) if config.debug_dump_dir else None
     passes = PassManager(build_passes(pass_config), dump=dump.pass_graph if dump else None)
-    backend = KilnBackend(passes, config.sizes, dump)
+    backend = KilnBackend(passes, config.sizes, dump, split_op_names=pass_config.kernels.split_op_names())
     entry = None
     if artifact_cache is not None and dump is not None:
         logger.info("compile.debug_dump_dir is set: not using the artifact cache (a dump needs a capture)")

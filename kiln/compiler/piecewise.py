@@ -7,7 +7,7 @@ every piece call and an ``AttentionCall`` wrapper over every attention call (ins
 shadowing the submodules, as the backend installs compiled pieces). A batch of ``n`` tokens runs
 padded to the next capture size ``S``::
 
-    input_ids, positions [S]  (StepBuffers views: the addresses the graphs were captured with)
+    input_ids, positions [S]  (InputBuffers views: the addresses the graphs were captured with)
         │
     piece 0 graph[S] ─q,k,v [S]─> attention, eager ─o [S]─> piece 1 graph[S] ─> ... ─> hidden [S, H]
         │                         on q,k,v[:n] and the       ▲  reads the attention buffer in place
@@ -23,7 +23,7 @@ Rules kept here:
   piece graphs in one memory pool. Outside ``replaying`` and ``capture`` every wrapper calls straight
   through: that is the no-graph path, and the capture of full graphs, which must not nest.
 - A piece graph finds its inputs at the addresses it was captured with. By construction they are
-  there: step inputs are StepBuffers views, piece outputs are earlier graphs' static outputs, and
+  there: step inputs are InputBuffers views, piece outputs are earlier graphs' static outputs, and
   attention writes into one buffer shared by all attention calls (each attention output feeds only
   the next piece, checked at install; a call site where that does not hold gets a buffer of its
   own). As a safety net, a tensor input that arrives at another address is copied in; parameters
@@ -39,14 +39,14 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 
 from kiln.compiler.capture import KilnForward
-from kiln.compiler.cudagraph import StepBuffers, next_capture_size
+from kiln.compiler.inputs import InputBuffers, next_capture_size
 from kiln.compiler.piece import CompiledPiece
-from kiln.forward_context import ForwardContext, forward_context
+from kiln.forward_context import ForwardContext
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class PiecewiseCUDAGraphs:
     Sizes above ``buffers.max_num_tokens`` are dropped. ``record`` (tests) replaces CUDA graph
     capture; by default pieces are captured as CUDA graphs in the pool given to ``capture``."""
 
-    def __init__(self, forward: KilnForward, buffers: StepBuffers, capture_sizes: tuple[int, ...],
+    def __init__(self, forward: KilnForward, buffers: InputBuffers, capture_sizes: tuple[int, ...],
                  record: Optional[GraphRecorder] = None) -> None:
         if forward.split_graph is None:
             raise RuntimeError("build the kiln forward before capturing its pieces")
@@ -188,7 +188,8 @@ class PiecewiseCUDAGraphs:
             yield
 
     @torch.inference_mode()
-    def capture(self, kv_caches: list[torch.Tensor], pool: Optional[tuple] = None) -> None:
+    def capture(self, scope: Callable[[ForwardContext], ContextManager[None]], kv_caches: list[torch.Tensor],
+                pool: Optional[tuple] = None) -> None:
         """Capture every piece at every size, largest first, into ``pool`` (else a new one): one
         forward per size over a one-token decode of the null block, padded to the size."""
         is_cuda = self.buffers.device.type == "cuda"
@@ -205,7 +206,7 @@ class PiecewiseCUDAGraphs:
             buf.pad_tokens(1, size)
             buf.upload(size, 1)
             ctx = ForwardContext(attn=buf.metadata(1, 1, 1, [1], [1]), kv_caches=kv_caches)
-            with forward_context(ctx), self._running(_Step(size, 1, capturing=True)):
+            with scope(ctx), self._running(_Step(size, 1, capturing=True)):
                 self.forward(buf.input_ids[:size], buf.positions[:size])
             self.captured_sizes.add(size)
         if is_cuda:

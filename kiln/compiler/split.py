@@ -8,22 +8,19 @@ A Llama model with L layers gives L + 1 pieces; all but the first and last are t
 compiles once. With ``compile.cudagraph=piecewise`` every piece is also captured as a CUDA graph per
 capture size, attention still eager between them (``kiln.compiler.piecewise``).
 
-The split points are one list: ``split_op_names()`` = the generic attention op plus every
-attention kernel op registered with ``kiln.passes.attention_backend``.
+The split points are one list: ``KernelSet.split_op_names()`` = the generic attention op plus the
+set's attention kernel op (``kiln.ops.registry``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Collection
 
 import torch
 from torch.fx.passes.split_module import split_module
 
-from kiln.passes.attention_backend import attention_op_names, op_name
-
-
-def split_op_names() -> tuple[str, ...]:
-    return attention_op_names()
+from kiln.ops.registry import GENERIC_ATTENTION_OP, op_name
 
 
 @dataclass
@@ -33,8 +30,9 @@ class Piece:
     is_split_op: bool  # True: one attention call, run as is; False: compiled by Inductor
 
 
-def split_graph(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[Piece]]:
-    split_ops = set(split_op_names())
+def split_graph(gm: torch.fx.GraphModule,
+                split_op_names: Collection[str] = (GENERIC_ATTENTION_OP,)) -> tuple[torch.fx.GraphModule, list[Piece]]:
+    split_ops = set(split_op_names)
     index = 0
     split_op_pieces: set[int] = set()
     assignment: dict[torch.fx.Node, int] = {}

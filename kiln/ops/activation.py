@@ -5,9 +5,9 @@
 ``split -> silu -> mul`` into this one op, so a device with a hand-written kernel reads ``x`` once
 and writes the product once.
 
-This module holds the schema, the fake impl, the pure-torch reference (the definition kernels are
-checked against) and the kernel registry: a faster kernel (Triton on GPU, ``csrc/`` on CPU)
-registers itself with ``set_silu_and_mul_impl``.
+This module holds the schema, the fake impl and the pure-torch reference (the definition kernels are
+checked against) behind ``kiln::silu_and_mul``. A faster kernel (Triton on GPU) defines an op of the
+same schema with ``define_silu_and_mul_op``; ``kiln.ops.registry`` chooses which op the pass writes.
 """
 
 from __future__ import annotations
@@ -26,27 +26,21 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-_impl: SiluAndMulImpl = silu_and_mul_reference
+def define_silu_and_mul_op(qualname: str, impl: SiluAndMulImpl):
+    """Define op ``qualname`` with the schema of ``kiln::silu_and_mul``, running ``impl``."""
+
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        return impl(x)
+
+    op = torch.library.custom_op(qualname, silu_and_mul, mutates_args=())
+
+    @op.register_fake
+    def _(x):
+        d = x.shape[-1] // 2
+        return x.new_empty((*x.shape[:-1], d))
+
+    return op
 
 
-def set_silu_and_mul_impl(impl: SiluAndMulImpl | None) -> None:
-    """Select the kernel behind ``kiln.silu_and_mul`` (None restores the reference)."""
-    global _impl
-    _impl = impl or silu_and_mul_reference
-
-
-def has_fast_silu_and_mul() -> bool:
-    """True when a kernel faster than the reference is registered."""
-    return _impl is not silu_and_mul_reference
-
-
-@torch.library.custom_op("kiln::silu_and_mul", mutates_args=())
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(x[..., :d]) * x[..., d:] with d = x.shape[-1] // 2."""
-    return _impl(x)
-
-
-@silu_and_mul.register_fake
-def _(x):
-    d = x.shape[-1] // 2
-    return x.new_empty((*x.shape[:-1], d))
+# silu(x[..., :d]) * x[..., d:] with d = x.shape[-1] // 2.
+silu_and_mul = define_silu_and_mul_op("kiln::silu_and_mul", silu_and_mul_reference)

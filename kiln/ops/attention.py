@@ -11,12 +11,15 @@ Cache layout, one tensor per layer::
     slot = block_id * block_size + offset
 
 This module holds the schema, the fake (meta) implementation and the pure-torch reference. Faster
-kernels (C++ on CPU, Triton on GPU) register themselves through ``set_attention_impl``.
+kernels (C++ on CPU, Triton on GPU) define ops of the same schema with ``define_attention_op``;
+``kiln.ops.registry`` chooses among them. The generic op runs the kernel the forward context names
+(``ForwardContext.attention_impl``), else the reference: that is how eager and stock modes reach the
+device's kernel, while kiln's attention pass writes the kernel's own op into the graph.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -99,29 +102,18 @@ def _attend_decodes(q, kv_cache, meta, scale, group, out) -> None:
     out.copy_(o.reshape(nd, kvh * group, head_dim).to(out.dtype))
 
 
-_impl: AttentionImpl = attend_paged_reference
-
-
-def set_attention_impl(impl: AttentionImpl | None) -> None:
-    """Select the kernel behind ``kiln.attend_paged`` (None restores the reference)."""
-    global _impl
-    _impl = impl or attend_paged_reference
-
-
-def get_attention_impl() -> AttentionImpl:
-    return _impl
-
-
-def define_attention_op(qualname: str, impl: Callable[[], AttentionImpl]):
-    """Define op ``qualname`` with the schema of ``kiln::attend_paged``: it runs ``impl()`` on the
-    cache and metadata of the forward context. Kernel packages define theirs with this, so every
-    attention op a graph can hold reads the context the same way."""
+def define_attention_op(qualname: str, impl: Optional[AttentionImpl]):
+    """Define op ``qualname`` with the schema of ``kiln::attend_paged``: it runs ``impl`` on the
+    cache and metadata of the forward context (``impl=None``: the context's ``attention_impl``, else
+    the reference). Kernel packages define theirs with this, so every attention op a graph can hold
+    reads the context the same way."""
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
         ctx = get_forward_context()
         if ctx.attn is None:
             raise RuntimeError(f"{qualname} needs attention metadata in the forward context")
-        return impl()(q, k, v, ctx.kv_caches[layer_idx], ctx.attn, scale)
+        run = impl or ctx.attention_impl or attend_paged_reference
+        return run(q, k, v, ctx.kv_caches[layer_idx], ctx.attn, scale)
 
     op = torch.library.custom_op(qualname, attend, mutates_args=())
     op.register_fake(lambda q, k, v, layer_idx, scale: torch.empty_like(q))
@@ -129,4 +121,4 @@ def define_attention_op(qualname: str, impl: Callable[[], AttentionImpl]):
 
 
 # Store k/v of the new tokens in layer ``layer_idx``'s cache and attend; returns [T, H, D].
-attend_paged = define_attention_op("kiln::attend_paged", get_attention_impl)
+attend_paged = define_attention_op("kiln::attend_paged", None)

@@ -10,7 +10,7 @@ which registers ``torch.ops.kiln_cpu.attend_paged_cpu`` (plus an ``.out`` overlo
 - gives the C++ op its fake impl, so it can appear in a traced graph;
 - defines ``kiln_cpu::attend_paged(q, k, v, layer_idx, scale)``, the schema of
   ``kiln::attend_paged``: the op ``AttentionBackendPass`` swaps in on CPU;
-- ``enable_cpu_attention()``: the one switch the model runner flips on a CPU device;
+- ``kiln.ops.registry`` selects this op on CPU when ``load_extension()`` succeeds;
 - the correctness check (``check_against_reference``) used by ``tests/test_cpu_attention.py``;
   timing is ``benchmarks/cpu_attention.py``.
 
@@ -72,23 +72,7 @@ def cpu_attend_paged(
 
 
 # ``kiln::attend_paged`` on this kernel: cache and metadata come from the forward context.
-attend_paged = define_attention_op("kiln_cpu::attend_paged", lambda: cpu_attend_paged)
-
-
-def enable_cpu_attention() -> bool:
-    """Route CPU attention to the C++ kernel: the compiler's swap target and the eager impl.
-
-    ``set_attention_impl`` is process-global, so only a CPU model runner calls this. Returns
-    whether the kernel is available; without it nothing changes and the reference stays.
-    """
-    if not load_extension():
-        return False
-    from kiln.ops.attention import set_attention_impl
-    from kiln.passes.attention_backend import register_attention_kernel
-
-    register_attention_kernel("cpu", torch.ops.kiln_cpu.attend_paged)
-    set_attention_impl(cpu_attend_paged)
-    return True
+attend_paged = define_attention_op("kiln_cpu::attend_paged", cpu_attend_paged)
 
 
 # ---------------------------------------------------------------------------------------------

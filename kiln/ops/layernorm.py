@@ -8,7 +8,8 @@ kernel reads the two inputs once and writes both outputs in one pass.
 
 The op is functional (returns the new residual rather than updating ``residual`` in place): the
 compiled graph stays functional and no re-inplacing pass is needed. This module holds the schema,
-the fake impl, the pure-torch reference and the kernel registry (``set_add_rms_norm_impl``).
+the fake impl and the pure-torch reference behind ``kiln::add_rms_norm``. A faster kernel defines an
+op of the same schema with ``define_add_rms_norm_op``; ``kiln.ops.registry`` chooses among them.
 """
 
 from __future__ import annotations
@@ -37,31 +38,25 @@ def add_rms_norm_reference(
     return rms_norm_reference(new_residual, weight, eps), new_residual
 
 
-_impl: AddRMSNormImpl = add_rms_norm_reference
+def define_add_rms_norm_op(qualname: str, impl: AddRMSNormImpl):
+    """Define op ``qualname`` with the schema of ``kiln::add_rms_norm``, running ``impl``."""
+
+    def add_rms_norm(
+        x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, new_residual = impl(x, residual, weight, eps)
+        return normed, new_residual
+
+    op = torch.library.custom_op(qualname, add_rms_norm, mutates_args=())
+
+    @op.register_fake
+    def _(x, residual, weight, eps):
+        residual_dtype = torch.promote_types(x.dtype, residual.dtype)
+        normed = x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, residual_dtype))
+        return normed, x.new_empty(x.shape, dtype=residual_dtype)
+
+    return op
 
 
-def set_add_rms_norm_impl(impl: AddRMSNormImpl | None) -> None:
-    """Select the kernel behind ``kiln.add_rms_norm`` (None restores the reference)."""
-    global _impl
-    _impl = impl or add_rms_norm_reference
-
-
-def has_fast_add_rms_norm() -> bool:
-    """True when a kernel faster than the reference is registered."""
-    return _impl is not add_rms_norm_reference
-
-
-@torch.library.custom_op("kiln::add_rms_norm", mutates_args=())
-def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (weight * rms_norm(residual + x), residual + x)."""
-    normed, new_residual = _impl(x, residual, weight, eps)
-    return normed, new_residual
-
-
-@add_rms_norm.register_fake
-def _(x, residual, weight, eps):
-    residual_dtype = torch.promote_types(x.dtype, residual.dtype)
-    normed = x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, residual_dtype))
-    return normed, x.new_empty(x.shape, dtype=residual_dtype)
+# Returns (weight * rms_norm(residual + x), residual + x).
+add_rms_norm = define_add_rms_norm_op("kiln::add_rms_norm", add_rms_norm_reference)

@@ -1,4 +1,4 @@
-"""Triton paged attention over a mixed batch: ``set_attention_impl(triton_attend_paged)``.
+"""Triton paged attention over a mixed batch: ``torch.ops.kiln_triton.attend_paged``.
 
 Reference: ``kiln.ops.attention.attend_paged_reference``; ``triton_attend_paged`` has its exact
 signature and semantics (store the new K/V, then attend causally over each request's context).
@@ -33,7 +33,8 @@ and split width come from that bound instead of the batch's contexts, so one cap
 valid for every context up to it: splits past a request's context are empty and merge as weight 0.
 
 ``torch.ops.kiln_triton.attend_paged`` has the schema of ``kiln::attend_paged`` (the op the
-compiler swaps in on CUDA); ``enable_triton_attention()`` is the one switch a CUDA model runner flips.
+compiler swaps in on CUDA); ``kiln.ops.registry`` selects it, with ``static_decode_splits`` as the
+context CUDA-graph capture enters.
 
 Correctness check: ``check_against_reference`` below (used by ``tests/test_triton_attention.py``
 and ``benchmarks/attention_kernels.py --check``); timing: ``benchmarks/attention_kernels.py``.
@@ -51,7 +52,7 @@ import triton
 import triton.language as tl
 
 from kiln.forward_context import AttentionMetadata
-from kiln.ops.attention import define_attention_op
+from kiln.ops.attention import attend_paged_reference, define_attention_op
 from kiln.ops.paged_batch import PagedBatch, PagedBatchSpec, random_paged_batch  # noqa: F401  (checks and tests)
 from kiln.ops.triton_kv_store import triton_store_kv
 
@@ -367,19 +368,7 @@ def triton_attend_paged(
 
 
 # ``kiln::attend_paged`` on this kernel: cache and metadata come from the forward context.
-attend_paged = define_attention_op("kiln_triton::attend_paged", lambda: triton_attend_paged)
-
-
-def enable_triton_attention() -> None:
-    """Route CUDA attention to the Triton kernels: the compiler's swap target and the eager impl.
-
-    ``set_attention_impl`` is process-global, so only a CUDA model runner calls this.
-    """
-    from kiln.ops.attention import set_attention_impl
-    from kiln.passes.attention_backend import register_attention_kernel
-
-    register_attention_kernel("cuda", torch.ops.kiln_triton.attend_paged)
-    set_attention_impl(triton_attend_paged)
+attend_paged = define_attention_op("kiln_triton::attend_paged", triton_attend_paged)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,8 +383,6 @@ def check_against_reference(batch: PagedBatch, cfg: LaunchConfig = LaunchConfig(
     """Store + attend with the Triton kernels and the reference on copies of the same cache.
     The cache must match bit for bit; the output, poisoned with NaN first, within ``tolerance``.
     Returns the largest absolute output error."""
-    from kiln.ops.attention import attend_paged_reference
-
     q, meta = batch.q, batch.meta
     scale = q.shape[2] ** -0.5
     ref_cache = batch.kv_cache.clone()

@@ -13,8 +13,9 @@ Numerics follow the references op for op: the residual sum is rounded to the inp
 norm's statistics are float32, the normed row is rounded before the weight multiplies it, and
 silu is rounded before the multiply by ``up``. Only the sum's order inside the mean differs.
 
-``check_against_reference`` compares both with the references on fresh random inputs;
-``enable_triton_norm_ops()`` registers them (the CUDA model runner calls it before compiling).
+``check_against_reference`` compares both with the references on fresh random inputs. The ops
+``kiln_triton::add_rms_norm`` and ``kiln_triton::silu_and_mul`` (the schemas of the generic ops) are
+what ``kiln.ops.registry`` hands the fusion passes on CUDA.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.activation import set_silu_and_mul_impl, silu_and_mul_reference
-from kiln.ops.layernorm import add_rms_norm_reference, set_add_rms_norm_impl
+from kiln.ops.activation import define_silu_and_mul_op, silu_and_mul_reference
+from kiln.ops.layernorm import add_rms_norm_reference, define_add_rms_norm_op
 
 _SILU_BLOCK = 1024
 
@@ -88,10 +89,8 @@ def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def enable_triton_norm_ops() -> None:
-    """Make the Triton kernels the impls of ``kiln.add_rms_norm`` and ``kiln.silu_and_mul``."""
-    set_add_rms_norm_impl(triton_add_rms_norm)
-    set_silu_and_mul_impl(triton_silu_and_mul)
+add_rms_norm = define_add_rms_norm_op("kiln_triton::add_rms_norm", triton_add_rms_norm)
+silu_and_mul = define_silu_and_mul_op("kiln_triton::silu_and_mul", triton_silu_and_mul)
 
 
 def check_against_reference(num_tokens: int, hidden: int, intermediate: int, dtype: torch.dtype,

@@ -20,13 +20,15 @@ The first layer's input norm (on the embedding, no add) is not matched and stays
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch._inductor.pattern_matcher import PatternMatcherPass, fwd_only, register_replacement
 
 import kiln.ops.layernorm  # noqa: F401  (registers torch.ops.kiln.add_rms_norm)
 from kiln.ops.layernorm import rms_norm_reference
-from kiln.passes.base import KilnPass
+from kiln.ops.registry import op_name
+from kiln.passes.base import KilnPass, retarget
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EPS_EXAMPLE = 9.87654e-6  # any value that appears nowhere else in the pattern
@@ -58,13 +60,16 @@ def _patterns() -> PatternMatcherPass:
 class AddRMSNormFusionPass(KilnPass):
     stage = "post_grad"
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, op: Any = None) -> None:
         self.enabled = enabled
+        self.op = op if op is not None else torch.ops.kiln.add_rms_norm  # the KernelSet's kernel op
 
     def options(self) -> dict:
-        return {"enabled": self.enabled}
+        return {"enabled": self.enabled, "op": op_name(self.op)} if self.enabled else {"enabled": False}
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         if not self.enabled:
             return 0
-        return _patterns().apply(graph)
+        count = _patterns().apply(graph)
+        retarget(graph, "kiln::add_rms_norm", self.op)  # the pattern writes the generic op
+        return count

@@ -54,3 +54,20 @@ class KilnPass(ABC):
     @abstractmethod
     def __call__(self, graph: torch.fx.Graph) -> int:
         """Rewrite ``graph`` in place; return the number of rewrites."""
+
+
+def retarget(graph: torch.fx.Graph, generic_name: str, op: Any) -> int:
+    """Point every call of the generic op ``generic_name`` ('ns::name') at ``op``, a kernel op of
+    the same schema (a packet or overload); returns how many calls moved. Overload calls keep
+    their overload name."""
+    from kiln.ops.registry import op_name
+
+    if op_name(op) == generic_name:
+        return 0
+    count = 0
+    for node in graph.nodes:
+        if node.op == "call_function" and op_name(node.target) == generic_name:
+            overload = node.target._overloadname if isinstance(node.target, torch._ops.OpOverload) else None
+            node.target = getattr(op, overload) if overload and isinstance(op, torch._ops.OpOverloadPacket) else op
+            count += 1
+    return count

@@ -2,7 +2,7 @@
 
 The list (``build_passes``) runs in order; each pass says where it runs (``KilnPass.stage``):
 
-1. ``AttentionBackendPass`` (dynamo): the generic attention call becomes the device's kernel op.
+1. ``AttentionBackendPass`` (dynamo): the generic attention call becomes the KernelSet's kernel op.
 2. ``NoOpEliminationPass`` (post_grad): views, slices and casts that return their input.
 3. ``SiluMulFusionPass`` (post_grad): ``silu(gate) * up`` -> ``kiln.silu_and_mul``.
 4. ``AddRMSNormFusionPass`` (post_grad): residual add + RMSNorm -> ``kiln.add_rms_norm``.
@@ -12,11 +12,13 @@ the manager itself is Inductor's ``post_grad_custom_pre_pass`` (a ``CustomGraphP
 the post_grad ones to every piece. ``uuid()`` combines the passes' uuids, so Inductor's cache
 keys on exactly the passes that ran and their options.
 
-Fusions swap Inductor's generated code for an opaque op, so they only pay where that op has a
-kernel better than Inductor's own fused loop. ``PassConfig.fusion="auto"`` turns them on where
-such kernels exist (a registered fast impl in ``kiln.ops``, or any CUDA device, where the ops
-are meant to get Triton kernels) and off otherwise: on CPU, Inductor's C++ codegen already fuses
-silu*mul and add+RMSNorm into single loops, and the pure-torch references would be slower.
+Every pass that writes a kiln op writes the op of the ``KernelSet`` in ``PassConfig.kernels``
+(``kiln.ops.registry``), so the graph holds the device's kernel and nothing is looked up later.
+Fusions swap Inductor's generated code for an opaque op, so they only pay where that op's kernel
+beats Inductor's own fused loop. ``PassConfig.fusion="auto"`` turns them on where the set's kernel
+is marked ``fast`` (the Triton kernels on CUDA) and off otherwise: on CPU, Inductor's C++ codegen
+already fuses silu*mul and add+RMSNorm into single loops, and the pure-torch references would be
+slower.
 
 Failure rule: a pass that raises, or leaves a graph that fails ``Graph.lint()``, is logged and
 undone (the graph is restored to its state before that pass); compilation continues without it.
@@ -34,14 +36,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from kiln.ops.activation import has_fast_silu_and_mul
-from kiln.ops.layernorm import has_fast_add_rms_norm
+from kiln.ops.registry import Kernel, KernelSet, reference_kernels
 from kiln.passes.add_rms_norm_fusion import AddRMSNormFusionPass
 from kiln.passes.attention_backend import AttentionBackendPass
 from kiln.passes.base import STAGES, KilnPass, source_hash
@@ -56,26 +57,27 @@ DumpFn = Callable[[str, str, str, str], None]
 
 @dataclass(frozen=True)
 class PassConfig:
-    device_type: str = "cpu"
+    kernels: KernelSet = field(default_factory=reference_kernels)
     fusion: str = "auto"  # auto | on | off (see the module docstring)
 
     def __post_init__(self) -> None:
         if self.fusion not in ("auto", "on", "off"):
             raise ValueError(f"PassConfig.fusion={self.fusion!r} is not allowed; choose one of ['auto', 'on', 'off']")
 
-    def fusion_enabled(self, has_fast_kernel: bool) -> bool:
+    def fusion_enabled(self, kernel: Kernel) -> bool:
         if self.fusion != "auto":
             return self.fusion == "on"
-        return has_fast_kernel or self.device_type == "cuda"
+        return kernel.fast
 
 
 def build_passes(config: PassConfig) -> list[KilnPass]:
     """The one ordered list."""
+    k = config.kernels
     return [
-        AttentionBackendPass(config.device_type),
+        AttentionBackendPass(k),
         NoOpEliminationPass(),
-        SiluMulFusionPass(enabled=config.fusion_enabled(has_fast_silu_and_mul())),
-        AddRMSNormFusionPass(enabled=config.fusion_enabled(has_fast_add_rms_norm())),
+        SiluMulFusionPass(enabled=config.fusion_enabled(k.silu_and_mul), op=k.silu_and_mul.op),
+        AddRMSNormFusionPass(enabled=config.fusion_enabled(k.add_rms_norm), op=k.add_rms_norm.op),
     ]
 
 

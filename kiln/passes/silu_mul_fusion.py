@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,8 @@ from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only,
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import kiln.ops.activation  # noqa: F401  (registers torch.ops.kiln.silu_and_mul)
-from kiln.passes.base import KilnPass
+from kiln.ops.registry import op_name
+from kiln.passes.base import KilnPass, retarget
 
 aten = torch.ops.aten
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -89,15 +91,17 @@ def _patterns() -> PatternMatcherPass:
 class SiluMulFusionPass(KilnPass):
     stage = "post_grad"
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, op: Any = None) -> None:
         self.enabled = enabled
+        self.op = op if op is not None else torch.ops.kiln.silu_and_mul  # the KernelSet's kernel op
 
     def options(self) -> dict:
-        return {"enabled": self.enabled}
+        return {"enabled": self.enabled, "op": op_name(self.op)} if self.enabled else {"enabled": False}
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         if not self.enabled:
             return 0
         count = _patterns().apply(graph)
         graph.eliminate_dead_code()
+        retarget(graph, "kiln::silu_and_mul", self.op)  # the pattern writes the generic op
         return count

@@ -1,0 +1,166 @@
+"""``CompiledModel``: the one object between the runtime and the compiler.
+
+Built once at start-up from the loaded model, the ``CompileConfig`` and a ``KernelSet``; the
+runtime then only writes steps into ``inputs`` and calls ``run``::
+
+    runtime                                   CompiledModel
+    ───────                                   ─────────────
+    CompiledModel(model, config, kernels,  ─> build the forward (eager | stock | kiln: capture,
+                  limits, max_model_len)       passes with the KernelSet's ops, split, Inductor)
+                                               and the persistent InputBuffers
+    bind_kv_caches(kv_caches)              ─> the caches every forward context carries
+    capture_graphs()                       ─> full / piecewise CUDA graphs, as compile.cudagraph asks
+    per step:
+      InputBatch writes the step into
+      compiled.inputs' host mirrors
+      run(ModelInputs)                     ─> dispatch (FULL | PIECEWISE | NONE), padding to the
+                                               capture size, upload, forward context, forward or
+                                               replay ─> ModelOutputs (hidden; logits for FULL)
+
+Rules kept here: the runtime never touches graphs, pieces or kernel choices, and no process-global
+state is written: the kernels travel in the KernelSet (to the passes, the split, the forward
+context and capture), so two compiled models in one process do not interfere. Caches may be
+re-bound only until graphs are captured over them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from kiln.compiler.artifact_cache import ArtifactCache
+from kiln.compiler.capture import KilnForward
+from kiln.compiler.cudagraph import FullCUDAGraphs, GraphMode, wanted_graph_modes
+from kiln.compiler.forward import build_forward, build_now, compile_seconds
+from kiln.compiler.inputs import InputBuffers, InputLimits, ModelInputs
+from kiln.compiler.piecewise import GraphRecorder, PiecewiseCUDAGraphs
+from kiln.config import CompileConfig
+from kiln.forward_context import ForwardContext, forward_context
+from kiln.ops.registry import KernelSet
+from kiln.passes.manager import PassConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelOutputs:
+    """What one ``run`` leaves; rows past the step's tokens (or requests, for FULL) are padding."""
+
+    hidden: torch.Tensor  # [padded num_tokens, hidden]
+    logits: Optional[torch.Tensor] = None  # [padded num_reqs, vocab] float32: FULL graphs compute them
+    greedy_ids: Optional[torch.Tensor] = None  # [padded num_reqs] int64: logits.argmax(-1)
+
+
+def dispatch(full: Optional[FullCUDAGraphs], piecewise: Optional[PiecewiseCUDAGraphs],
+             num_tokens: int, num_reqs: int, num_decodes: int) -> tuple[GraphMode, int]:
+    """The path of one batch and the number of tokens it runs with, padding included::
+
+        decode-only, requests fit a full size  -> FULL       (requests padded with null decodes)
+        otherwise, tokens fit a piecewise size -> PIECEWISE  (tokens padded, attention sees the real ones)
+        otherwise                              -> NONE       (the forward as built, no padding)
+
+    ``full`` / ``piecewise`` are None when that kind of graph is off."""
+    if full is not None and num_decodes == num_reqs:
+        size = full.padded_size(num_reqs)
+        if size is not None:
+            return GraphMode.FULL, size
+    if piecewise is not None:
+        size = piecewise.padded_size(num_tokens)
+        if size is not None:
+            return GraphMode.PIECEWISE, size
+    return GraphMode.NONE, num_tokens
+
+
+class CompiledModel:
+    def __init__(self, model: nn.Module, config: CompileConfig, kernels: KernelSet, limits: InputLimits,
+                 max_model_len: int, artifact_cache: Optional[ArtifactCache] = None) -> None:
+        self.model, self.config, self.kernels = model, config, kernels
+        self.max_model_len = max_model_len
+        param = next(model.parameters(), None)
+        self.device = param.device if param is not None else torch.device("cpu")
+        self.forward = build_forward(model, config, PassConfig(kernels=kernels), artifact_cache)
+        build_now(self.forward, self.device)  # kiln: load the compiled forward from the cache, or compile it
+        self.inputs = InputBuffers(limits, self.device)
+        self.kv_caches: list[torch.Tensor] = []
+        self.full_graphs: Optional[FullCUDAGraphs] = None  # uniform decode batches
+        self.piecewise_graphs: Optional[PiecewiseCUDAGraphs] = None  # any batch up to the largest size
+        logger.info("kernels on %s: %s", kernels.device_type,
+                    ", ".join(f"{op} {name}" for op, name in kernels.describe().items()))
+
+    # ---- start-up ---------------------------------------------------------------------------------
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """The caches every later forward reads and writes (one tensor per layer)."""
+        if self.full_graphs is not None or self.piecewise_graphs is not None:
+            raise RuntimeError("CUDA graphs are captured over the bound KV caches; they cannot be re-bound")
+        self.kv_caches = kv_caches
+
+    def capture_graphs(self, record: Optional[GraphRecorder] = None,
+                       modes: Optional[set[GraphMode]] = None) -> None:
+        """Capture what ``compile.cudagraph`` asks for (``modes`` overrides it) over the bound caches:
+        full graphs first (the piece wrappers are not installed yet, so nothing nests), then piece
+        graphs, all in one memory pool (graphs never run concurrently). Off the GPU this captures
+        nothing, unless ``record`` emulates piecewise capture (tests)."""
+        has_pieces = isinstance(self.forward, KilnForward)
+        if modes is None:
+            modes = wanted_graph_modes(self.config.cudagraph, has_pieces) if self.device.type == "cuda" else set()
+        if not modes:
+            return
+        if not self.kv_caches:
+            raise RuntimeError("bind the KV caches before capturing CUDA graphs")
+        pool = torch.cuda.graph_pool_handle() if record is None else None
+        if GraphMode.FULL in modes:
+            self.full_graphs = FullCUDAGraphs(self.forward, self.inputs, self.config.capture_sizes,
+                                              compute_logits=self.model.compute_logits)
+            self.full_graphs.capture(self._capture_scope, self.kv_caches, pool)
+        if GraphMode.PIECEWISE in modes:
+            self.piecewise_graphs = PiecewiseCUDAGraphs(self.forward, self.inputs, self.config.capture_sizes, record)
+            self.piecewise_graphs.capture(self._capture_scope, self.kv_caches, pool)
+
+    @property
+    def graph_capture_seconds(self) -> float:
+        return sum(g.capture_seconds for g in (self.full_graphs, self.piecewise_graphs) if g)
+
+    @property
+    def graph_memory_bytes(self) -> int:
+        return sum(g.memory_bytes for g in (self.full_graphs, self.piecewise_graphs) if g)
+
+    def startup_seconds(self) -> dict[str, float]:
+        """Compile time by phase (0 for a phase that did not run) and CUDA-graph capture time."""
+        return {**compile_seconds(self.forward), "cudagraph_s": self.graph_capture_seconds}
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def run(self, inputs: ModelInputs) -> ModelOutputs:
+        """Run the step the host mirrors of ``self.inputs`` hold, described by ``inputs``.
+
+        Pads it to the capture size its graph was captured at (FULL: null decode requests;
+        PIECEWISE: null token rows, attention still sees only the real ones), uploads it, and
+        replays or runs the forward inside the step's forward context."""
+        buf, n, num_reqs = self.inputs, inputs.num_tokens, inputs.num_reqs
+        mode, padded = dispatch(self.full_graphs, self.piecewise_graphs, n, num_reqs, inputs.num_decodes)
+        if mode is GraphMode.FULL:
+            buf.fill_null_requests(num_reqs, n, padded)
+            buf.upload(padded, padded)
+            out = self.full_graphs.replay(padded)
+            return ModelOutputs(out.hidden, out.logits, out.greedy_ids)
+        buf.pad_tokens(n, padded)
+        buf.upload(padded, num_reqs)
+        meta = buf.metadata(n, num_reqs, inputs.num_decodes, inputs.query_lens, inputs.seq_lens)
+        graphs = (self.piecewise_graphs.replaying(padded, n) if mode is GraphMode.PIECEWISE
+                  else contextlib.nullcontext())
+        with self._forward_scope(ForwardContext(attn=meta, kv_caches=self.kv_caches)), graphs:
+            hidden = self.forward(buf.input_ids[:padded], buf.positions[:padded])  # [padded, hidden]
+        return ModelOutputs(hidden)
+
+    def _forward_scope(self, ctx: ForwardContext) -> contextlib.AbstractContextManager:
+        ctx.attention_impl = self.kernels.attention.impl
+        return forward_context(ctx)
+
+    @contextlib.contextmanager
+    def _capture_scope(self, ctx: ForwardContext) -> Iterator[None]:
+        with self._forward_scope(ctx), self.kernels.attention.graph_capture(self.max_model_len):
+            yield

@@ -1,0 +1,163 @@
+"""The kernel registry: which kernel runs each kiln op on a device, chosen once into a ``KernelSet``.
+
+Every op kiln's graphs can hold has a generic op (``kiln::<verb>_<noun>``, running the pure-torch
+reference) and, per device, kernel ops of the same schema. The registry is one table, read in order;
+the first candidate of an op whose device matches and whose loader returns a kernel wins::
+
+    op            cuda                      cpu                             any device
+    attention     kiln_triton::attend_paged kiln_cpu::attend_paged (kiln._C) kiln::attend_paged
+    add_rms_norm  kiln_triton::add_rms_norm                                  kiln::add_rms_norm
+    silu_and_mul  kiln_triton::silu_and_mul                                  kiln::silu_and_mul
+
+``select_kernels(device_type)`` returns the ``KernelSet`` a ``CompiledModel`` is built with. Nothing
+here is process-global state: two models on two devices in one process hold two KernelSets, and
+the passes, the graph split and CUDA-graph capture read the set they are given. Loaders import the
+kernel modules lazily, so choosing CPU kernels never imports Triton.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+
+from kiln.ops.attention import AttentionImpl
+
+GENERIC_ATTENTION_OP = "kiln::attend_paged"
+
+
+def op_name(target: Any) -> Optional[str]:
+    """'ns::name' of an op overload or packet; None for anything else."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    return None
+
+
+def _no_capture_context(max_seq_len: int) -> ContextManager[None]:
+    return contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel of one op: the op a graph pass writes, and what the kernel is known to be worth."""
+
+    name: str  # "triton", "cpu", "reference": for logs and cache keys
+    op: Any  # a torch.ops packet with the generic op's schema
+    # Faster than the ops Inductor would generate for the same computation: fusion passes that
+    # replace Inductor's code with this op only pay when it is.
+    fast: bool = False
+
+    @property
+    def op_name(self) -> str:
+        name = op_name(self.op)
+        if name is None:
+            raise TypeError(f"kernel {self.name}: {self.op!r} is not a torch.ops op")
+        return name
+
+
+@dataclass(frozen=True)
+class AttentionKernel(Kernel):
+    # What the generic op runs in eager and stock modes (through the forward context).
+    impl: Optional[AttentionImpl] = None
+    # Entered around CUDA-graph capture with the longest context a graph must serve, so launches
+    # recorded there stay valid for every batch (the Triton decode kernel sizes its splits by it).
+    graph_capture: Callable[[int], ContextManager[None]] = _no_capture_context
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """The kernels of one compiled model, chosen once from the device."""
+
+    device_type: str
+    attention: AttentionKernel
+    add_rms_norm: Kernel
+    silu_and_mul: Kernel
+
+    def split_op_names(self) -> tuple[str, ...]:
+        """The ops the graph is split at: the generic attention op and this set's attention kernel."""
+        return tuple(dict.fromkeys((GENERIC_ATTENTION_OP, self.attention.op_name)))
+
+    def describe(self) -> dict[str, str]:
+        """op -> kernel name, for logs and the artifact cache key."""
+        return {"attention": self.attention.name, "add_rms_norm": self.add_rms_norm.name,
+                "silu_and_mul": self.silu_and_mul.name}
+
+
+# ---- the table ---------------------------------------------------------------------------------
+
+def _reference_attention() -> AttentionKernel:
+    from kiln.ops.attention import attend_paged_reference
+
+    return AttentionKernel("reference", torch.ops.kiln.attend_paged, impl=attend_paged_reference)
+
+
+def _cpu_attention() -> Optional[AttentionKernel]:
+    from kiln.ops import cpu_attention
+
+    if not cpu_attention.load_extension():
+        return None
+    return AttentionKernel("cpu", torch.ops.kiln_cpu.attend_paged, fast=True, impl=cpu_attention.cpu_attend_paged)
+
+
+def _triton_attention() -> AttentionKernel:
+    from kiln.ops import triton_attention
+
+    return AttentionKernel("triton", torch.ops.kiln_triton.attend_paged, fast=True,
+                           impl=triton_attention.triton_attend_paged,
+                           graph_capture=triton_attention.static_decode_splits)
+
+
+def _reference_add_rms_norm() -> Kernel:
+    import kiln.ops.layernorm  # noqa: F401  (defines the op)
+
+    return Kernel("reference", torch.ops.kiln.add_rms_norm)
+
+
+def _triton_add_rms_norm() -> Kernel:
+    import kiln.ops.triton_norm  # noqa: F401
+
+    return Kernel("triton", torch.ops.kiln_triton.add_rms_norm, fast=True)
+
+
+def _reference_silu_and_mul() -> Kernel:
+    import kiln.ops.activation  # noqa: F401
+
+    return Kernel("reference", torch.ops.kiln.silu_and_mul)
+
+
+def _triton_silu_and_mul() -> Kernel:
+    import kiln.ops.triton_norm  # noqa: F401
+
+    return Kernel("triton", torch.ops.kiln_triton.silu_and_mul, fast=True)
+
+
+ANY_DEVICE = "*"
+# op -> ordered (device type, loader); a loader returns None when its kernel cannot run here.
+REGISTRY: dict[str, tuple[tuple[str, Callable[[], Optional[Kernel]]], ...]] = {
+    "attention": (("cuda", _triton_attention), ("cpu", _cpu_attention), (ANY_DEVICE, _reference_attention)),
+    "add_rms_norm": (("cuda", _triton_add_rms_norm), (ANY_DEVICE, _reference_add_rms_norm)),
+    "silu_and_mul": (("cuda", _triton_silu_and_mul), (ANY_DEVICE, _reference_silu_and_mul)),
+}
+
+
+def _choose(op: str, device_type: str) -> Kernel:
+    for device, load in REGISTRY[op]:
+        if device in (device_type, ANY_DEVICE):
+            kernel = load()
+            if kernel is not None:
+                return kernel
+    raise LookupError(f"no kernel for {op} on {device_type}")  # unreachable: every op has a reference
+
+
+def select_kernels(device_type: str) -> KernelSet:
+    """The fastest kernels registered for ``device_type`` ("cuda", "cpu", ...)."""
+    return KernelSet(device_type, *(_choose(op, device_type) for op in ("attention", "add_rms_norm", "silu_and_mul")))
+
+
+def reference_kernels(device_type: str = "cpu") -> KernelSet:
+    """The pure-torch references only: the definition every kernel is checked against."""
+    return KernelSet(device_type, _reference_attention(), _reference_add_rms_norm(), _reference_silu_and_mul())

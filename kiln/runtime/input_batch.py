@@ -1,0 +1,69 @@
+"""``InputBatch``: the one layout of a scheduled step, written into the compiled model's buffers.
+
+Every device takes the same path: the scheduled requests are written, in order, into the host
+mirrors of the ``CompiledModel``'s persistent ``InputBuffers`` (on the CPU those are the tensors the
+model reads; on CUDA pinned memory that ``CompiledModel.run`` uploads), and the step is described
+by a ``ModelInputs``. Nothing is allocated per step::
+
+    scheduled:  | d0 | d1 | p0 (chunk of 5) ....... |        decodes first, then prefill chunks
+    ids/pos:    [ t  | t  | t t t t t ]               one row per new token
+    slot:       block_ids[pos // block_size] * block_size + pos % block_size
+    table row i: request i's block ids (row width fixed: cdiv(max_model_len, block_size))
+    qsl:        [0, 1, 2, 7]     seq_lens: [start + num_new_tokens per request]
+    sample_rows: the last token row of every request whose chunk reaches its last known token
+
+The block table row of a request is rewritten each step (its block list only grows, but a row
+may change owner from one step to the next); entries past a request's blocks are never read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.compiler.inputs import InputBuffers, ModelInputs
+from kiln.runtime.scheduler_output import SchedulerOutput
+
+
+class InputBatch:
+    """Lays out steps into ``buffers`` (owned by the compiled model), for a KV cache of ``block_size``."""
+
+    def __init__(self, buffers: InputBuffers, block_size: int) -> None:
+        self.buffers = buffers
+        self.block_size = block_size
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[ModelInputs, list[int]]:
+        """Write ``sched`` into the host mirrors; returns the step's shape and its sample rows."""
+        buf, bs = self.buffers, self.block_size
+        if len(sched.scheduled) > buf.max_num_reqs or sched.num_batched_tokens > buf.max_num_tokens:
+            raise ValueError(f"a step of {len(sched.scheduled)} requests and {sched.num_batched_tokens} tokens "
+                             f"exceeds the input buffers ({buf.max_num_reqs} requests, {buf.max_num_tokens} tokens)")
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        num_tokens = 0
+        buf.qsl_np[0] = 0
+        for i, s in enumerate(sched.scheduled):
+            start, n = s.start, s.num_new_tokens
+            end = num_tokens + n
+            blocks = s.block_ids
+            buf.table_np[i, : len(blocks)] = blocks
+            if n == 1:  # a decode: scalar writes, no arrays
+                buf.ids_np[num_tokens] = s.request.token_ids_slice(start, start + 1)[0]
+                buf.pos_np[num_tokens] = start
+                buf.slot_np[num_tokens] = blocks[start // bs] * bs + start % bs
+            else:
+                pos = np.arange(start, start + n)
+                buf.ids_np[num_tokens:end] = s.request.token_ids_slice(start, start + n)
+                buf.pos_np[num_tokens:end] = pos
+                buf.slot_np[num_tokens:end] = buf.table_np[i, pos // bs].astype(np.int64) * bs + pos % bs
+            buf.seq_lens_np[i] = start + n
+            num_tokens = end
+            buf.qsl_np[i + 1] = num_tokens
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            if s.samples:
+                sample_rows.append(num_tokens - 1)
+        num_decodes = 0
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        return ModelInputs(num_tokens, num_decodes, query_lens, seq_lens), sample_rows
