@@ -2,8 +2,7 @@
 
 from kiln.sampling_params import SamplingParams
 from kiln.outputs import CompletionOutput, RequestOutput
-
-__version__ = "0.1.0"
+from kiln.version import __version__
 
 
 def __getattr__(name):

@@ -251,7 +251,7 @@ def _cache_config(overrides: list[str]):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from kiln.entrypoints.cli import compose_config, fail
+    from kiln.entrypoints.cli_config import compose_config, fail
 
     try:
         return compose_config(overrides).cache

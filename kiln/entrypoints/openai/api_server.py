@@ -26,8 +26,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-import kiln
 from kiln.config import EngineConfig, ServerConfig
+from kiln.version import __version__
 from kiln.entrypoints.openai.errors import error_response, install_error_handlers
 from kiln.entrypoints.openai.metrics import ServerMetrics
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -50,7 +50,7 @@ def build_app(engine_client: AsyncEngine, server_config: ServerConfig) -> FastAP
         yield
         engine_client.shutdown()
 
-    app = FastAPI(title="kiln", version=kiln.__version__, lifespan=lifespan,
+    app = FastAPI(title="kiln", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(engine_client.stats, engine_client.is_healthy)
     model_name = server_config.served_model_name or engine_client.model_name or "kiln"
@@ -76,7 +76,7 @@ def build_app(engine_client: AsyncEngine, server_config: ServerConfig) -> FastAP
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": kiln.__version__}
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
