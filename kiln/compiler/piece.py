@@ -7,21 +7,24 @@ Rules kept here:
 - ``num_tokens`` is the only dynamic dimension. The dynamic build serves every size; a size in
   ``compile.sizes`` gets its own static build, chosen at run time by one dict lookup.
 - Every build happens while the graph is captured (at the first call), never while serving.
+- Inside ``PieceCompiler.progress()`` each build advances a progress bar (on a terminal only).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import sympy
 import torch
 from torch._inductor import standalone_compile
 
 from kiln.passes.manager import PassManager
+from kiln.progress import logs_above, progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +125,21 @@ class PieceCompiler:
         self._sources: dict[str, _PieceSource] = {}
         self.num_compiles = 0  # Inductor builds (dynamic + static), after dedup
         self.compile_seconds = 0.0
+        self._bar = None  # a tqdm bar while ``progress`` is open
+
+    @contextlib.contextmanager
+    def progress(self) -> Iterator[None]:
+        """Count the Inductor builds made inside the block on a progress bar. How many pieces are
+        unique is known only once the split graph has been walked, so the bar gets its total when
+        the static builds start."""
+        bar = progress_bar(desc="compiling pieces (Inductor)", unit="build",
+                           bar_format="{desc}: {n_fmt} built [{elapsed}{postfix}]")
+        with bar, logs_above(bar):
+            self._bar = bar
+            try:
+                yield
+            finally:
+                self._bar = None
 
     def compile_dynamic(
         self, name: str, gm: torch.fx.GraphModule, fake_args: list[Any],
@@ -142,6 +160,11 @@ class PieceCompiler:
 
     def compile_sizes(self, sizes: set[int]) -> None:
         """A static build per size for every piece that takes num_tokens as an input."""
+        if self._bar is not None:
+            pending = sum(len(sizes - set(p.by_size)) for p in self.cache.values() if p.size_arg is not None)
+            self._bar.total = self._bar.n + pending
+            self._bar.bar_format = None  # the default, with a percentage and an ETA, now that there is a total
+            self._bar.refresh()
         for key, piece in self.cache.items():
             src = self._sources[key]
             if piece.size_arg is None:
@@ -154,10 +177,14 @@ class PieceCompiler:
     def _build(self, key: str, variant: str, gm: torch.fx.GraphModule, args: list[Any], dynamic_shapes: str):
         t0 = time.perf_counter()
         self.passes.label = f"piece_{key}_{variant}"
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"piece {key[:8]} {variant}")
         artifact = standalone_compile(gm, args, dynamic_shapes=dynamic_shapes,
                                       options={"config_patches": self.patches})
         elapsed = time.perf_counter() - t0
         self.num_compiles += 1
         self.compile_seconds += elapsed
+        if self._bar is not None:
+            self._bar.update()
         logger.info("compiled piece %s (%s) in %.2f s", key, variant, elapsed)
         return artifact

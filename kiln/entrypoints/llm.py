@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -15,6 +16,8 @@ from kiln.config import EngineConfig, ModelConfig
 from kiln.outputs import RequestOutput
 from kiln.runtime.engine import LLMEngine
 from kiln.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 Prompt = Union[str, list[int]]
 Message = dict[str, str]
@@ -36,6 +39,7 @@ class LLM:
             raise ValueError(f"pass {sorted(model_kwargs)} inside the model config, not beside it")
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         self.engine = LLMEngine(self.config)
+        logger.info(self.engine.startup.ready_line())
         self._ids = itertools.count()
 
     @property

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -29,6 +30,9 @@ import numpy as np
 import torch
 
 from kiln.models.arch import ArchConfig
+from kiln.progress import progress_bar
+
+logger = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 1
 
@@ -54,6 +58,7 @@ def convert_gguf(gguf_path: str, cache_dir: str, name: str) -> str:
     dest = _model_dir(gguf_path, cache_dir, name)
     if os.path.isdir(dest):
         return dest
+    logger.info("kiln: converting %s from GGUF into %s (first start only; later starts reuse it)", name, dest)
     tokenizer_dir = convert_gguf_tokenizer(gguf_path, cache_dir, name)
     with _staging(dest) as tmp:
         from gguf import GGUFReader
@@ -63,7 +68,9 @@ def convert_gguf(gguf_path: str, cache_dir: str, name: str) -> str:
         arch = arch_from_gguf(reader)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump({**arch.to_hf_config(), "torch_dtype": "float32"}, f, indent=2)
-        save_file(dict(iter_hf_tensors(reader, arch)), os.path.join(tmp, "model.safetensors"), {"format": "pt"})
+        tensors = progress_bar(iter_hf_tensors(reader, arch), desc=f"converting {name}", total=len(reader.tensors),
+                               unit="tensor")
+        save_file(dict(tensors), os.path.join(tmp, "model.safetensors"), {"format": "pt"})
         for fname in os.listdir(tokenizer_dir):
             shutil.copy(os.path.join(tokenizer_dir, fname), tmp)
     return dest

@@ -6,6 +6,7 @@
    ``$KILN_TOKENIZER_DIR`` where the donor's package is not installed).
 2. a registered name (``registry.REGISTERED_MODELS``): its GGUF is converted once into the cache dir.
 3. a local Hugging Face directory: config.json, *.safetensors (sharded or not) and tokenizer files.
+4. a local ``.gguf`` file of a Llama-family model: converted once into the cache dir, as in 2.
 
 Rules kept here: the model is built on the meta device and materialized directly on the target
 device in the target dtype, so a big random preset never exists as a float32 CPU copy; random
@@ -32,6 +33,7 @@ from kiln.models.gguf import convert_gguf, convert_gguf_tokenizer
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.parallel import SINGLE, TensorParallel
 from kiln.models.registry import REGISTERED_MODELS, TOKENIZER_DIR_ENV, TOKENIZER_DONOR
+from kiln.progress import progress_bar
 
 RANDOM_PREFIX = "random:"
 RANDOM_INIT_STD = 0.02
@@ -76,8 +78,12 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
         hf_dir, name = _registered_dir(spec, cache_dir), spec
     elif os.path.isdir(spec):
         hf_dir, name = spec, os.path.basename(os.path.normpath(spec))
+    elif spec.endswith(".gguf") and os.path.isfile(spec):
+        name = os.path.basename(spec)[: -len(".gguf")]
+        hf_dir = convert_gguf(os.path.abspath(spec), cache_dir, name)
     else:
-        raise ValueError(f"model={spec!r} is neither a registered model nor an existing directory. {_choices()}")
+        raise ValueError(f"model={spec!r} is neither a registered model, an existing directory nor a .gguf file. "
+                         f"{_choices()}")
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise ValueError(f"model directory {hf_dir!r} has no config.json; point model= at a Hugging Face "
                          f"checkpoint directory (config.json, *.safetensors, tokenizer files). {_choices()}")
@@ -86,7 +92,8 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     max_model_len = _max_model_len(model_config, arch)
     tokenizer = _load_tokenizer(hf_dir)
     model = build_empty_model(arch, device, dtype, tp)
-    model.load_weights(iter_safetensors(hf_dir))
+    model.load_weights(progress_bar(iter_safetensors(hf_dir), desc=f"loading {name}", total=_num_tensors(hf_dir),
+                                    unit="tensor"))
     return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len)
 
 
@@ -105,7 +112,9 @@ def init_random_weights(model: LlamaForCausalLM, seed: int, std: float = RANDOM_
     """Fill ``model`` (any rank's shard) with the random model named by ``seed``: each rank loads
     its slice of the same full tensors, so every tensor-parallel size holds the same model."""
     param = next(model.parameters())
-    model.load_weights(iter_random_weights(model.arch, seed, param.device, param.dtype, std))
+    weights = iter_random_weights(model.arch, seed, param.device, param.dtype, std)
+    num_tensors = sum(1 for _ in model._weight_targets())
+    model.load_weights(progress_bar(weights, desc="drawing random weights", total=num_tensors, unit="tensor"))
 
 
 def iter_random_weights(arch: ArchConfig, seed: int, device: torch.device, dtype: torch.dtype,
@@ -136,6 +145,13 @@ def iter_safetensors(hf_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) for every tensor of the checkpoint, one shard open at a time."""
     from safetensors import safe_open
 
+    for fname in _safetensors_files(hf_dir):
+        with safe_open(os.path.join(hf_dir, fname), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def _safetensors_files(hf_dir: str) -> list[str]:
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -144,10 +160,18 @@ def iter_safetensors(hf_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
     if not files:
         raise ValueError(f"model directory {hf_dir!r} has no *.safetensors weights (other formats are not supported)")
-    for fname in files:
+    return files
+
+
+def _num_tensors(hf_dir: str) -> int:
+    """The checkpoint's tensor count, for the progress bar: only each shard's header is read."""
+    from safetensors import safe_open
+
+    num = 0
+    for fname in _safetensors_files(hf_dir):
         with safe_open(os.path.join(hf_dir, fname), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
+            num += len(f.keys())
+    return num
 
 
 def _load_random(preset: str, model_config: ModelConfig, cache_dir: str, device, dtype,
@@ -204,5 +228,5 @@ def _max_model_len(model_config: ModelConfig, arch: ArchConfig) -> int:
 
 
 def _choices() -> str:
-    return (f"Choose a registered model {sorted(REGISTERED_MODELS)}, a local Hugging Face directory, "
+    return (f"Choose a registered model {sorted(REGISTERED_MODELS)}, a local Hugging Face directory, a .gguf file, "
             f"or random:<preset> with preset in {sorted(PRESETS)}.")

@@ -35,15 +35,21 @@ Rules:
   num_computed_tokens move in ``update`` only), so an executor may run the step at either point.
 - ``has_unfinished_requests`` counts the step in flight, so a caller's loop drains it; a step
   with an empty schedule is never submitted.
+
+Start-up says what it is doing: one line naming the model, dtype, device and compile modes before
+anything loads (``start_line``), and a ``StartupReport`` once built, whose ``ready_line`` the
+``LLM`` API and the server print. Its KV numbers count usable blocks, as ``/metrics`` does.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Optional, Union
+import time
+from typing import Any, Mapping, Optional, Union
 
 from kiln.config import EngineConfig
+from kiln.models.loader import resolve_device, resolve_dtype
 from kiln.outputs import RequestOutput
 from kiln.runtime.executor import make_executor
 from kiln.runtime.kv_cache_manager import KVCacheManager
@@ -58,9 +64,48 @@ logger = logging.getLogger(__name__)
 Prompt = Union[str, list[int]]
 
 
+@dataclasses.dataclass(frozen=True)
+class StartupReport:
+    """What the ready line says: the KV cache requests can use and where start-up time went."""
+
+    num_usable_blocks: int  # block 0, the pool's null block, excluded (as /metrics counts them)
+    block_size: int
+    startup_s: float  # building the engine, wall clock
+    phases_s: Mapping[str, float]  # ModelRunner.startup_seconds of a runner in this process, else empty
+
+    @property
+    def num_kv_tokens(self) -> int:
+        return self.num_usable_blocks * self.block_size
+
+    def ready_line(self, url: Optional[str] = None) -> str:
+        line = (f"kiln: ready{f' at {url}' if url else ''} — KV cache {self.num_kv_tokens} tokens "
+                f"({self.num_usable_blocks} blocks of {self.block_size}), start-up {self.startup_s:.1f} s")
+        p = self.phases_s
+        if not p:  # the ranks run elsewhere: each logs its own phases
+            return line
+        compile_s = p["dynamo_s"] + p["inductor_s"] + p["cache_load_s"]
+        return line + (f" (load weights {p['load_weights_s']:.1f} s, compile {compile_s:.1f} s, "
+                       f"CUDA graphs {p['cudagraph_s']:.1f} s, KV {p['kv_alloc_s']:.1f} s)")
+
+
+def start_line(config: EngineConfig) -> str:
+    """The line logged before anything loads: what runs, in which precision, where and how compiled."""
+    model, modes, tp_size = config.model, config.compile, config.parallel.tensor_parallel_size
+    if config.parallel.backend == "ray":  # the cluster's nodes decide; this host may have no GPU
+        dtype, device = model.dtype, f"{model.device} (Ray cluster)"
+    else:
+        device = resolve_device(model.device)
+        dtype = str(resolve_dtype(model.dtype, device)).removeprefix("torch.")
+    line = (f"kiln: model {model.model}, {dtype} on {device}, compile.mode={modes.mode}, "
+            f"compile.cudagraph={modes.cudagraph}")
+    return line + (f", tensor_parallel_size={tp_size}" if tp_size > 1 else "")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, overlap: bool = True):
         """``overlap=False`` runs each step to the end before returning (a reference for tests)."""
+        t_start = time.perf_counter()
+        logger.info(start_line(config))
         self.config = config
         self._overlap = overlap
         self._in_flight: Optional[tuple[SchedulerOutput, Any]] = None  # (step, executor handle)
@@ -72,6 +117,10 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
+        runner = getattr(self.executor, "runner", None)  # only the one-process executor holds one here
+        phases = dict(runner.startup_seconds) if runner is not None else {}
+        self.startup = StartupReport(self.kv_manager.num_usable_blocks, config.cache.block_size,
+                                     time.perf_counter() - t_start, phases)
 
     # ---- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:

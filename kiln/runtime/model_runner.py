@@ -82,8 +82,9 @@ class ModelRunner:
         self.compiled.bind_kv_caches(self.kv_caches)
         self.compiled.capture_graphs()
         self.sampler = Sampler(seed=model_config.seed)
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens of context) in %.2f GiB",
-                    self.num_blocks, self.block_size, self.num_blocks * self.block_size,
+        num_usable = self.num_blocks - 1  # block 0 is the pool's null block (kiln.runtime.block_pool)
+        logger.info("KV cache: %d usable blocks of %d tokens (%d tokens of context; 1 more block is reserved) "
+                    "in %.2f GiB", num_usable, self.block_size, num_usable * self.block_size,
                     self.num_blocks * self.kv_shape.bytes_per_block / 2**30)
         self.startup_seconds = {"load_weights_s": load_seconds, **self.compiled.startup_seconds(),
                                 "kv_alloc_s": kv_seconds, "ready_s": time.perf_counter() - t_start}

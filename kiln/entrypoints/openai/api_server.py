@@ -35,6 +35,7 @@ from kiln.entrypoints.openai.serving import ServingContext
 from kiln.entrypoints.openai.serving_chat import create_chat_completion
 from kiln.entrypoints.openai.serving_completions import create_completion
 from kiln.runtime.async_engine import AsyncEngine
+from kiln.runtime.engine import LLMEngine, StartupReport
 
 logger = logging.getLogger(__name__)
 
@@ -180,26 +181,46 @@ def run_server(config: EngineConfig, drain_s: float = 5.0) -> None:
     server = config.server
     if server.host not in _LOOPBACK_HOSTS and not (server.api_key or os.environ.get("KILN_API_KEY")):
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", server.host)
-    engine = AsyncEngine.from_config(config)
+    reports: list[StartupReport] = []  # the engine thread hands its report over once built
+
+    def make_engine() -> LLMEngine:
+        built = LLMEngine(config)
+        reports.append(built.startup)
+        return built
+
+    engine = AsyncEngine(make_engine, model_name=config.model.model)
     try:
         engine.wait_ready()
         app = build_app(engine, server)
         uv_config = uvicorn.Config(app, host=server.host, port=server.port, log_level="info",
                                    timeout_graceful_shutdown=drain_s + 5.0)
-        _DrainingServer(uv_config, engine, drain_s).run()
+        ready_line = reports[0].ready_line(api_url(server.host, server.port))
+        _DrainingServer(uv_config, engine, drain_s, ready_line).run()
     except KeyboardInterrupt:
         pass  # uvicorn re-raises the SIGINT it handled; the server has already stopped cleanly
     finally:
         engine.shutdown()
 
 
-class _DrainingServer(uvicorn.Server):
-    """uvicorn that stops the engine ``drain_s`` after it is told to exit."""
+def api_url(host: str, port: int) -> str:
+    """The base URL clients use (``base_url`` of the openai client)."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_s: float):
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn that logs ``ready_line`` once it listens and stops the engine ``drain_s`` after it
+    is told to exit."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_s: float, ready_line: str = ""):
         super().__init__(config)
         self._engine = engine
         self._drain_s = drain_s
+        self._ready_line = ready_line
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self._ready_line:  # listening: a failed bind ends inside super().startup()
+            logger.info(self._ready_line)
 
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit:
