@@ -55,20 +55,33 @@ setup(
     description="An LLM serving engine whose core is a compiler",
     packages=find_packages(include=["kiln", "kiln.*"]),
     python_requires=">=3.10",
+    # The one place kiln's dependencies and their versions are declared. The Makefile installs torch
+    # first (a pinned build, see TORCH there), then `-e .[bench,debug,ray]` and requirements-dev.txt.
     install_requires=[
         "torch>=2.6",
-        "transformers>=4.46",
+        "transformers>=4.50",
         "safetensors",
-        "gguf",
+        "gguf>=0.10",
         "numpy",
+        "sympy",  # shape expressions in kiln.compiler (torch depends on it too)
         "tqdm",
+        "jinja2",  # chat templates
         "hydra-core>=1.3",
+        "omegaconf>=2.3",
         "fastapi",
+        "pydantic>=2",
+        "starlette",  # fastapi's own, whose HTTPException kiln's error handlers catch
         "uvicorn",
         "prometheus-client",
     ],
-    # parallel.backend=ray (tensor-parallel ranks as Ray actors, also across nodes); tested with 2.60.
-    extras_require={"ray": ["ray>=2.60"]},
+    extras_require={
+        # `kiln bench`: its plots (without matplotlib a sweep writes only its table) and bench=serve's client.
+        "bench": ["matplotlib", "httpx"],
+        # compile.debug_dump_dir: decompiled Dynamo bytecode next to the graphs (skipped without depyf).
+        "debug": ["depyf"],
+        # parallel.backend=ray (tensor-parallel ranks as Ray actors, also across nodes); tested with 2.60.
+        "ray": ["ray>=2.60"],
+    },
     entry_points={"console_scripts": ["kiln=kiln.entrypoints.cli:main"]},
     # The Hydra YAML ships inside the package (kiln/configs/), so `kiln` works from a wheel too.
     package_data={"kiln": ["configs/*.yaml", "configs/*/*.yaml"]},

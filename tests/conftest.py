@@ -1,5 +1,29 @@
+"""Session-wide test set-up: GPU markers, and caches that are never the user's.
+
+Every test session gets a fresh cache dir (``kiln_cache_dir``, also set as ``$KILN_CACHE_DIR`` so
+``LLM(...)`` without ``cache.dir`` and subprocess workers use it) and fresh Inductor, Triton,
+matplotlib and Ray scratch dirs. They live under pytest's own temp dir (``/tmp/pytest-of-$USER``,
+of which pytest keeps the last three runs), except Ray's, whose socket paths must stay short: a
+``/tmp/kiln-ray-*`` dir removed when the session ends. Nothing is written into ``~/.cache``.
+
+One exception, shared across runs and read-only to the tests: the embedded SmolLM2 converted into
+a Hugging Face directory (about 14 s to convert), kept in ``$KILN_TEST_SHARED_DIR`` (default
+``.kiln-cache/`` in the checkout, git-ignored) and linked into each session's cache dir. Point it
+at ``~/.cache/kiln`` to share the conversion with your own kiln; set it to an empty string to
+convert into the session's cache dir every run. A test must never write into a linked entry.
+"""
+
+import os
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DIR_ENV = "KILN_TEST_SHARED_DIR"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -12,9 +36,37 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_multi)
 
 
-@pytest.fixture(scope="session")
-def kiln_cache_dir():
-    """One cache dir for the whole session (converted weights, compiled artifacts)."""
-    from kiln.config import default_cache_dir
+@pytest.fixture(scope="session", autouse=True)
+def kiln_cache_dir(tmp_path_factory):
+    """The session's cache dir (converted models, compiled artifacts); see the module docstring."""
+    root = tmp_path_factory.mktemp("kiln-cache")
+    ray_dir = tempfile.mkdtemp(prefix="kiln-ray-")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KILN_CACHE_DIR", str(root))
+        mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+        mp.setenv("TRITON_CACHE_DIR", str(root / "triton"))
+        mp.setenv("MPLCONFIGDIR", str(root / "matplotlib"))  # its font cache, else under ~/.cache
+        mp.setenv("RAY_TMPDIR", ray_dir)
+        # Ray enables token auth for the local clusters it starts; with a token given here it writes
+        # none into ~/.ray/auth_token.
+        mp.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
+        _link_shared_models(root)
+        yield str(root)
+    shutil.rmtree(ray_dir, ignore_errors=True)
 
-    return default_cache_dir()
+
+def _link_shared_models(root: Path) -> None:
+    """Convert the embedded model once into the shared dir and link it into ``root``."""
+    from kiln.models.gguf import convert_gguf
+    from kiln.models.registry import REGISTERED_MODELS
+
+    shared = os.environ.get(SHARED_DIR_ENV, str(REPO / ".kiln-cache"))
+    if not shared:
+        return
+    for name, source in REGISTERED_MODELS.items():
+        gguf_path = source.find()
+        if gguf_path is None:
+            continue  # the tests that need it skip
+        model_dir = Path(convert_gguf(gguf_path, os.path.expanduser(shared), name))
+        (root / "models").mkdir(exist_ok=True)
+        (root / "models" / model_dir.name).symlink_to(model_dir, target_is_directory=True)

@@ -207,6 +207,9 @@ def test_warm_start_from_read_only_copy_skips_dynamo_and_inductor(cold, tmp_path
     assert "start-up: load weights" in log
 
 
+# ~10 s; a start that misses and names the factor is tested by the next test, a pass edit changing
+# the key by test_a_pass_source_change_changes_the_key.
+@pytest.mark.slow
 def test_edited_pass_misses_and_names_it(cold, tmp_path, shared_inductor, env_base):
     cache_dir, reference = cold
     copy = _copy(cache_dir, tmp_path / "cache")

@@ -14,9 +14,9 @@ import torch
 from kiln.bench import worker as bench_worker
 from kiln.bench.plots import PLOT_FILES, write_plots
 from kiln.bench.report import (
-    RESULT_FILE, TABLE_FILE, append_table_rows, load_records, make_record, records_table,
+    RESULT_FILE, TABLE_FILE, append_table_rows, load_records, make_record, records_table, write_record,
 )
-from kiln.bench.sweep import BenchConfig, skip_reason
+from kiln.bench.sweep import BenchConfig, skip_reason, write_report
 from kiln.config import CompileConfig, EngineConfig, ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +59,15 @@ def test_plots_written_even_without_data(tmp_path):
     assert all(p.stat().st_size > 1000 for p in paths)
 
 
+def test_sweep_report_without_matplotlib_says_how_to_get_plots(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    ok = make_record("bench-throughput", "random:tiny", COMPILE, {"startup_s": 1.5, "output_tok_s_bs8": 410.2})
+    write_record(ok, tmp_path / "0_eager" / RESULT_FILE)
+    assert write_report(tmp_path) == [tmp_path / TABLE_FILE]
+    assert not any((tmp_path / name).exists() for name in PLOT_FILES)
+    assert "matplotlib is not installed (pip install 'kiln[bench]')" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only skip")
 def test_cudagraph_combinations_skip_without_cuda():
     assert skip_reason(EngineConfig()) is None
@@ -83,6 +92,8 @@ def test_bench_config_validates():
         BenchConfig(kind="soak")
 
 
+# ~35 s, a worker process per run; the records, table, plots, worker and compile modes are tested apart.
+@pytest.mark.slow
 def test_tiny_sweep_writes_records_table_and_plots(tmp_path):
     sweep = tmp_path / "sweep"
     env = {**os.environ, "PYTHONPATH": str(REPO)}

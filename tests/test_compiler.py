@@ -1,14 +1,13 @@
 """compile.mode=stock and kiln against eager: logits, greedy tokens, recompiles, dumps.
 
-Inductor's C++ builds are slow on small CPUs, so every test shares one Inductor cache directory
-(a session fixture) and the tests reuse a few models of the same shapes: identical pieces then
-come from the cache instead of being rebuilt.
+Inductor's C++ builds are slow on small CPUs, so every test shares the session's Inductor cache
+directory (``$TORCHINDUCTOR_CACHE_DIR``, set in conftest.py) and the tests reuse a few models of the
+same shapes: identical pieces then come from the cache instead of being rebuilt.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -23,19 +22,6 @@ from tests.utils import PagedBatcher, make_kv_caches, run_step
 # Four layers: pieces = first, three identical middles, last; the tiny vocab keeps logits cheap.
 ARCH = dataclasses.replace(PRESETS["tiny"], num_layers=4, vocab_size=512, max_position_embeddings=512)
 NUM_BLOCKS, BLOCK_SIZE = 160, 4
-
-
-@pytest.fixture(scope="session", autouse=True)
-def inductor_cache_dir(kiln_cache_dir):
-    """One Inductor cache for the session (and across sessions: reruns skip the C++ builds)."""
-    path = os.path.join(kiln_cache_dir, "inductor")
-    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
-    yield path
-    if old is None:
-        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    else:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
 
 
 def _model(arch=ARCH, seed: int = 0) -> LlamaForCausalLM:
@@ -229,6 +215,8 @@ def tiny_llm_outputs():
         prompts, params, use_tqdm=False)] for mode in MODES}
 
 
+# Three engines; the logits tests above and test_artifact_cache's kiln-vs-eager LLM runs cover it.
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["stock", "kiln"])
 def test_llm_greedy_tokens_match_eager(tiny_llm_outputs, mode):
     assert tiny_llm_outputs[mode] == tiny_llm_outputs["eager"]

@@ -6,7 +6,9 @@ Three figures, always written so a sweep directory has a fixed layout (a figure 
 - ``latency.png``: latency percentiles per run (``*_ms_p50`` / ``_p90`` / ``_p99``);
 - ``startup.png``: start-up (engine construction incl. compile) and warm-up time per run.
 
-matplotlib is imported inside ``write_plots`` with the Agg backend, so nothing needs a display.
+matplotlib is imported inside ``write_plots`` with the Agg backend, so nothing needs a display. It
+is optional (``pip install 'kiln[bench]'``): without it ``write_plots`` writes nothing, and the sweep
+says so (``MISSING_MATPLOTLIB``); its table still holds every number.
 """
 
 from __future__ import annotations
@@ -20,10 +22,15 @@ _BATCH_METRIC = re.compile(r"^output_tok_s_bs(\d+)$")
 _PERCENTILE_METRIC = re.compile(r"^(\w+)_ms_p(\d+)$")
 _TIME_METRICS = ("startup_s", "compile_s", "warmup_s", "server_startup_s")
 PLOT_FILES = ("throughput.png", "latency.png", "startup.png")
+MISSING_MATPLOTLIB = "no plots: matplotlib is not installed (pip install 'kiln[bench]'); the table has every number"
 
 
 def write_plots(records: list[dict], out_dir: Path | str) -> list[Path]:
-    import matplotlib
+    """The figures of ``PLOT_FILES`` in ``out_dir``; none (an empty list) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

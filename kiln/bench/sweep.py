@@ -155,8 +155,11 @@ def summary_line(record: dict) -> str:
 
 def write_report(report_dir: Path) -> list[Path]:
     """Rewrite the table and plots of every record under ``report_dir``."""
-    from kiln.bench.plots import write_plots
+    from kiln.bench.plots import MISSING_MATPLOTLIB, write_plots
 
     records = load_records(report_dir)
     table = write_table(records, report_dir / TABLE_FILE, title="kiln bench")
-    return [table, *write_plots(records, report_dir)]
+    plots = write_plots(records, report_dir)
+    if not plots:
+        print(f"[bench] {MISSING_MATPLOTLIB}", flush=True)
+    return [table, *plots]

@@ -2,7 +2,7 @@
 
 Layout under the directory::
 
-    depyf/                      decompiled Dynamo bytecode (only when depyf is importable)
+    depyf/                      decompiled Dynamo bytecode (only with depyf: pip install 'kiln[debug]')
     dynamo_graph.py             the captured graph, after the dynamo-stage passes
     split_graph.py              the split graph, then every piece's code
     passes/<graph>/NN_<Pass>_before.py, NN_<Pass>_after.py
@@ -54,7 +54,8 @@ class DebugDump:
         try:
             import depyf
         except ImportError:
-            logger.info("depyf is not installed; skipping decompiled bytecode in %s", self.root)
+            logger.warning("compile.debug_dump_dir: depyf is not installed, so %s has no decompiled bytecode "
+                           "(depyf/); pip install 'kiln[debug]' for it", self.root)
             yield
             return
         try:

@@ -18,6 +18,10 @@ An entry is one child of a kind directory (``KINDS``) and its key is ``<kind>/<n
 kinds are listed, exported or removed, so a mistyped ``cache.dir`` (say, a home directory) loses
 nothing. Hidden children (``compile/.tmp-*``: entries being written) are not entries; ``clear``
 without a KEY removes them too. Each action is one function in ``ACTIONS``.
+
+``ls`` reads metadata only and imports neither torch nor transformers, so it answers in a fraction of
+a second (a test holds it to that); ``inspect`` and ``export`` check checksums through
+``kiln.compiler``, which imports torch.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Callable, Optional
 KINDS = ("models", "tokenizers", "compile")
 USAGE = "usage: kiln cache <ls | inspect KEY | clear [KEY] | export PATH> [cache.dir=PATH] [other overrides]"
 _TARBALL_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+FACTORS_FILE = "factors.json"  # kiln.compiler.artifact_cache.FACTORS (tests/test_cli.py checks they agree)
 
 
 @dataclass(frozen=True)
@@ -102,11 +107,11 @@ def cmd_ls(root: Path, key: Optional[str]) -> int:
 
 
 def _compile_summary(path: Path) -> str:
-    from kiln.compiler.artifact_cache import read_factors
-
-    factors = read_factors(path)
-    if factors is None:
-        return "(no factors.json)"
+    # Read here, not through kiln.compiler (which imports torch): `ls` stays well under a second.
+    try:
+        factors = json.loads((path / FACTORS_FILE).read_text())
+    except (OSError, ValueError):
+        return f"(no {FACTORS_FILE})"
     return f"{factors.get('model', {}).get('name')}, {factors.get('dtype')}, torch {factors.get('torch')}, " \
            f"{factors.get('device', {}).get('type')}"
 

@@ -1,28 +1,34 @@
 """The ``kiln`` command: ``kiln <serve|generate|bench|cache> [Hydra overrides]``.
 
     kiln serve model=smollm2-135m-instruct compile.mode=kiln server.port=8000
-    kiln generate prompt="Tell me a joke" chat=false
+    kiln generate model=random:tiny prompt="What is the capital of France?" chat=false
+    kiln serve model=/path/to/hf-dir          # or model=/path/file.gguf, model_preset=tiny-random
     kiln bench -m compile.mode=eager,stock,kiln compile.cudagraph=none,piecewise,full
     kiln cache ls | inspect KEY | clear [KEY] | export PATH
-    kiln serve --cfg job        # print the composed config;  kiln generate --help: groups and options
+    kiln serve --cfg job        # print the composed config;  kiln serve --help: every key it uses
     kiln generate "prompt='Hello, world'"   # a value with a comma (a sweep list to Hydra) is quoted
 
 Hydra stays at this edge: ``main`` registers the config dataclasses in Hydra's ConfigStore (the
 ``kiln_schema`` that ``kiln/configs/config.yaml`` extends), Hydra composes YAML and overrides, and
 ``OmegaConf.to_object`` turns the result into ``CliConfig``, whose dataclasses validate themselves.
-Nothing below receives a DictConfig. A wrong value ends the command with one line naming the field
-and the allowed values (exit code 2); ``HYDRA_FULL_ERROR=1`` shows the traceback instead.
+Nothing below receives a DictConfig. Before Hydra sees them, ``prepare_overrides`` turns ``model=X``
+into ``model.model=X`` and refuses an unknown key naming the closest one. A wrong key or value ends
+the command with one line (exit code 2); ``HYDRA_FULL_ERROR=1`` shows the traceback instead.
+Only ``kiln bench`` gets a Hydra run directory (it writes its records there); ``serve`` and
+``generate`` run with ``NO_RUN_DIR`` and leave nothing in the current directory.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from kiln.entrypoints.cli_config import (  # noqa: F401  (compose_config: the tests' import path)
-    CONFIG_DIR, CliConfig, compose_config, engine_config, fail, register_configs, to_cli_config,
+    CHOICES, CONFIG_DIR, FIELD_HELP, PRESET_GROUP, CliConfig, compose_config, config_keys, engine_config, fail,
+    group_options, prepare_overrides, register_configs, to_cli_config,
 )
 
 COMMANDS = {
@@ -105,26 +111,91 @@ def cmd_bench(cli: CliConfig) -> None:
 
 
 TASKS = {"serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench}
+# The sections of CliConfig each command reads ("": the top-level keys, generate's own).
+COMMAND_SECTIONS = {
+    "serve": ("model", "cache", "scheduler", "compile", "server", "parallel"),
+    "generate": ("model", "cache", "scheduler", "compile", "parallel", ""),
+    "bench": ("model", "cache", "scheduler", "compile", "server", "parallel", "bench"),
+}
+# serve and generate write nothing to a run directory: no outputs/, no .hydra/, no log file.
+# They go before the user's overrides, so an explicit hydra.run.dir=... still wins.
+NO_RUN_DIR = ("hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout")
 
 
 # ---- entry point -------------------------------------------------------------------------------
 def usage() -> str:
     groups = sorted(p for p in CONFIG_DIR.iterdir() if p.is_dir()) if CONFIG_DIR.is_dir() else []
-    lines = ["usage: kiln <command> [group=option ...] [key=value ...] [Hydra flags: --cfg job, --help, -m]",
+    lines = ["usage: kiln <command> [model=X] [group=option ...] [key=value ...] [Hydra flags: --cfg job, --help, -m]",
              "", "commands:"]
     lines += [f"  {name:<9} {text}" for name, text in COMMANDS.items()]
+    lines += ["", "model=X: a registered name (smollm2-135m-instruct), a Hugging Face directory, a .gguf file "
+              "or random:<preset> (random:tiny)"]
     lines += ["", f"config groups ({CONFIG_DIR}/<group>/<option>.yaml):"]
-    lines += [f"  {g.name + ':':<11} {', '.join(sorted(p.stem for p in g.glob('*.yaml')))}" for g in groups]
-    lines += ["", "`kiln <command> --help` shows every option and its default."]
+    lines += [f"  {g.name + ':':<13} {', '.join(group_options(g.name))}" for g in groups]
+    lines += ["", "`kiln <command> --help` shows every key the command uses, its value and what it allows."]
     return "\n".join(lines)
 
 
+def command_help(command: str, cli: CliConfig) -> str:
+    """Every key ``command`` reads, by section: its value in ``cli``, its allowed values, what it does."""
+    keys = config_keys()
+    lines = [f"usage: kiln {command} [model=NAME|DIR|FILE.gguf|random:PRESET] [group=option ...] [key=value ...]"
+             " [--cfg job]", "", COMMANDS[command], "",
+             f"model=X sets model.model; X may also name a preset: model=tiny-random is {PRESET_GROUP}=tiny-random.",
+             "group=option picks kiln/configs/<group>/<option>.yaml; key=value sets one key.",
+             "Values shown are what this command line composes to."]
+    for section in COMMAND_SECTIONS[command]:
+        group = PRESET_GROUP if section == "model" else section
+        options = group_options(group) if group else []
+        lines += ["", (section or command) + (f"  ({group}={' | '.join(options)})" if options else "")]
+        for key in keys[section]:
+            choices = f"  ({' | '.join(CHOICES[key])})" if key in CHOICES else ""
+            lines += [f"  {key}={_format_value(functools.reduce(getattr, key.split('.'), cli))}{choices}",
+                      f"      {FIELD_HELP[key]}"]
+    return "\n".join(lines)
+
+
+def _format_value(value: Any) -> str:
+    """``value`` as an override would write it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (tuple, list)):
+        return "[" + ",".join(_format_value(v) for v in value) + "]"
+    text = str(value)
+    if text and not any(c in text for c in " ,'\"="):
+        return text
+    if "'" in text and '"' not in text:
+        return f'"{text}"'
+    return "'" + text.replace("'", "\\'") + "'"  # Hydra's escape inside single quotes
+
+
+def _prepared(overrides: list[str]) -> list[str]:
+    from hydra.errors import HydraException
+
+    try:
+        return prepare_overrides(overrides)
+    except (ValueError, HydraException) as exc:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        fail(_first_line(exc))
+
+
 def run_hydra(command: str, args: list[str]) -> None:
-    """Hand ``args`` to a Hydra app running ``TASKS[command]``, so Hydra's own flags work."""
+    """Hand ``args`` to a Hydra app running ``TASKS[command]``, so Hydra's own flags work; print
+    kiln's own ``--help``."""
     import hydra
+    from hydra._internal.utils import get_args_parser
 
     if not (CONFIG_DIR / "config.yaml").is_file():
         fail(f"no configs found at {CONFIG_DIR}; this kiln installation lacks its package data", 1)
+    parsed = get_args_parser().parse_args(args)  # Hydra's own flags apart from the overrides
+    flags = [a for a in args if a not in parsed.overrides]
+    overrides = _prepared(parsed.overrides)
+    if parsed.help:
+        print(command_help(command, _composed(overrides)))
+        sys.exit(0)
     register_configs()
     task = TASKS[command]
 
@@ -132,8 +203,19 @@ def run_hydra(command: str, args: list[str]) -> None:
     def app(cfg) -> None:
         task(_checked(cfg))
 
-    sys.argv = [f"kiln {command}", *args]
+    run_dir = () if command == "bench" else NO_RUN_DIR
+    sys.argv = [f"kiln {command}", *flags, *run_dir, *overrides]
     app()
+
+
+def _composed(overrides: list[str]) -> CliConfig:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return compose_config(overrides)
+    except (ValueError, TypeError, HydraException, OmegaConfBaseException) as exc:
+        fail(_first_line(exc))
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -1,22 +1,39 @@
 """The CLI's config: ``CliConfig`` (the engine's groups plus the commands' own keys), the Hydra
-schema it registers, and composition without running a Hydra job. ``kiln.entrypoints.cli`` runs the
-commands; ``kiln.entrypoints.cache_cmd`` composes with this too."""
+schema it registers, the checks and rewrites applied to overrides before Hydra sees them, what
+``--help`` says about each key, and composition without running a Hydra job. ``kiln.entrypoints.cli``
+runs the commands; ``kiln.entrypoints.cache_cmd`` composes with this too.
+
+Rules kept here:
+- ``model=X`` is a model, never a YAML file: ``prepare_overrides`` turns it into ``model.model=X``
+  (or, when X names a file in ``model_preset/``, into ``model_preset=X``), so a name, a directory,
+  a .gguf file and ``random:<preset>`` all reach ``model.model`` as typed.
+- A key or group option that does not exist is refused here, naming the closest valid one, before
+  Hydra could suggest ``+key=...`` (which would add a key nothing reads).
+- ``FIELD_HELP`` and ``CHOICES`` cover every field of ``CliConfig``; tests/test_cli.py checks both
+  against the dataclasses, so they cannot drift from kiln/config.py.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
-from kiln.bench.sweep import BenchConfig
+from kiln.bench.sweep import BENCH_KINDS, BenchConfig
 from kiln.config import (
-    CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig,
+    COMPILE_MODES, CUDAGRAPH_MODES, CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig,
+    SchedulerConfig, ServerConfig,
 )
 
 # The Hydra YAML is package data (kiln/configs/), so a wheel install finds it as a checkout does.
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 SCHEMA_NAME = "kiln_schema"
+PRESET_GROUP = "model_preset"  # YAML files that set several model.* fields (`# @package model`)
+
 
 @dataclass(frozen=True)
 class CliConfig:
@@ -29,10 +46,155 @@ class CliConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
-    prompt: str = "Tell me a joke."  # generate
+    prompt: str = "Give me three tips for a good night's sleep."  # generate
     max_tokens: int = 64  # generate
     temperature: float = 0.0  # generate; 0 is greedy
     chat: bool = True  # generate: apply the chat template when the tokenizer has one
+
+
+# What `kiln <command> --help` says about each key (from the dataclasses' docstrings and comments).
+FIELD_HELP = {
+    "model.model": "a registered name (smollm2-135m-instruct), a Hugging Face directory, a .gguf file, "
+                   "or random:<preset> (random:tiny, random:llama3-8b, ...)",
+    "model.dtype": "weights and activations; auto: float32 on CPU, bfloat16 on GPU",
+    "model.device": "auto: cuda when available, else cpu",
+    "model.max_model_len": "longest prompt plus output in tokens; null: the model's own context length",
+    "model.seed": "seed of random weights and of unseeded sampling",
+    "cache.block_size": "tokens per KV cache block",
+    "cache.enable_prefix_caching": "reuse the KV blocks of a prompt prefix computed before",
+    "cache.kv_cache_memory_gib": "KV cache budget; null: 1 GiB on CPU, from gpu_memory_fraction on GPU",
+    "cache.gpu_memory_fraction": "share of the GPU's memory kiln may fill; the KV cache gets what is left",
+    "cache.num_blocks": "exact number of KV blocks, overriding the memory budget; null: from the budget",
+    "cache.dir": "converted models and compiled artifacts; null: $KILN_CACHE_DIR or ~/.cache/kiln",
+    "scheduler.max_num_seqs": "most requests in one step",
+    "scheduler.max_num_batched_tokens": "most tokens in one step (decodes and prefill chunks)",
+    "scheduler.enable_chunked_prefill": "split a long prompt over several steps",
+    "scheduler.policy": "fcfs: by arrival; priority: lower priority value first, then by arrival",
+    "compile.mode": "eager: op by op; stock: plain torch.compile; kiln: kiln's passes, split at "
+                    "attention, Inductor per piece",
+    "compile.cudagraph": "CUDA graphs (GPU): full for decode-only batches, piecewise between attention "
+                         "ops (mode kiln), or both",
+    "compile.sizes": "extra batch sizes (tokens) Inductor specializes for",
+    "compile.capture_sizes": "batch sizes (tokens) captured as CUDA graphs; a batch is padded up to one",
+    "compile.debug_dump_dir": "write the bytecode and the graphs before and after each pass here; null: off",
+    "server.host": "address to listen on; 0.0.0.0: every interface",
+    "server.port": "TCP port",
+    "server.api_key": "the Bearer token every /v1 route wants; null: $KILN_API_KEY, else no auth",
+    "server.served_model_name": "the model name the API reports; null: the loaded model's name",
+    "server.cors_origins": "origins allowed by CORS; empty: no CORS",
+    "server.max_request_bytes": "larger request bodies get HTTP 413",
+    "parallel.tensor_parallel_size": "devices the model is split over (tensor parallelism)",
+    "parallel.backend": "uni: one process; mp: one process per rank; ray: one Ray actor per rank",
+    "parallel.step_timeout_s": "a rank silent this long in one step fails the engine",
+    "parallel.all_reduce": "symm_mem: small all-reduces through PyTorch symmetric memory (CUDA, one host), NCCL above",
+    "parallel.placement_strategy": "ray: how the ranks are laid over nodes; PACK fills a node first",
+    "bench.kind": "throughput, latency, serve (over HTTP) or startup",
+    "bench.batch_sizes": "concurrent requests per measured point",
+    "bench.prompt_len": "tokens per prompt (random ids, fixed length)",
+    "bench.output_len": "tokens per output (ignore_eos, so every request runs this long)",
+    "bench.num_requests": "throughput/serve: at least this many requests per batch size",
+    "bench.num_iters": "latency: timed requests; startup: fresh processes",
+    "bench.seed": "seed of the prompts' token ids",
+    "bench.timeout_s": "limit of one worker process, start-up included",
+    "prompt": "the prompt to complete",
+    "max_tokens": "most tokens to generate",
+    "temperature": "sampling temperature; 0 is greedy",
+    "chat": "apply the model's chat template when it has one; false: plain completion",
+}
+
+# The values each field allows, as its dataclass checks them (test_cli checks they agree).
+CHOICES: dict[str, tuple] = {
+    "model.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "model.device": ("auto", "cpu", "cuda"),
+    "scheduler.policy": ("fcfs", "priority"),
+    "compile.mode": COMPILE_MODES,
+    "compile.cudagraph": CUDAGRAPH_MODES,
+    "parallel.backend": ("uni", "mp", "ray"),
+    "parallel.all_reduce": ("nccl", "symm_mem"),
+    "parallel.placement_strategy": ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),
+    "bench.kind": BENCH_KINDS,
+}
+
+
+def config_keys() -> dict[str, list[str]]:
+    """Every key of ``CliConfig`` by section: a sub-config's name, or "" for the top-level keys."""
+    hints = typing.get_type_hints(CliConfig)
+    sections: dict[str, list[str]] = {}
+    for f in dataclasses.fields(CliConfig):
+        if dataclasses.is_dataclass(hints[f.name]):
+            sections[f.name] = [f"{f.name}.{sub.name}" for sub in dataclasses.fields(hints[f.name])]
+        else:
+            sections.setdefault("", []).append(f.name)
+    return sections
+
+
+def group_options(group: str) -> list[str]:
+    """The YAML options of a config group (kiln/configs/<group>/*.yaml); none for a plain section."""
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def prepare_overrides(overrides: list[str]) -> list[str]:
+    """``overrides`` with ``model=X`` rewritten. An unknown key or group option is a ValueError that
+    names the closest valid one."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    prepared = []
+    for override in OverridesParser.create().parse_overrides(overrides):
+        if override.is_hydra_override() or override.package is not None:
+            prepared.append(override.input_line)  # Hydra's own settings: Hydra's to check
+        elif override.key_or_group == "model" and not override.is_delete():
+            prepared.append(_model_override(override))
+        else:
+            _check_key(override)
+            prepared.append(override.input_line)
+    return prepared
+
+
+def _model_override(override) -> str:
+    """``model=X``: ``model_preset=X`` when X names a preset file, else ``model.model=X``."""
+    names = _element_values(override)
+    presets = [n for n in names if n in group_options(PRESET_GROUP)]
+    if presets and len(presets) != len(names):
+        raise ValueError(f"{override.input_line} mixes presets and models; "
+                         f"sweep {PRESET_GROUP}=... or model.model=... instead")
+    value = override.input_line.split("=", 1)[1]
+    return f"{PRESET_GROUP}={value}" if presets else f"model.model={value}"
+
+
+def _check_key(override) -> None:
+    key = override.key_or_group
+    if (CONFIG_DIR / key).is_dir():
+        options = group_options(key)
+        for name in _element_values(override):
+            if name not in options:
+                raise ValueError(f"unknown {key} option {name}; "
+                                 + _did_you_mean(name, options, f"choose one of {', '.join(options)}"))
+        return
+    sections = config_keys()
+    known = [k for keys in sections.values() for k in keys]
+    if key in known or key in sections or any(key.startswith(k + ".") for k in known):
+        return  # a key, a whole sub-config, or an element of a list-valued key
+    groups = [g.name for g in CONFIG_DIR.iterdir() if g.is_dir()]
+    raise ValueError(f"unknown key {key}; "
+                     + _did_you_mean(key, known + groups + ["model"], "`kiln <command> --help` lists every key"))
+
+
+def _element_values(override) -> list[str]:
+    """The names an override sets: one, or each of a choice sweep (``a,b,c``, ``choice(a,b)``)."""
+    from hydra.core.override_parser.types import ValueType
+
+    if override.value_type == ValueType.ELEMENT:
+        values = [override.value()]
+    elif override.value_type in (ValueType.CHOICE_SWEEP, ValueType.SIMPLE_CHOICE_SWEEP):
+        values = list(override.sweep_string_iterator())
+    else:
+        values = []  # a deletion, a range or a glob: Hydra's to check
+    return [v for v in values if isinstance(v, str)]
+
+
+def _did_you_mean(name: str, candidates: list[str], otherwise: str) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1)
+    return f"did you mean {close[0]}?" if close else otherwise
 
 
 def engine_config(cli: CliConfig) -> EngineConfig:
@@ -62,9 +224,10 @@ def _writable(node):
 
 
 def compose_config(overrides: list[str]) -> CliConfig:
-    """Compose without running a Hydra job (no output dir, no logging set-up): ``kiln cache``, tests."""
+    """Compose without running a Hydra job (no output dir, no logging set-up): ``kiln cache``, help, tests."""
     from hydra import compose, initialize_config_dir
 
+    overrides = prepare_overrides(overrides)
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         return to_cli_config(compose(config_name="config", overrides=overrides))
