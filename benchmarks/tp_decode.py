@@ -19,6 +19,8 @@ it measures:
 
 Greedy tokens of TP>1 are compared with TP=1 for the batch-1 prompt (``tokens_match_tp1``; bf16
 all-reduce order may flip near-ties late in a long output, so a mismatch is reported, not fatal).
+Correctness itself is ``tp_check.py``'s question: logits within bf16 rounding of TP=1, and equal
+greedy tokens for an fp32 model without near-ties.
 A system that fails is recorded with status ``error`` and the run goes on. Results (one JSON of all
 records and a markdown table) go to ``--out``, rewritten after every system.
 
