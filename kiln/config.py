@@ -27,6 +27,25 @@ def _check_positive(owner: str, name: str, value: Optional[float], allow_none: b
         raise ValueError(f"{owner}.{name} must be > 0, got {value!r}")
 
 
+# What saved configs and logs show in place of a secret (a field with metadata {"secret": True}).
+REDACTED = "***"
+API_KEY_ENV = "KILN_API_KEY"
+
+
+def redacted(config: Any) -> dict:
+    """``dataclasses.asdict(config)`` with every secret that is set replaced by REDACTED: the form
+    of a config that may be written to disk or logged."""
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            value = redacted(value)
+        elif f.metadata.get("secret") and value:
+            value = REDACTED
+        out[f.name] = value
+    return out
+
+
 def default_cache_dir() -> str:
     return os.environ.get("KILN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kiln")
 
@@ -119,15 +138,66 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: Optional[str] = None  # None: $KILN_API_KEY, else no auth
+    # A secret (never in repr, saved configs or logs): better given as $KILN_API_KEY or in
+    # api_key_file. A saved config shows REDACTED instead; see resolved_api_key.
+    api_key: Optional[str] = field(default=None, repr=False, metadata={"secret": True})
+    api_key_file: Optional[str] = None  # a file whose first line is the API key
     served_model_name: Optional[str] = None
     cors_origins: tuple[str, ...] = ()
     max_request_bytes: int = 1 << 20
+    # Host headers served (against DNS rebinding): names, "*.example.com" suffixes; "*": any.
+    allowed_hosts: tuple[str, ...] = ("*",)
+    # What one request may ask for: prompts in a completion, and sequences (prompts x n); over: 400.
+    max_prompts_per_request: int = 1024
+    max_seqs_per_request: int = 1024
+    # Backpressure: sequences, and their prompt tokens (each of n counts), admitted and not yet
+    # finished, running or waiting; a request that would pass either gets a 429.
+    max_queued_seqs: int = 4096
+    max_queued_tokens: int = 1 << 22
+    # Slow clients: a request's headers, then its whole body, must arrive within these of its first
+    # byte (else the connection closes, or a 408); an idle keep-alive connection closes after the last.
+    header_read_timeout_s: float = 10.0
+    body_read_timeout_s: float = 60.0
+    keep_alive_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins))
+        object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
+        if not self.allowed_hosts:
+            raise ValueError('server.allowed_hosts is empty, which would refuse every request; ["*"] allows any host')
+        if self.api_key not in (None, "", REDACTED) and self.api_key_file:
+            raise ValueError("give server.api_key or server.api_key_file, not both")
+        for name in ("max_prompts_per_request", "max_seqs_per_request", "max_queued_seqs", "max_queued_tokens",
+                     "header_read_timeout_s", "body_read_timeout_s", "keep_alive_timeout_s"):
+            _check_positive("server", name, getattr(self, name))
+
+    def resolved_api_key(self) -> Optional[str]:
+        """The key every /v1 route wants: ``api_key``, else the first line of ``api_key_file``, else
+        $KILN_API_KEY, else None (no auth). ``api_key == REDACTED`` (a config read back from a saved
+        copy) says a key was given elsewhere: then the file or the environment must hold it."""
+        if self.api_key and self.api_key != REDACTED:
+            return self.api_key
+        if self.api_key_file:
+            try:
+                with open(self.api_key_file, encoding="utf-8") as f:
+                    key = f.readline().strip()
+            except OSError as e:
+                raise ValueError(f"server.api_key_file={self.api_key_file!r} cannot be read: {e.strerror}") from e
+            if not key:
+                raise ValueError(f"server.api_key_file={self.api_key_file!r} holds no key on its first line")
+            return key
+        key = os.environ.get(API_KEY_ENV) or None
+        if key is None and self.api_key == REDACTED:
+            raise ValueError(f"server.api_key is {REDACTED} (redacted) and neither server.api_key_file nor "
+                             f"${API_KEY_ENV} gives the key")
+        return key
+
+    def secret_env(self) -> dict[str, str]:
+        """The environment that hands this config's secrets to a child process that reads its
+        ``redacted`` copy (where api_key is REDACTED)."""
+        return {API_KEY_ENV: self.api_key} if self.api_key and self.api_key != REDACTED else {}
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: Optional[object] = None  # the stop string or stop token id that ended it
     logprobs: Optional[list[TokenLogprobs]] = None
     cumulative_logprob: Optional[float] = None
@@ -33,3 +33,6 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict = field(default_factory=dict)
+    # Set when kiln failed this request (a bug, logged with its traceback): it is finished, its
+    # unfinished samples end with finish_reason "error", and the engine goes on with the others.
+    error: Optional[str] = None

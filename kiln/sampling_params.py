@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+# Seeds are signed 64-bit integers (as OpenAI's API and vLLM take them); the generators accept them all.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+
 
 @dataclass
 class SamplingParams:
@@ -45,6 +48,8 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (self.seed is None or (isinstance(self.seed, int) and SEED_MIN <= self.seed <= SEED_MAX),
+             f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (signed 64-bit), got {self.seed!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them"),
         ]
         for ok, message in checks:

@@ -42,12 +42,14 @@ CHAT = [{"role": "user", "content": "Name a colour."}]
 class ServerThread:
     """uvicorn serving ``app`` on 127.0.0.1 (a port the OS picks) from a background thread."""
 
-    def __init__(self, app):
+    def __init__(self, app, **options):
+        """``options``: more ``uvicorn.Config`` arguments (``timeouts.uvicorn_options``)."""
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, **options)
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -317,8 +319,8 @@ def test_raw_errors(tiny):
     json_header = {"content-type": "application/json"}
     _assert_error(httpx.post(url, content=b'{"prompt": "hi",', headers=json_header), 400)
     _assert_error(httpx.post(url, content=b"[1, 2]", headers=json_header), 400)
-    for path in ("/v1/completions", "/v1/chat/completions"):
-        body = {"model": "gpt-4", "prompt": "hi", "messages": CHAT}
+    for path, fields in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": CHAT})):
+        body = {"model": "gpt-4", **fields}  # each route refuses the other's fields (unknown_parameter)
         assert _assert_error(httpx.post(tiny.url + path, json=body), 404, "model")["code"] == "model_not_found"
     big = b'{"prompt": "' + b"x" * MAX_REQUEST_BYTES + b'"}'
     _assert_error(httpx.post(url, content=big, headers=json_header), 413)  # refused on Content-Length

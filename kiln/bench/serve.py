@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -18,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kiln.config import EngineConfig
+from kiln.config import EngineConfig, redacted
 from kiln.runtime.worker import free_port
 
 HEALTH_TIMEOUT_S = 600.0
@@ -50,13 +51,16 @@ def measure_serve(engine, bench) -> dict:
     base_url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
         config_path = Path(tmp) / "engine.json"
-        config_path.write_text(json.dumps(dataclasses.asdict(engine)))
+        config_path.write_text(json.dumps(redacted(engine)))  # the API key goes in the environment
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "kiln.bench.serve", str(config_path)])
+        proc = subprocess.Popen([sys.executable, "-m", "kiln.bench.serve", str(config_path)],
+                                env={**os.environ, **engine.server.secret_env()})
         try:
             wait_healthy(base_url, proc, HEALTH_TIMEOUT_S)
             metrics = {"server_startup_s": time.perf_counter() - t0}
-            with httpx.Client(base_url=base_url, timeout=bench.timeout_s) as client:
+            key = engine.server.resolved_api_key()
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            with httpx.Client(base_url=base_url, timeout=bench.timeout_s, headers=headers) as client:
                 model = client.get("/v1/models").json()["data"][0]["id"]
                 body = {"model": model, "prompt": " ".join(["hi"] * bench.prompt_len),
                         "max_tokens": bench.output_len, "temperature": 0.0, "ignore_eos": True}

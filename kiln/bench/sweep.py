@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from typing import Optional
 from kiln.bench.report import (
     RESULT_FILE, TABLE_FILE, format_number, load_records, make_record, run_label, write_record, write_table,
 )
-from kiln.config import EngineConfig
+from kiln.config import EngineConfig, redacted
 
 BENCH_KINDS = ("throughput", "latency", "serve", "startup")
 
@@ -87,7 +88,9 @@ def skip_reason(config: EngineConfig) -> Optional[str]:
 def run_job(engine: EngineConfig, bench: BenchConfig, paths: JobPaths) -> dict:
     """Measure one combination (or record why not), write its record and refresh the sweep report."""
     paths.job_dir.mkdir(parents=True, exist_ok=True)
-    config = {**dataclasses.asdict(engine), "bench": dataclasses.asdict(bench)}
+    # Records and specs hold the redacted config; a worker gets the secrets in its environment.
+    config = {**redacted(engine), "bench": dataclasses.asdict(bench)}
+    env = {**os.environ, **engine.server.secret_env()}
     spec = {"name": f"bench-{bench.kind}", "model": engine.model.model, "config": config}
     result_path = paths.job_dir / RESULT_FILE
     reason = skip_reason(engine)
@@ -95,15 +98,15 @@ def run_job(engine: EngineConfig, bench: BenchConfig, paths: JobPaths) -> dict:
         record = make_record(spec["name"], spec["model"], config, status="skipped", error=reason)
         write_record(record, result_path)
     elif bench.kind == "startup":
-        record = _run_startup(spec, bench, paths.job_dir)
+        record = _run_startup(spec, bench, paths.job_dir, env)
     else:
-        record = _run_worker(spec, bench.timeout_s, paths.job_dir)
+        record = _run_worker(spec, bench.timeout_s, paths.job_dir, env)
     print(summary_line(record), flush=True)
     write_report(paths.report_dir)
     return record
 
 
-def _run_worker(spec: dict, timeout_s: float, job_dir: Path, tag: str = "") -> dict:
+def _run_worker(spec: dict, timeout_s: float, job_dir: Path, env: dict, tag: str = "") -> dict:
     spec_path = job_dir / f"spec{tag}.json"
     result_path = job_dir / (f"result{tag}.json" if tag else RESULT_FILE)
     spec_path.write_text(json.dumps(spec, indent=2) + "\n")
@@ -111,7 +114,7 @@ def _run_worker(spec: dict, timeout_s: float, job_dir: Path, tag: str = "") -> d
     cmd = [sys.executable, "-m", "kiln.bench.worker", str(spec_path), str(result_path)]
     # stdout/stderr pass through: the worker's progress bars are the sweep's progress bars.
     try:
-        proc = subprocess.run(cmd, timeout=timeout_s)
+        proc = subprocess.run(cmd, timeout=timeout_s, env=env)
         died = None if result_path.exists() else _death_reason(proc.returncode)
     except subprocess.TimeoutExpired:
         died = f"timed out after {timeout_s:g} s (raise bench.timeout_s)"
@@ -128,9 +131,9 @@ def _death_reason(returncode: int) -> str:
     return f"worker exited with code {returncode} before writing its result"
 
 
-def _run_startup(spec: dict, bench: BenchConfig, job_dir: Path) -> dict:
+def _run_startup(spec: dict, bench: BenchConfig, job_dir: Path, env: dict) -> dict:
     """Start-up is measured in ``num_iters`` fresh processes: the first may fill the on-disk caches."""
-    runs = [_run_worker(spec, bench.timeout_s, job_dir, tag=f"-{i}") for i in range(bench.num_iters)]
+    runs = [_run_worker(spec, bench.timeout_s, job_dir, env, tag=f"-{i}") for i in range(bench.num_iters)]
     failed = next((r for r in runs if r["status"] != "ok"), None)
     if failed is not None:
         record = failed

@@ -15,7 +15,9 @@ Nothing below receives a DictConfig. Before Hydra sees them, ``prepare_overrides
 into ``model.model=X`` and refuses an unknown key naming the closest one. A wrong key or value ends
 the command with one line (exit code 2); ``HYDRA_FULL_ERROR=1`` shows the traceback instead.
 Only ``kiln bench`` gets a Hydra run directory (it writes its records there); ``serve`` and
-``generate`` run with ``NO_RUN_DIR`` and leave nothing in the current directory.
+``generate`` run with ``NO_RUN_DIR`` and leave nothing in the current directory. A secret given as
+an override (``server.api_key=...``) moves to $KILN_API_KEY before Hydra sees it: every config
+Hydra saves or prints, and every bench record, shows ``***``.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from kiln.entrypoints.cli_config import (  # noqa: F401  (compose_config: the tests' import path)
-    CHOICES, CONFIG_DIR, FIELD_HELP, PRESET_GROUP, CliConfig, compose_config, config_keys, engine_config, fail,
-    group_options, prepare_overrides, register_configs, to_cli_config,
+    CHOICES, CONFIG_DIR, FIELD_HELP, PRESET_GROUP, CliConfig, compose_config, config_keys, engine_config,
+    extract_secrets, fail, group_options, prepare_overrides, register_configs, to_cli_config,
 )
 
 COMMANDS = {
@@ -172,10 +174,14 @@ def _format_value(value: Any) -> str:
 
 
 def _prepared(overrides: list[str]) -> list[str]:
+    """``prepare_overrides``, then secrets out of the overrides and into this process's environment
+    (which the server and bench workers read)."""
     from hydra.errors import HydraException
 
     try:
-        return prepare_overrides(overrides)
+        overrides, secrets = extract_secrets(prepare_overrides(overrides))
+        os.environ.update(secrets)
+        return overrides
     except (ValueError, HydraException) as exc:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

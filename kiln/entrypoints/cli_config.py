@@ -11,6 +11,9 @@ Rules kept here:
   Hydra could suggest ``+key=...`` (which would add a key nothing reads).
 - ``FIELD_HELP`` and ``CHOICES`` cover every field of ``CliConfig``; tests/test_cli.py checks both
   against the dataclasses, so they cannot drift from kiln/config.py.
+- A secret never reaches Hydra: ``extract_secrets`` swaps ``server.api_key=VALUE`` for
+  ``server.api_key='***'`` and hands VALUE back for the environment ($KILN_API_KEY), so what Hydra
+  saves (.hydra/*.yaml), prints (--cfg job) or names a sweep's jobs after holds only ``***``.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from typing import NoReturn
 
 from kiln.bench.sweep import BENCH_KINDS, BenchConfig
 from kiln.config import (
-    COMPILE_MODES, CUDAGRAPH_MODES, CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig,
-    SchedulerConfig, ServerConfig,
+    API_KEY_ENV, COMPILE_MODES, CUDAGRAPH_MODES, REDACTED, CacheConfig, CompileConfig, EngineConfig, ModelConfig,
+    ParallelConfig, SchedulerConfig, ServerConfig,
 )
 
 # The Hydra YAML is package data (kiln/configs/), so a wheel install finds it as a checkout does.
@@ -79,10 +82,20 @@ FIELD_HELP = {
     "compile.debug_dump_dir": "write the bytecode and the graphs before and after each pass here; null: off",
     "server.host": "address to listen on; 0.0.0.0: every interface",
     "server.port": "TCP port",
-    "server.api_key": "the Bearer token every /v1 route wants; null: $KILN_API_KEY, else no auth",
+    "server.api_key": "the Bearer token every /v1 route wants; null: server.api_key_file, else $KILN_API_KEY, "
+                      "else no auth. Given here it moves to $KILN_API_KEY; saved configs show ***",
+    "server.api_key_file": "a file whose first line is the API key (instead of server.api_key)",
+    "server.allowed_hosts": "Host headers served, e.g. [localhost,127.0.0.1,*.example.com]; [\"*\"]: any host",
     "server.served_model_name": "the model name the API reports; null: the loaded model's name",
     "server.cors_origins": "origins allowed by CORS; empty: no CORS",
     "server.max_request_bytes": "larger request bodies get HTTP 413",
+    "server.max_prompts_per_request": "most prompts in one completion request; more: HTTP 400",
+    "server.max_seqs_per_request": "most sequences (prompts x n) one request may start; more: HTTP 400",
+    "server.max_queued_seqs": "most sequences admitted and unfinished, server-wide; more: HTTP 429",
+    "server.max_queued_tokens": "most prompt tokens (each of n counts) admitted and unfinished; more: HTTP 429",
+    "server.header_read_timeout_s": "a request's headers must arrive within this, else the connection closes",
+    "server.body_read_timeout_s": "a request's body must arrive within this of its start, else HTTP 408",
+    "server.keep_alive_timeout_s": "an idle keep-alive connection closes after this",
     "parallel.tensor_parallel_size": "devices the model is split over (tensor parallelism)",
     "parallel.backend": "uni: one process; mp: one process per rank; ray: one Ray actor per rank",
     "parallel.step_timeout_s": "a rank silent this long in one step fails the engine",
@@ -148,6 +161,34 @@ def prepare_overrides(overrides: list[str]) -> list[str]:
             _check_key(override)
             prepared.append(override.input_line)
     return prepared
+
+
+# Keys whose value is a secret, and the environment variable that carries it instead.
+SECRET_KEYS = {"server.api_key": API_KEY_ENV}
+
+
+def extract_secrets(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
+    """``overrides`` with each secret's value replaced by REDACTED, and the environment variables
+    that carry the values instead (for the caller to set). A sweep over a secret is refused."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
+
+    kept, env = [], {}
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    for override in parsed:
+        key = override.key_or_group
+        if key not in SECRET_KEYS or override.is_delete() or override.value() is None:
+            kept.append(override.input_line)
+            continue
+        if override.value_type != ValueType.ELEMENT:
+            raise ValueError(f"{key} takes one value, not a sweep")
+        env[SECRET_KEYS[key]] = str(override.value())
+        prefix = override.input_line[:len(override.input_line) - len(override.input_line.lstrip("+"))]
+        kept.append(f"{prefix}{key}='{REDACTED}'")
+    if env and any(o.key_or_group == "server.api_key_file" and not o.is_delete() and o.value() is not None
+                   for o in parsed):
+        raise ValueError("give server.api_key or server.api_key_file, not both")
+    return kept, env
 
 
 def _model_override(override) -> str:

@@ -16,8 +16,15 @@ Threads and rules:
   aborts its request. Adds and aborts are applied between ``step()`` calls, while a step may be in
   flight: they queue or free, never allocate (the engine's pipeline rule), and ``step()`` is called
   while ``has_unfinished_requests()``, which counts the step in flight, so the last one is drained.
-- If the thread dies with an exception, every pending and later request raises EngineDeadError and
-  ``is_healthy()`` turns False: nobody waits forever.
+- No one request can stop the thread. A request is tokenized and checked on the caller's thread
+  (``InputProcessor``; ValueError), then admitted against ``QueueLimits`` (QueueFullError). On the
+  thread, anything it raises while being added is its own error (ValueError as it is, anything
+  else a logged RequestFailedError) and leaves nothing behind; a request that fails while its
+  output is processed ends with ``RequestOutput.error``, delivered as a RequestFailedError.
+- Every admitted request gets an answer: its outputs, its error, or EngineDeadError. Its share of
+  the queue limits is given back when it leaves (finished, failed, refused, aborted).
+- If the thread dies with an exception (a failed step: the device, a rank), every pending and later
+  request raises EngineDeadError and ``is_healthy()`` turns False: nobody waits forever.
 """
 
 from __future__ import annotations
@@ -30,17 +37,43 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional, Union
 
-from kiln.config import EngineConfig
+from kiln.config import EngineConfig, ServerConfig
 from kiln.outputs import RequestOutput
+from kiln.runtime.input_processor import TokenizedPrompt
 from kiln.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-Prompt = Union[str, list[int]]
+Prompt = Union[str, list[int], TokenizedPrompt]
 
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped (crashed or shut down); no request can run."""
+
+
+class QueueFullError(RuntimeError):
+    """The engine holds as much as ``QueueLimits`` allows; retry later (HTTP 429)."""
+
+
+class RequestFailedError(RuntimeError):
+    """kiln failed this one request (a bug, logged with its traceback); the engine goes on."""
+
+    def __init__(self, request_id: str, detail: str):
+        super().__init__(f"request {request_id} failed inside the engine ({detail})")
+        self.request_id = request_id
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """Backpressure: the most sequences (n per request), and prompt tokens (each of n counts),
+    admitted and not yet finished, running or waiting. None: no limit."""
+
+    max_queued_seqs: Optional[int] = None
+    max_queued_tokens: Optional[int] = None
+
+    @classmethod
+    def from_server(cls, server: ServerConfig) -> "QueueLimits":
+        return cls(server.max_queued_seqs, server.max_queued_tokens)
 
 
 @dataclass
@@ -66,11 +99,14 @@ _ACCEPTED = object()  # first item of a stream whose request the engine took
 
 
 class _Sink:
-    """Where the engine thread delivers one request's items: an asyncio queue on its event loop."""
+    """Where the engine thread delivers one request's items: an asyncio queue on its event loop.
+    It also carries the request's share of the queue limits while it holds one."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, num_seqs: int = 0, num_tokens: int = 0):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.num_seqs = num_seqs
+        self.num_tokens = num_tokens
 
 
 class RequestStream:
@@ -105,10 +141,15 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, make_engine: Callable[[], object], model_name: Optional[str] = None):
+    def __init__(self, make_engine: Callable[[], object], model_name: Optional[str] = None,
+                 limits: QueueLimits = QueueLimits()):
         """``make_engine`` builds the LLMEngine; it runs on the engine thread, which then owns it."""
         self._make_engine = make_engine
         self.model_name = model_name
+        self.limits = limits
+        self._num_queued_seqs = 0  # admitted, not yet finished; under _lock
+        self._num_queued_tokens = 0
+        self._input_processor = None  # the engine's InputProcessor, once built: safe from any thread
         self._inputs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # orders "submit" against "the thread has died"
         self._ready = threading.Event()
@@ -126,7 +167,8 @@ class AsyncEngine:
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
         from kiln.runtime.engine import LLMEngine
 
-        return cls(lambda: LLMEngine(config), model_name=config.model.model)
+        return cls(lambda: LLMEngine(config), model_name=config.model.model,
+                   limits=QueueLimits.from_server(config.server))
 
     # ---- state ----------------------------------------------------------------------------------
     def is_ready(self) -> bool:
@@ -152,8 +194,11 @@ class AsyncEngine:
             raise self._dead_error()
 
     def stats(self) -> dict:
-        """LLMEngine.stats() as of the engine thread's latest turn (empty before it is ready)."""
-        return dict(self._stats)
+        """LLMEngine.stats() as of the engine thread's latest turn (empty before it is ready), and
+        what is admitted now against the queue limits (``num_queued_seqs``, ``num_queued_tokens``)."""
+        with self._lock:
+            queued = {"num_queued_seqs": self._num_queued_seqs, "num_queued_tokens": self._num_queued_tokens}
+        return {**self._stats, **queued}
 
     # ---- requests -------------------------------------------------------------------------------
     async def add_request(
@@ -164,9 +209,12 @@ class AsyncEngine:
         priority: int = 0,
         add_special_tokens: bool = True,
     ) -> RequestStream:
-        """Hand a request to the engine; raise its ValueError if the engine refuses it."""
-        sink = _Sink(asyncio.get_running_loop())
-        self._submit(_Add(request_id, prompt, params, priority, add_special_tokens, sink))
+        """Hand a request to the engine. Raises ValueError for bad input (checked here, on the
+        caller's thread, then on the engine's), QueueFullError when the queue is at a limit,
+        RequestFailedError when kiln failed it, EngineDeadError when the engine has stopped."""
+        prompt = self.process(prompt, params, add_special_tokens)
+        sink = _Sink(asyncio.get_running_loop(), params.n, params.n * _num_tokens(prompt))
+        self._submit(_Add(request_id, prompt, params, priority, add_special_tokens, sink), reserve=sink)
         try:
             first = await sink.queue.get()
         except BaseException:
@@ -175,6 +223,12 @@ class AsyncEngine:
         if isinstance(first, BaseException):
             raise first
         return RequestStream(self, request_id, sink)
+
+    def process(self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool = True) -> Prompt:
+        """Tokenize and check a prompt on the caller's thread (ValueError for bad input). Before the
+        engine is built, or for an engine without an InputProcessor, the prompt passes as it is."""
+        inputs = self._input_processor
+        return inputs.process(prompt, params, add_special_tokens) if inputs is not None else prompt
 
     async def generate(
         self,
@@ -208,11 +262,35 @@ class AsyncEngine:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
-    def _submit(self, message) -> None:
+    def _submit(self, message, reserve: Optional[_Sink] = None) -> None:
         with self._lock:
             if self._done.is_set() or self._stopping:
                 raise self._dead_error()
+            if reserve is not None:
+                self._reserve(reserve)
             self._inputs.put(message)
+
+    def _reserve(self, sink: _Sink) -> None:
+        """Count a request against the queue limits (under _lock); raise if it does not fit."""
+        for what, num, queued, limit in (
+            ("sequences", sink.num_seqs, self._num_queued_seqs, self.limits.max_queued_seqs),
+            ("prompt tokens", sink.num_tokens, self._num_queued_tokens, self.limits.max_queued_tokens),
+        ):
+            name = "server.max_queued_seqs" if what == "sequences" else "server.max_queued_tokens"
+            if limit is not None and num > limit:
+                raise ValueError(f"this request needs {num} {what}, more than the server ever queues "
+                                 f"({name}={limit}); send fewer prompts, a smaller n or shorter prompts")
+            if limit is not None and queued + num > limit:
+                raise QueueFullError(f"server busy: {queued} {what} queued ({name}={limit}); retry later")
+        self._num_queued_seqs += sink.num_seqs
+        self._num_queued_tokens += sink.num_tokens
+
+    def _release(self, sink: _Sink) -> None:
+        """Give a request's share of the queue limits back (any thread; once)."""
+        with self._lock:
+            self._num_queued_seqs -= sink.num_seqs
+            self._num_queued_tokens -= sink.num_tokens
+            sink.num_seqs = sink.num_tokens = 0
 
     def _dead_error(self) -> EngineDeadError:
         if self._error is not None:
@@ -226,10 +304,11 @@ class AsyncEngine:
             engine = self._make_engine()
             self.tokenizer = engine.tokenizer
             self.max_model_len = engine.max_model_len
+            self._input_processor = getattr(engine, "inputs", None)  # test stand-ins have none
             self._stats = engine.stats()
             self._ready.set()
             self._loop(engine)
-            self._close(EngineDeadError("the engine has shut down"))
+            self._close(EngineDeadError("the engine shut down before this request finished"))
         except BaseException as e:  # noqa: BLE001 - any crash must reach the waiting requests
             logger.exception("engine thread died")
             self._error = e
@@ -262,23 +341,40 @@ class AsyncEngine:
                 return False
             if isinstance(message, _Abort):
                 self._abort(engine, message.request_id)
-                continue
-            try:
-                engine.add_request(
-                    message.request_id, message.prompt, message.params, message.priority,
-                    message.add_special_tokens,
-                )
-            except ValueError as e:
-                _post({message.sink: [e]})
-                continue
-            self._sinks[message.request_id] = message.sink
-            _post({message.sink: [_ACCEPTED]})
+            else:
+                self._add(engine, message)
+
+    def _add(self, engine, message: _Add) -> None:
+        """Add one request; whatever it raises is its own answer (LLMEngine.add_request cleans up)."""
+        try:
+            engine.add_request(message.request_id, message.prompt, message.params, message.priority,
+                               message.add_special_tokens)
+        except Exception as e:  # noqa: BLE001 - one request must not stop the engine thread
+            if not isinstance(e, ValueError):
+                logger.exception("request %s failed while it was added", message.request_id)
+                e = RequestFailedError(message.request_id, f"{type(e).__name__}: {e}")
+            self._release(message.sink)
+            _post({message.sink: [e]})
+            return
+        self._sinks[message.request_id] = message.sink
+        _post({message.sink: [_ACCEPTED]})
 
     def _abort(self, engine, request_id: str) -> None:
-        out = engine.abort_request(request_id)
-        sink = self._sinks.pop(request_id, None)
+        try:
+            out = engine.abort_request(request_id)
+        except Exception as e:  # noqa: BLE001 - answer the request anyway
+            logger.exception("aborting request %s failed", request_id)
+            out = RequestFailedError(request_id, f"{type(e).__name__} while aborting: {e}")
+        sink = self._drop(request_id)
         if sink is not None and out is not None:
             _post({sink: [out]})  # someone other than the consumer may have aborted it
+
+    def _drop(self, request_id: str) -> Optional[_Sink]:
+        """Forget a request that left the engine, giving its share of the queue limits back."""
+        sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            self._release(sink)
+        return sink
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         batch: dict[_Sink, list] = {}
@@ -286,9 +382,10 @@ class AsyncEngine:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
-            batch.setdefault(sink, []).append(out)
+            item = out if out.error is None else RequestFailedError(out.request_id, out.error)
+            batch.setdefault(sink, []).append(item)
             if out.finished:
-                del self._sinks[out.request_id]
+                self._drop(out.request_id)
         for sink in _post(batch):
             # Its event loop is gone, so nobody will read it.
             for rid, s in list(self._sinks.items()):
@@ -301,6 +398,7 @@ class AsyncEngine:
             self._done.set()
             batch: dict[_Sink, list] = {sink: [error] for sink in self._sinks.values()}
             self._sinks.clear()
+            self._num_queued_seqs = self._num_queued_tokens = 0
             while True:
                 try:
                     message = self._inputs.get_nowait()
@@ -309,6 +407,10 @@ class AsyncEngine:
                 if isinstance(message, _Add):
                     batch[message.sink] = [error]
         _post(batch)
+
+
+def _num_tokens(prompt: Prompt) -> int:
+    return len(prompt.token_ids) if isinstance(prompt, TokenizedPrompt) else len(prompt)
 
 
 def _post(batch: dict[_Sink, list]) -> list[_Sink]:

@@ -20,8 +20,14 @@ scheduled; the first call after an idle engine returns none. ``schedule`` needs 
 runs each step to the end instead: schedule, submit, wait, update, process.
 
 Rules:
-- Every request that enters leaves through a finish (stop, length, abort) and gives its blocks
-  back; bad input is refused in ``add_request`` with a ValueError that says what to change.
+- Every request that enters leaves through a finish (stop, length, abort, error) and gives its
+  blocks back; bad input is refused in ``add_request`` with a ValueError that says what to change,
+  and a refused request leaves nothing behind. ``InputProcessor`` does the tokenizing and checking
+  and is safe from any thread, so the server runs it before the engine thread sees a request.
+- One request's failure is its own: an exception while processing its output ends it with
+  ``RequestOutput.error`` (its blocks freed), and the step's other requests go on. A step that
+  fails as a whole (the device, a rank) still fails the engine, so every input a step reads from
+  a request (token ids, seeds) is checked before the request enters.
 - A request finished while its step is in flight (a stop string found in ``process``, an abort
   between calls) gives its blocks back at once; the step still writes its K/V into them. That is
   safe because blocks are handed out only by ``schedule``, which runs after ``wait`` for the step
@@ -52,16 +58,17 @@ from kiln.config import EngineConfig
 from kiln.models.loader import resolve_device, resolve_dtype
 from kiln.outputs import RequestOutput
 from kiln.runtime.executor import make_executor
+from kiln.runtime.input_processor import InputProcessor, TokenizedPrompt
 from kiln.runtime.kv_cache_manager import KVCacheManager
 from kiln.runtime.output_processor import OutputProcessor
 from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.scheduler import Scheduler
 from kiln.runtime.scheduler_output import SchedulerOutput
-from kiln.sampling_params import SamplingParams
+from kiln.sampling_params import SEED_MIN, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-Prompt = Union[str, list[int]]
+Prompt = Union[str, list[int], TokenizedPrompt]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,36 +124,19 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.inputs = InputProcessor(self.tokenizer, self.executor.vocab_size, self.max_model_len)
         runner = getattr(self.executor, "runner", None)  # only the one-process executor holds one here
         phases = dict(runner.startup_seconds) if runner is not None else {}
         self.startup = StartupReport(self.kv_manager.num_usable_blocks, config.cache.block_size,
                                      time.perf_counter() - t_start, phases)
 
     # ---- requests -------------------------------------------------------------------------------
-    def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        return list(prompt)
+    def tokenize(self, prompt: Union[str, list[int]], add_special_tokens: bool = True) -> list[int]:
+        return self.inputs.tokenize(prompt, add_special_tokens)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request that cannot run as asked."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty; give at least one token of text")
-        vocab = self.executor.vocab_size
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens but the model's context is {self.max_model_len}; "
-                "shorten the prompt (or raise model.max_model_len if the model allows it)"
-            )
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's context "
-                f"of {self.max_model_len} tokens; lower max_tokens to at most {self.max_model_len - n}"
-            )
+        self.inputs.validate(prompt_token_ids, params)
 
     def add_request(
         self,
@@ -156,14 +146,14 @@ class LLMEngine:
         priority: int = 0,
         add_special_tokens: bool = True,
     ) -> None:
+        """Queue a request (n samples); a refusal or failure leaves nothing behind."""
         if self.output_processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids = self.tokenize(prompt, add_special_tokens)
-        self.validate(prompt_ids, params)
+        processed = self.inputs.process(prompt, params, add_special_tokens)
         samples = [
             Request(
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}",
-                prompt_token_ids=prompt_ids,
+                prompt_token_ids=processed.token_ids,
                 sampling_params=params if params.seed is None else _with_seed(params, params.seed + i),
                 eos_token_id=self.executor.eos_token_id,
                 max_model_len=self.max_model_len,
@@ -171,9 +161,13 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
-        for req in samples:
-            self.scheduler.add_request(req)
-        self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None, samples)
+        self.output_processor.add(request_id, processed.text, samples)
+        try:
+            for req in samples:
+                self.scheduler.add_request(req)
+        except BaseException:
+            self.abort_request(request_id)  # the samples already queued give their place back
+            raise
 
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
         """Finish a user request now (all its samples) and free its blocks."""
@@ -216,10 +210,13 @@ class LLMEngine:
 
     def _process(self, updated: list[Request], logprobs: dict[str, Optional[dict[int, float]]]
                  ) -> list[RequestOutput]:
-        outputs, stopped = self.output_processor.process(updated, logprobs)
+        outputs, stopped, failed = self.output_processor.process(updated, logprobs)
         for sid in stopped:
             self.scheduler.finish_request(sid, RequestStatus.FINISHED_STOPPED)
+        for sid in failed:  # freed now, like an abort; the step in flight drops their tokens
+            self.scheduler.finish_request(sid, RequestStatus.FINISHED_ABORTED)
         finished = [r.request_id for r in updated if r.is_finished]
+        finished += [sid for sid in failed if sid not in finished]
         if finished:
             self.executor.forget(finished)
         return outputs
@@ -239,5 +236,7 @@ class LLMEngine:
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    # Each of n seeded samples gets its own seed, so they differ but stay reproducible.
+    # Each of n seeded samples gets its own seed, so they differ but stay reproducible; past the
+    # largest seed they wrap around within the signed 64-bit range.
+    seed = (seed - SEED_MIN) % (1 << 64) + SEED_MIN
     return dataclasses.replace(params, seed=seed, n=1)

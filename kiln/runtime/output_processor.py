@@ -4,10 +4,15 @@ It owns one incremental detokenizer per sample and groups the n samples of a use
 into one RequestOutput. Text that may still turn into a stop string is held back, so a streamed
 delta never has to be taken back. It reports which samples hit a stop string; the engine then
 finishes them in the scheduler (which frees their blocks).
+
+One request's failure stays its own: an exception while taking its token (detokenizer, stop
+strings, logprobs) is logged, the request ends with ``error`` set and its samples are reported as
+failed, for the engine to finish; the other requests of the step go on.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -15,6 +20,7 @@ from kiln.outputs import CompletionOutput, RequestOutput
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.request import Request, RequestStatus
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class _Sample:
@@ -44,6 +50,7 @@ class _UserRequest:
     prompt: Optional[str]
     prompt_token_ids: list[int]
     samples: list[_Sample] = field(default_factory=list)
+    error: Optional[str] = None
 
     @property
     def finished(self) -> bool:
@@ -57,6 +64,7 @@ class _UserRequest:
             outputs=[s.completion() for s in self.samples],
             finished=self.finished,
             num_cached_tokens=self.samples[0].request.num_cached_tokens,
+            error=self.error,
         )
 
 
@@ -71,6 +79,7 @@ class OutputProcessor:
         self._samples: dict[str, tuple[_UserRequest, _Sample]] = {}
 
     def add(self, request_id: str, prompt: Optional[str], samples: list[Request]) -> None:
+        """Track a user request's samples; all or nothing (a failure leaves nothing behind)."""
         user = _UserRequest(request_id, prompt, samples[0].prompt_token_ids)
         for i, req in enumerate(samples):
             params = req.sampling_params
@@ -78,7 +87,8 @@ class OutputProcessor:
             if params.logprobs is not None:
                 sample.logprobs = []
             user.samples.append(sample)
-            self._samples[req.request_id] = (user, sample)
+        for sample in user.samples:
+            self._samples[sample.request.request_id] = (user, sample)
         self._users[request_id] = user
 
     def has(self, request_id: str) -> bool:
@@ -90,34 +100,56 @@ class OutputProcessor:
 
     def process(
         self, updated: list[Request], logprobs: dict[str, Optional[dict[int, float]]]
-    ) -> tuple[list[RequestOutput], list[str]]:
-        """Take this step's new tokens; return outputs and the sample ids that hit a stop string."""
+    ) -> tuple[list[RequestOutput], list[str], list[str]]:
+        """Take this step's new tokens; return outputs, the sample ids that hit a stop string and
+        the sample ids of requests that failed (each failed request's output has ``error`` set)."""
         touched: dict[str, _UserRequest] = {}
         stopped: list[str] = []
+        failed: list[str] = []
         for req in updated:
             entry = self._samples.get(req.request_id)
             if entry is None:
                 continue
             user, sample = entry
-            token = req.output_token_ids[-1]
-            if not _ended_by_stop_token(req, token):  # like eos, a stop token's text is not output
-                sample.detokenizer.add(token)
-            lp = logprobs.get(req.request_id)
-            if sample.logprobs is not None and lp is not None:
-                sample.logprobs.append(lp)
-                sample.cumulative_logprob += lp.get(token, 0.0)
-            if sample.detokenizer.stop_string is not None and not req.is_finished:
-                stopped.append(req.request_id)
-                sample.finish_reason, sample.stop_reason = "stop", sample.detokenizer.stop_string
-            elif req.is_finished:
-                sample.finish_reason = req.status.finish_reason
-                sample.stop_reason = sample.detokenizer.stop_string or req.stop_reason
-                if sample.detokenizer.stop_string is not None:
-                    sample.finish_reason = "stop"
-            if sample.finish_reason is not None:
-                sample.detokenizer.flush()
             touched[user.request_id] = user
-        return [self._emit(u) for u in touched.values()], stopped
+            if user.error is not None:
+                continue  # another sample of it failed earlier in this step
+            try:
+                if self._take_token(req, sample, logprobs.get(req.request_id)):
+                    stopped.append(req.request_id)
+            except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
+                logger.exception("request %s failed while its output was processed", user.request_id)
+                failed += self._fail(user, e)
+        return [self._emit(u) for u in touched.values()], stopped, failed
+
+    def _take_token(self, req: Request, sample: _Sample, lp: Optional[dict[int, float]]) -> bool:
+        """Detokenize one sample's new token; True when it hit a stop string."""
+        token = req.output_token_ids[-1]
+        if not _ended_by_stop_token(req, token):  # like eos, a stop token's text is not output
+            sample.detokenizer.add(token)
+        if sample.logprobs is not None and lp is not None:
+            sample.logprobs.append(lp)
+            sample.cumulative_logprob += lp.get(token, 0.0)
+        hit_stop = sample.detokenizer.stop_string is not None and not req.is_finished
+        if hit_stop:
+            sample.finish_reason, sample.stop_reason = "stop", sample.detokenizer.stop_string
+        elif req.is_finished:
+            sample.finish_reason = req.status.finish_reason
+            sample.stop_reason = sample.detokenizer.stop_string or req.stop_reason
+            if sample.detokenizer.stop_string is not None:
+                sample.finish_reason = "stop"
+        if sample.finish_reason is not None:
+            sample.detokenizer.flush()
+        return hit_stop
+
+    def _fail(self, user: _UserRequest, error: Exception) -> list[str]:
+        """End every unfinished sample of ``user`` with "error"; return all its sample ids (the
+        scheduler ignores those already finished)."""
+        user.error = f"{type(error).__name__}: {error}"
+        for s in user.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "error"
+        return [s.request.request_id for s in user.samples]
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
         user = self._users.get(request_id)

@@ -5,10 +5,13 @@
     run_server(EngineConfig(model=ModelConfig("smollm2-135m-instruct"), server=ServerConfig(port=8000)))
 
 Safe by default: binds 127.0.0.1, no CORS unless ``server.cors_origins`` lists origins, no route
-that loads files or code named by a request. With ``server.api_key`` (or $KILN_API_KEY) every
-``/v1`` route wants ``Authorization: Bearer <key>``; ``/health``, ``/version`` and ``/metrics``
-stay open for probes and scrapers. Bodies over ``server.max_request_bytes`` get a 413 before the
-app parses them. Stopping uvicorn (SIGINT/SIGTERM) shuts the engine thread down.
+that loads files or code named by a request. With an API key (``server.api_key``,
+``server.api_key_file`` or $KILN_API_KEY) every ``/v1`` route wants ``Authorization: Bearer <key>``
+(the scheme in any case); ``/health``, ``/version`` and ``/metrics`` stay open for probes and
+scrapers. A Host header outside ``server.allowed_hosts`` gets a 400 (against DNS rebinding; default
+any host), a POST body declared as anything but JSON a 415, and a body over
+``server.max_request_bytes`` a 413, all before the app parses anything. Stopping uvicorn
+(SIGINT/SIGTERM) shuts the engine thread down.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
-import os
 import threading
 from typing import Optional
 
@@ -34,7 +36,8 @@ from kiln.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRe
 from kiln.entrypoints.openai.serving import ServingContext
 from kiln.entrypoints.openai.serving_chat import create_chat_completion
 from kiln.entrypoints.openai.serving_completions import create_completion
-from kiln.runtime.async_engine import AsyncEngine
+from kiln.entrypoints.openai.timeouts import BodyReadTimeoutMiddleware, uvicorn_options
+from kiln.runtime.async_engine import AsyncEngine, QueueLimits
 from kiln.runtime.engine import LLMEngine, StartupReport
 
 logger = logging.getLogger(__name__)
@@ -55,14 +58,16 @@ def build_app(engine_client: AsyncEngine, server_config: ServerConfig) -> FastAP
                   docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(engine_client.stats, engine_client.is_healthy)
     model_name = server_config.served_model_name or engine_client.model_name or "kiln"
-    ctx = ServingContext(engine_client, model_name, metrics)
+    ctx = ServingContext(engine_client, model_name, metrics, server_config)
     app.state.engine = engine_client
     app.state.metrics = metrics
     app.state.serving = ctx
     install_error_handlers(app)
 
-    api_key = server_config.api_key or os.environ.get("KILN_API_KEY") or None
-    app.add_middleware(_GuardMiddleware, api_key=api_key, max_request_bytes=server_config.max_request_bytes)
+    app.add_middleware(_GuardMiddleware, api_key=server_config.resolved_api_key(),
+                       max_request_bytes=server_config.max_request_bytes, allowed_hosts=server_config.allowed_hosts)
+    # Added after the guard, so it wraps the guard's reading of the body.
+    app.add_middleware(BodyReadTimeoutMiddleware, timeout_s=server_config.body_read_timeout_s)
     if server_config.cors_origins:  # added last, so it runs first: preflights carry no API key
         app.add_middleware(CORSMiddleware, allow_origins=list(server_config.cors_origins),
                            allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
@@ -106,16 +111,17 @@ def _json(result) -> Response:
 
 
 class _GuardMiddleware:
-    """API key and request-size checks, before FastAPI reads or parses anything.
+    """Host, API key, content-type and request-size checks, before FastAPI reads or parses anything.
 
     The body is read here (at most ``max_request_bytes`` of it) and replayed to the app; after
     the replay, ``receive`` is the server's again, so the app still hears a client disconnect.
     """
 
-    def __init__(self, app, api_key: Optional[str], max_request_bytes: int):
+    def __init__(self, app, api_key: Optional[str], max_request_bytes: int, allowed_hosts: tuple[str, ...] = ("*",)):
         self.app = app
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
+        self.allowed_hosts = None if "*" in allowed_hosts else tuple(h.lower() for h in allowed_hosts)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -139,11 +145,16 @@ class _GuardMiddleware:
 
     def _check_headers(self, scope) -> Optional[Response]:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.api_key and scope.get("path", "").startswith("/v1"):
-            given = headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return error_response(401, "missing or incorrect API key; send Authorization: Bearer <key>",
-                                      None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        if self.allowed_hosts is not None and not _host_allowed(headers.get("host", ""), self.allowed_hosts):
+            return error_response(400, "the Host header names a host this server does not serve "
+                                       "(server.allowed_hosts)", None, "invalid_host")
+        if self.api_key and scope.get("path", "").startswith("/v1") and not self._authorized(headers):
+            return error_response(401, "missing or incorrect API key; send Authorization: Bearer <key>",
+                                  None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        content_type = headers.get("content-type")
+        if scope.get("method") == "POST" and content_type is not None and not _is_json(content_type):
+            return error_response(415, f"the request body must be JSON; send Content-Type: application/json "
+                                       f"(got {content_type[:80]!r})", None, "unsupported_media_type")
         length = headers.get("content-length")
         if length is not None:
             if not length.isdigit():
@@ -151,6 +162,11 @@ class _GuardMiddleware:
             if int(length) > self.max_request_bytes:
                 return _too_large(self.max_request_bytes)
         return None
+
+    def _authorized(self, headers: dict) -> bool:
+        scheme, _, token = headers.get("authorization", "").strip().partition(" ")
+        # The scheme is case-insensitive (RFC 9110); compare_digest keeps the key's timing private.
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
     async def _read_body(self, receive) -> tuple[bytes, Optional[Response]]:
         chunks, size = [], 0
@@ -167,6 +183,19 @@ class _GuardMiddleware:
                 return b"".join(chunks), None
 
 
+def _host_allowed(host: str, allowed: tuple[str, ...]) -> bool:
+    """Starlette's TrustedHostMiddleware rule: the Host header's name (port dropped) equals an
+    entry, or ends with what follows an entry's leading ``*``."""
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host  # [::1]:8000 -> [::1]
+    name = name.lower()
+    return any(name == h or (h.startswith("*") and name.endswith(h[1:])) for h in allowed)
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 def _too_large(limit: int) -> Response:
     return error_response(413, f"the request body is larger than the server's limit of {limit} bytes",
                           None, "request_too_large")
@@ -179,7 +208,7 @@ def run_server(config: EngineConfig, drain_s: float = 5.0) -> None:
     stream still open ends with an error event and ``[DONE]`` rather than a cut connection.
     """
     server = config.server
-    if server.host not in _LOOPBACK_HOSTS and not (server.api_key or os.environ.get("KILN_API_KEY")):
+    if server.host not in _LOOPBACK_HOSTS and not server.resolved_api_key():
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", server.host)
     reports: list[StartupReport] = []  # the engine thread hands its report over once built
 
@@ -188,12 +217,12 @@ def run_server(config: EngineConfig, drain_s: float = 5.0) -> None:
         reports.append(built.startup)
         return built
 
-    engine = AsyncEngine(make_engine, model_name=config.model.model)
+    engine = AsyncEngine(make_engine, model_name=config.model.model, limits=QueueLimits.from_server(server))
     try:
         engine.wait_ready()
         app = build_app(engine, server)
         uv_config = uvicorn.Config(app, host=server.host, port=server.port, log_level="info",
-                                   timeout_graceful_shutdown=drain_s + 5.0)
+                                   timeout_graceful_shutdown=drain_s + 5.0, **uvicorn_options(server))
         ready_line = reports[0].ready_line(api_url(server.host, server.port))
         _DrainingServer(uv_config, engine, drain_s, ready_line).run()
     except KeyboardInterrupt:

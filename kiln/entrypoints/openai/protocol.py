@@ -1,52 +1,131 @@
 """The OpenAI wire format: request bodies (validated) and response bodies (built by the handlers).
 
-Requests keep OpenAI's field names and ranges; kiln's extensions (top_k, min_p,
+Requests keep OpenAI's field names. Rules kept here, so that no request body can reach the engine
+with a value it cannot run:
+
+- Every field is declared; a field nobody defines gets a 400 (``extra="forbid"``). A field OpenAI
+  defines but kiln does not implement (``tools``, ``response_format``, ``logit_bias``, ...) gets
+  a 400 that names it, unless it is null or the value that asks for nothing (``tools: []``,
+  ``response_format: {"type": "text"}``). Fields that change nothing about the answer (``user``,
+  ``metadata``, ``store``, ``service_tier``, ...: ``IGNORED_FIELDS``) are accepted and ignored.
+- Every number has a range the engine runs safely: NaN and infinity are refused, token ids are in
+  [0, 2**31) (the engine then checks them against the vocabulary), seeds are signed 64-bit.
+- Every string can be encoded as UTF-8 (no lone surrogate), since the tokenizer, the stop-string
+  matcher and the response encoder all need that.
+- Text is text: control tokens typed in a prompt or a message are tokenized as characters
+  (``kiln.entrypoints.prompt_encoder``); a completion may opt in with ``parse_special_tokens``.
+
+kiln's extensions (vLLM's names) ride along as extra body fields: top_k, min_p,
 repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output, priority,
-return_token_ids) ride along as extra body fields. Unknown fields are ignored, as
-OpenAI-compatible clients send many. A range error here becomes a 400 whose ``param`` names the
-field.
+return_token_ids, parse_special_tokens (completions). A schema error becomes a 400 whose
+``param`` names the field (errors.py).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
-from kiln.sampling_params import SamplingParams
+from kiln.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+
+MAX_TOKEN_ID = (1 << 31) - 1  # the schema's bound; the engine refuses ids past the vocabulary
+MAX_INT32 = (1 << 31) - 1
+MAX_LOGPROBS = 20
+
+
+def _utf8(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError(
+            "invalid_text", "is not valid Unicode text: {reason} at character {start}; send text without "
+            "lone surrogates", {"reason": e.reason, "start": e.start}) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+
+
+def _stop(value: Any) -> Union[None, str, list[str]]:
+    if value is None or isinstance(value, str):
+        return value if value is None else _utf8(value)
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise PydanticCustomError("stop_type", "must be a string or a list of strings")
+    return [_utf8(s) for s in value]
+
+
+Stop = Annotated[Union[None, str, list[str]], BeforeValidator(_stop)]
+
+
+# OpenAI fields kiln does not implement (declared as ``Unimplemented`` where OpenAI has them), each
+# with the values that, like null, ask for nothing and so pass; any other value is a 400 naming it.
+UNIMPLEMENTED_FIELDS: dict[str, tuple] = {
+    "logit_bias": ({},), "suffix": ("",),  # completions (logit_bias: chat too)
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "response_format": ({"type": "text"},), "modalities": (["text"],), "audio": (), "prediction": (),
+    "web_search_options": (), "reasoning_effort": (), "verbosity": (),
+    "tool_calls": ([],), "refusal": (),  # on a message
+}
+
+
+def _refuse_unimplemented(value: Any, info: ValidationInfo) -> None:
+    if value is None or any(value == v for v in UNIMPLEMENTED_FIELDS[info.field_name]):
+        return None
+    raise PydanticCustomError("not_implemented", "kiln does not implement `{field}`; remove it from the request",
+                              {"field": info.field_name})
+
+
+Unimplemented = Annotated[Any, BeforeValidator(_refuse_unimplemented)]
+
+
+# Accepted and ignored: none of them changes the tokens kiln generates.
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                  "parallel_tool_calls")
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    include_obfuscation: Optional[bool] = None  # accepted, ignored: kiln pads no stream chunk
 
 
 class _SamplingFields(_Request):
     """Fields that completions and chat share; both map them onto SamplingParams."""
 
-    model: Optional[str] = None  # None: the served model
+    model: Optional[Text] = None  # None: the served model
     n: int = Field(1, ge=1, le=128)
     temperature: Optional[float] = Field(None, ge=0.0)
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    stop: Union[None, str, list[str]] = None
-    seed: Optional[int] = None
+    stop: Stop = None
+    seed: Optional[int] = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    user: Optional[str] = None
+    presence_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: Unimplemented = None
+    # accepted and ignored (IGNORED_FIELDS)
+    user: Optional[Text] = None
+    metadata: Optional[dict[str, Any]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[Text] = None
+    prompt_cache_key: Optional[Text] = None
+    safety_identifier: Optional[Text] = None
     # kiln extensions (vLLM's names)
-    top_k: Optional[int] = Field(None, ge=-1)
+    top_k: Optional[int] = Field(None, ge=-1, le=MAX_INT32)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    # Bounded well inside float32: near 0 or huge, penalized logits overflow to inf and sampling to NaN.
+    repetition_penalty: float = Field(1.0, ge=0.01, le=100.0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: Optional[list[TokenId]] = None
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: int = Field(0, ge=-MAX_INT32 - 1, le=MAX_INT32)
     return_token_ids: bool = False  # each choice (or chunk) also carries its generated token ids
 
     def sampling_params(self, max_tokens: Optional[int], num_logprobs: Optional[int]) -> SamplingParams:
@@ -60,11 +139,11 @@ class _SamplingFields(_Request):
             min_p=self.min_p,
             seed=self.seed,
             stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
+            stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
             logprobs=num_logprobs,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
@@ -74,15 +153,48 @@ class _SamplingFields(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-CompletionPrompt = Union[list[int], list[list[int]], str, list[str]]
+def _prompt(value: Any) -> Union[str, list[int], list[str], list[list[int]]]:
+    """OpenAI's four prompt shapes, each checked as a whole, so an error names what is wrong."""
+    if isinstance(value, str):
+        return _utf8(value)
+    if not isinstance(value, list):
+        raise PydanticCustomError("prompt_type", "must be a string, a list of strings, a list of token ids "
+                                  "or a list of lists of token ids")
+    if all(isinstance(p, str) for p in value):
+        return [_utf8(p) for p in value]
+    if all(isinstance(p, list) for p in value):
+        return [_token_ids(p) for p in value]
+    return _token_ids(value)
+
+
+def _token_ids(ids: list) -> list[int]:
+    if not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in ids):
+        raise PydanticCustomError("token_ids", "token ids must be integers in [0, {limit}]", {"limit": MAX_TOKEN_ID})
+    return ids
+
+
+CompletionPrompt = Annotated[Any, BeforeValidator(_prompt)]
 
 
 class CompletionRequest(_SamplingFields):
     prompt: CompletionPrompt
-    max_tokens: Optional[int] = Field(16, ge=1)
-    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    max_tokens: Optional[int] = Field(16, ge=1, le=MAX_INT32)
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: Optional[str] = None
+    best_of: Optional[int] = Field(None, ge=1, le=128)  # only best_of == n: kiln ranks no samples
+    suffix: Unimplemented = None
+    # kiln extension: special-token strings in the prompt become those tokens (default: text)
+    parse_special_tokens: bool = False
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: Optional[int], info: ValidationInfo) -> Optional[int]:
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of != n:
+            raise PydanticCustomError("not_implemented", "kiln does not implement best_of other than n "
+                                      "(got best_of={best_of}, n={n}); it ranks no samples",
+                                      {"best_of": best_of, "n": n})
+        return best_of
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """One entry per engine request: a string or a list of token ids."""
@@ -94,28 +206,63 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
-class ChatMessage(_Request):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: the template may use them
+def _content(value: Any) -> Optional[str]:
+    """A message's content: a string, or a list of text parts (joined); other parts are refused."""
+    if value is None or isinstance(value, str):
+        return value if value is None else _utf8(value)
+    if not isinstance(value, list):
+        raise PydanticCustomError("content_type", "must be a string or a list of content parts")
+    texts = []
+    for part in value:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            shown = ascii(kind)[:40]  # the type as a client sent it, safe to echo
+            raise PydanticCustomError("not_implemented", "kiln does not implement content parts of type {kind}; "
+                                      "send parts of type 'text'", {"kind": shown})
+        if set(part) - {"type", "text"} or not isinstance(part.get("text"), str):
+            raise PydanticCustomError("content_type", "a text part has a string `text` and no other field")
+        texts.append(_utf8(part["text"]))
+    return "".join(texts)
 
-    role: str
-    content: Union[None, str, list[dict]] = None
+
+class ChatMessage(_Request):
+    # developer is OpenAI's newer name for system; tool and function messages need tool calling.
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[Optional[str], BeforeValidator(_content)] = None
+    name: Optional[Text] = None  # the template may use it
+    tool_calls: Unimplemented = None
+    function_call: Unimplemented = None
+    audio: Unimplemented = None
+    refusal: Unimplemented = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    max_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT32)
+    max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT32)
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    # OpenAI fields kiln does not implement: refused unless null or asking for nothing.
+    tools: Unimplemented = None
+    tool_choice: Unimplemented = None
+    functions: Unimplemented = None
+    function_call: Unimplemented = None
+    response_format: Unimplemented = None
+    modalities: Unimplemented = None
+    audio: Unimplemented = None
+    prediction: Unimplemented = None
+    web_search_options: Unimplemented = None
+    reasoning_effort: Unimplemented = None
+    verbosity: Unimplemented = None
+    parallel_tool_calls: Optional[bool] = None  # accepted, ignored: no tools, so no tool calls
 
     def conversation(self) -> list[dict]:
-        """Messages as the chat template expects them (text parts of a content list joined)."""
+        """Messages as the chat template expects them (developer as system)."""
         out = []
         for m in self.messages:
-            d = m.model_dump(exclude_none=True)
-            if isinstance(m.content, list):
-                d["content"] = "".join(p.get("text", "") for p in m.content if p.get("type") == "text")
-            d.setdefault("content", "")
+            d = {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
+            if m.name is not None:
+                d["name"] = m.name
             out.append(d)
         return out
 

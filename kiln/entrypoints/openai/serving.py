@@ -2,8 +2,14 @@
 requests (engine refusals become HTTP errors before any byte is sent), timing them for metrics,
 merging several requests' streams, SSE framing, and aborting work whose client went away.
 
-Rule: every engine request a handler starts is closed in a ``finally`` (closing an unfinished
-stream aborts it), so neither an error nor a disconnect leaves blocks held.
+Rules:
+- Every engine request a handler starts is closed in a ``finally`` (closing an unfinished stream
+  aborts it), so neither an error nor a disconnect leaves blocks held.
+- A request is sized before the engine sees it: prompts and prompts x n against the server's
+  per-request limits (400), its prompts tokenized and checked here (400), then admitted against
+  the engine's queue limits (429, or 400 when it could never fit); all of it or none starts.
+- Every failure becomes an error in OpenAI's schema (``api_error``): a kiln bug is a 500 that
+  names the request id, which the server log names too.
 """
 
 from __future__ import annotations
@@ -11,18 +17,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Optional, Union
 
 from fastapi import Request
 from pydantic import BaseModel
 
+from kiln.config import ServerConfig
 from kiln.entrypoints.openai.errors import APIError, bad_request, engine_unavailable
 from kiln.entrypoints.openai.metrics import RequestTimer, ServerMetrics
+from kiln.entrypoints.prompt_encoder import PromptEncoder
 from kiln.outputs import RequestOutput
-from kiln.runtime.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from kiln.runtime.async_engine import (
+    AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestStream,
+)
+from kiln.runtime.input_processor import TokenizedPrompt
 from kiln.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 Prompt = Union[str, list[int]]
 
@@ -63,6 +77,15 @@ class ServingContext:
     engine: AsyncEngine
     model_name: str
     metrics: ServerMetrics
+    server: ServerConfig = field(default_factory=ServerConfig)  # its per-request limits
+    _prompt_encoder: Optional[PromptEncoder] = field(default=None, init=False, repr=False)
+
+    def prompt_encoder(self) -> Optional[PromptEncoder]:
+        """Encodes user text with control tokens as text; built on first use (the engine loads its
+        tokenizer after the app is built). None for an engine without a tokenizer (a test stand-in)."""
+        if self._prompt_encoder is None and self.engine.tokenizer is not None:
+            self._prompt_encoder = PromptEncoder(self.engine.tokenizer)
+        return self._prompt_encoder
 
     def check(self, model: Optional[str]) -> None:
         """Refuse a request for another model (404) or while the engine cannot take it (503)."""
@@ -77,15 +100,24 @@ class ServingContext:
 
     async def start(
         self, request_id: str, prompts: list[Prompt], params: SamplingParams, priority: int = 0,
-        add_special_tokens: bool = True,
+        add_special_tokens: bool = True, *, prompt_param: str = "prompt",
     ) -> list[TimedStream]:
         """One engine request per prompt (ids ``<request_id>-<i>``); all or none are started.
 
-        All are submitted before any acceptance is awaited, so n prompts cost one engine turn."""
+        All are submitted before any acceptance is awaited, so n prompts cost one engine turn.
+        ``prompt_param``: the field a bad prompt is blamed on."""
+        self._check_size(len(prompts), params.n)
+        try:
+            processed = [self.engine.process(p, params, add_special_tokens) for p in prompts]
+        except ValueError as e:
+            raise bad_request(str(e), _param_of(str(e), prompt_param)) from e
+        except Exception as e:  # noqa: BLE001 - a kiln bug: a 500 that names the request
+            raise api_error(e, request_id) from e
+        self._check_fits(processed, params.n)
         timers = [self.metrics.timer() for _ in prompts]
         results = await asyncio.gather(
             *(self.engine.add_request(f"{request_id}-{i}", p, params, priority, add_special_tokens)
-              for i, p in enumerate(prompts)),
+              for i, p in enumerate(processed)),
             return_exceptions=True,
         )
         streams = [TimedStream(r, t) for r, t in zip(results, timers) if not isinstance(r, BaseException)]
@@ -94,12 +126,36 @@ class ServingContext:
             return streams
         for s in streams:
             s.close(count_abort=False)
-        error = errors[0]
+        error = next((e for e in errors if isinstance(e, (ValueError, QueueFullError))), errors[0])
         if isinstance(error, ValueError):
-            raise bad_request(str(error), _param_of(str(error))) from error
-        if isinstance(error, EngineDeadError):
-            raise engine_unavailable(str(error)) from error
-        raise error
+            raise bad_request(str(error), _param_of(str(error), prompt_param)) from error
+        raise api_error(error, request_id) from error
+
+    def _check_size(self, num_prompts: int, n: int) -> None:
+        """The server's per-request limits (400)."""
+        limit = self.server.max_prompts_per_request
+        if num_prompts > limit:
+            raise APIError(400, f"the request has {num_prompts} prompts, more than this server takes in one "
+                                f"request (server.max_prompts_per_request={limit}); split them over several "
+                                "requests", "prompt", "limit_exceeded")
+        limit = self.server.max_seqs_per_request
+        if num_prompts * n > limit:
+            raise APIError(400, f"{num_prompts} prompt(s) x n={n} is {num_prompts * n} sequences, more than this "
+                                f"server runs for one request (server.max_seqs_per_request={limit}); lower n or "
+                                "send fewer prompts", "n", "limit_exceeded")
+
+    def _check_fits(self, processed: list, n: int) -> None:
+        """A request larger than the engine's whole queue could never start: 400, not 429."""
+        limits = self.engine.limits
+        num_seqs = len(processed) * n
+        num_tokens = n * sum(len(p.token_ids) if isinstance(p, TokenizedPrompt) else len(p) for p in processed)
+        for what, num, limit, name in (("sequences", num_seqs, limits.max_queued_seqs, "server.max_queued_seqs"),
+                                       ("prompt tokens", num_tokens, limits.max_queued_tokens,
+                                        "server.max_queued_tokens")):
+            if limit is not None and num > limit:
+                raise APIError(400, f"the request needs {num} {what} (prompts x n), more than the server ever "
+                                    f"queues ({name}={limit}); send fewer or shorter prompts or a smaller n",
+                               "prompt", "limit_exceeded")
 
 
 def close_all(streams: list[TimedStream]) -> None:
@@ -118,16 +174,16 @@ def sampling_params_or_400(make) -> SamplingParams:
         raise bad_request(str(e), _param_of(str(e))) from e
 
 
-def _param_of(message: str) -> Optional[str]:
+def _param_of(message: str, prompt_param: str = "prompt") -> Optional[str]:
     # SamplingParams and the engine start their messages with the field they refuse.
     first = message.split(" ", 1)[0]
     known = {"n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs", "presence_penalty",
-             "frequency_penalty", "repetition_penalty", "stop"}
+             "frequency_penalty", "repetition_penalty", "stop", "seed"}
     if first in known:
         return first
     if "max_tokens" in message:
         return "max_tokens"
-    return "prompt" if "prompt" in message else None
+    return prompt_param if "prompt" in message else None
 
 
 async def merge_streams(streams: list[TimedStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -199,11 +255,18 @@ def sse(payload: Union[BaseModel, dict]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def stream_error(e: BaseException) -> APIError:
-    """The error a stream that already answered 200 reports in-band."""
+def api_error(e: BaseException, request_id: str) -> APIError:
+    """The HTTP error for what running a request raised (also in-band, once a stream answered 200).
+
+    Bad input is refused before a request starts, so anything unexpected here is a kiln bug: a
+    500 naming the request, whose traceback the log holds (the engine logged its own failures)."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, EngineDeadError):
         return engine_unavailable(str(e))
-    return APIError(500, "internal server error", None, "internal_error")
-
+    if isinstance(e, QueueFullError):
+        return APIError(429, str(e), None, "server_busy")
+    if not isinstance(e, RequestFailedError):
+        logger.error("request %s failed", request_id, exc_info=e)
+    return APIError(500, f"kiln failed request {request_id} (an internal error, logged on the server); "
+                         "other requests are not affected, so retrying may work", None, "internal_error")

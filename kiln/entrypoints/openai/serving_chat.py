@@ -1,8 +1,9 @@
 """POST /v1/chat/completions: the tokenizer's chat template turns the messages into one prompt.
 
-The prompt is rendered as text (``add_generation_prompt=True``) and tokenized without special
-tokens, since the template already wrote them. A stream opens with one chunk per choice that
-carries ``role: "assistant"``; content deltas follow, the last carrying the finish reason.
+The prompt is rendered (``add_generation_prompt=True``) and tokenized by the ``PromptEncoder``:
+control tokens the template writes are control tokens, those typed in a message are text, so no
+message can forge a turn. A stream opens with one chunk per choice that carries
+``role: "assistant"``; content deltas follow, the last carrying the finish reason.
 """
 
 from __future__ import annotations
@@ -18,38 +19,62 @@ from kiln.entrypoints.openai.protocol import (
     ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, TopLogprob, UsageInfo,
 )
 from kiln.entrypoints.openai.serving import (
-    SSE_DONE, ClientGone, ServingContext, TimedStream, new_id, sampling_params_or_400, sse,
-    stream_error, until_disconnected,
+    SSE_DONE, ClientGone, ServingContext, TimedStream, api_error, new_id, sampling_params_or_400, sse,
+    until_disconnected,
 )
 from kiln.outputs import RequestOutput
+from kiln.runtime.input_processor import TokenizedPrompt
 
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw: Request) -> Response:
     ctx.check(body.model)
-    prompt = _render(ctx.engine.tokenizer, body)
+    prompt = _render(ctx, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params_or_400(lambda: body.sampling_params(max_tokens, num_logprobs))
     request_id = new_id("chatcmpl")
-    streams = await ctx.start(request_id, [prompt], params, body.priority, add_special_tokens=False)
+    streams = await ctx.start(request_id, [prompt], params, body.priority, add_special_tokens=False,
+                              prompt_param="messages")
     if body.stream:
         return StreamingResponse(_stream(ctx, body, request_id, streams[0]), media_type="text/event-stream")
     try:
         final = await until_disconnected(raw, _collect(streams[0]))
+        return _response(ctx, body, request_id, final)
     except ClientGone:
         return Response(status_code=499)
-    return _response(ctx, body, request_id, final)
+    except Exception as e:  # noqa: BLE001 - a kiln bug or a stopped engine: an answer in OpenAI's schema
+        raise api_error(e, request_id) from e
 
 
-def _render(tokenizer, body: ChatCompletionRequest) -> str:
-    if getattr(tokenizer, "chat_template", None) is None:
+def _render(ctx: ServingContext, body: ChatCompletionRequest) -> TokenizedPrompt:
+    if getattr(ctx.engine.tokenizer, "chat_template", None) is None:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
+    conversation = body.conversation()
+    _check_text(conversation)
+    encoder = ctx.prompt_encoder()
     try:
-        return tokenizer.apply_chat_template(body.conversation(), tokenize=False, add_generation_prompt=True)
+        rendered = encoder.render_chat(conversation)
     except Exception as e:  # noqa: BLE001 - templates raise their own errors for bad conversations
         raise bad_request(f"the chat template refused these messages: {e}", "messages") from e
+    try:
+        return TokenizedPrompt(encoder.plain(rendered), encoder.encode_chat(rendered))
+    except ValueError as e:
+        raise bad_request(f"messages: {e}", "messages") from e
+
+
+def _check_text(conversation: list[dict]) -> None:
+    """Refuse text that is no Unicode (a lone surrogate, "\\ud800" in JSON), naming where it is."""
+    for i, message in enumerate(conversation):
+        for key, value in message.items():
+            if not isinstance(value, str):
+                continue
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad_request(f"messages[{i}].{key} is not valid Unicode text: {e.reason} at character "
+                                  f"{e.start}; send text without lone surrogates", f"messages[{i}].{key}") from e
 
 
 async def _collect(stream: TimedStream) -> RequestOutput:
@@ -116,7 +141,7 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, request_id: 
         if body.include_usage_in_stream and final is not None:
             yield chunk([], _usage(final))
     except Exception as e:  # noqa: BLE001 - the 200 is already sent; report in-band
-        yield sse(stream_error(e).body())
+        yield sse(api_error(e, request_id).body())
     finally:
         stream.close()
     yield SSE_DONE

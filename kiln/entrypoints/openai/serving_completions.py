@@ -8,7 +8,7 @@ only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -18,17 +18,17 @@ from kiln.entrypoints.openai.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, UsageInfo,
 )
 from kiln.entrypoints.openai.serving import (
-    SSE_DONE, ClientGone, ServingContext, TimedStream, close_all, merge_streams, new_id,
-    sampling_params_or_400, sse, stream_error, until_disconnected,
+    SSE_DONE, ClientGone, ServingContext, TimedStream, api_error, close_all, merge_streams, new_id,
+    sampling_params_or_400, sse, until_disconnected,
 )
 from kiln.outputs import CompletionOutput, RequestOutput
+from kiln.runtime.input_processor import TokenizedPrompt
 
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: Request) -> Response:
     ctx.check(body.model)
-    if body.suffix:
-        raise bad_request("suffix is not supported", "suffix")
-    prompts = body.prompts()
+    prompts = [_as_text(ctx, p) if isinstance(p, str) and not body.parse_special_tokens else p
+               for p in body.prompts()]
     if not prompts:
         raise bad_request("prompt is empty; give a string, a list of strings or token ids", "prompt")
     params = sampling_params_or_400(lambda: body.sampling_params(body.max_tokens, body.logprobs))
@@ -38,9 +38,23 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: R
         return StreamingResponse(_stream(ctx, body, request_id, streams), media_type="text/event-stream")
     try:
         finals = await until_disconnected(raw, _collect(streams))
+        return _response(ctx, body, request_id, finals)
     except ClientGone:
         return Response(status_code=499)
-    return _response(ctx, body, request_id, finals)
+    except Exception as e:  # noqa: BLE001 - a kiln bug or a stopped engine: an answer in OpenAI's schema
+        raise api_error(e, request_id) from e
+
+
+def _as_text(ctx: ServingContext, prompt: str) -> Union[str, TokenizedPrompt]:
+    """A text prompt tokenized as text: control tokens typed in it are characters (opt out with
+    ``parse_special_tokens``). An engine without a tokenizer (a test stand-in) gets the string."""
+    encoder = ctx.prompt_encoder()
+    if encoder is None:
+        return prompt
+    try:
+        return TokenizedPrompt(prompt, encoder.encode_text(prompt))
+    except ValueError as e:
+        raise bad_request(f"prompt: {e}", "prompt") from e
 
 
 async def _collect(streams: list[TimedStream]) -> list[RequestOutput]:
@@ -101,7 +115,7 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, request_id: str,
         if body.include_usage_in_stream:
             yield sse(CompletionResponse(id=request_id, model=ctx.model_name, choices=[], usage=_usage(finals)))
     except Exception as e:  # noqa: BLE001 - the 200 is already sent; report in-band
-        yield sse(stream_error(e).body())
+        yield sse(api_error(e, request_id).body())
     finally:
         close_all(streams)
     yield SSE_DONE
