@@ -9,18 +9,12 @@ rendezvous and gloo traffic cross the loopback, not a network."""
 
 import pytest
 
-from kiln import LLM, SamplingParams
+from kiln import LLM
+from tests.test_ray_executor import GREEDY, PROMPTS, needs_ray, ray
 from tests.utils import assert_same_completions
 
-try:
-    import ray
+if ray is not None:
     from ray.cluster_utils import Cluster
-except ImportError:
-    ray = None
-needs_ray = pytest.mark.skipif(ray is None, reason="needs the package 'ray' (requirements-dev.txt)")
-
-PROMPTS = ["Hello there", "The capital of France is", list(range(100, 140)), "1, 2, 3"]
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3)
 # Two logical CPUs per node: PACK would put both ranks on the head, so only STRICT_SPREAD splits them.
 CPUS_PER_NODE = 2
 SPREAD2 = {"tensor_parallel_size": 2, "backend": "ray", "placement_strategy": "STRICT_SPREAD"}
