@@ -23,6 +23,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from kiln.ops.registry import op_name
+
 STAGES = ("dynamo", "post_grad")
 
 
@@ -60,8 +62,6 @@ def retarget(graph: torch.fx.Graph, generic_name: str, op: Any) -> int:
     """Point every call of the generic op ``generic_name`` ('ns::name') at ``op``, a kernel op of
     the same schema (a packet or overload); returns how many calls moved. Overload calls keep
     their overload name."""
-    from kiln.ops.registry import op_name
-
     if op_name(op) == generic_name:
         return 0
     count = 0
