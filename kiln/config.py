@@ -222,6 +222,52 @@ class ParallelConfig:
                       ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"))
 
 
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses up to ``num_speculative_tokens`` tokens per decoding
+    request, and the target model checks them all in one forward (``kiln.runtime.spec_decode``).
+
+    ``ngram`` looks the last ``prompt_lookup_max``..``prompt_lookup_min`` tokens up earlier in the
+    request's own context and proposes what followed them; ``draft`` runs ``draft_model`` (any model
+    kiln loads with the target's vocabulary) greedily for k steps, with its own compile settings and
+    its own KV cache in the same block budget. Above ``max_batch_size`` decoding requests in a step,
+    speculation is off for that step (verifying costs more than it saves in a compute-bound batch).
+    """
+
+    method: str = "none"
+    num_speculative_tokens: int = 4  # k: proposed tokens per request and step
+    prompt_lookup_min: int = 2  # ngram: the shortest suffix looked up
+    prompt_lookup_max: int = 4  # ngram: the longest suffix looked up (longest match wins)
+    draft_model: Optional[str] = None  # draft: a registered name, a Hugging Face directory or random:<preset>
+    draft_dtype: str = "auto"  # draft: auto: the target's dtype
+    draft_compile_mode: str = "eager"  # draft: compile.mode of the draft model
+    draft_cudagraph: str = "none"  # draft: compile.cudagraph of the draft model
+    max_batch_size: int = 16  # speculate only while at most this many requests decode in a step
+
+    def __post_init__(self) -> None:
+        _check_choice("speculative", "method", self.method, SPECULATIVE_METHODS)
+        _check_positive("speculative", "num_speculative_tokens", self.num_speculative_tokens)
+        _check_positive("speculative", "prompt_lookup_min", self.prompt_lookup_min)
+        _check_positive("speculative", "max_batch_size", self.max_batch_size)
+        _check_choice("speculative", "draft_dtype", self.draft_dtype, ("auto", "float32", "bfloat16", "float16"))
+        _check_choice("speculative", "draft_compile_mode", self.draft_compile_mode, COMPILE_MODES)
+        _check_choice("speculative", "draft_cudagraph", self.draft_cudagraph, CUDAGRAPH_MODES)
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"speculative.prompt_lookup_max={self.prompt_lookup_max} is below "
+                             f"prompt_lookup_min={self.prompt_lookup_min}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    @property
+    def draft_compile(self) -> CompileConfig:
+        return CompileConfig(mode=self.draft_compile_mode, cudagraph=self.draft_cudagraph)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every sub-config, composed (never inherited)."""
@@ -232,6 +278,15 @@ class EngineConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def __post_init__(self) -> None:
+        if self.speculative.method == "draft" and not self.speculative.draft_model:
+            raise ValueError("speculative.method=draft needs speculative.draft_model (a model name, a Hugging "
+                             "Face directory or random:<preset> with the target's vocabulary)")
+        if self.speculative.enabled and self.parallel.backend != "uni":
+            raise ValueError(f"speculative.method={self.speculative.method} runs with parallel.backend=uni "
+                             f"for now, not {self.parallel.backend}; set speculative.method=none")
 
     @classmethod
     def from_kwargs(cls, **groups: Any) -> "EngineConfig":
@@ -240,6 +295,7 @@ class EngineConfig:
         types = {
             "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
             "compile": CompileConfig, "server": ServerConfig, "parallel": ParallelConfig,
+            "speculative": SpeculativeConfig,
         }
         built = {}
         for name, value in groups.items():

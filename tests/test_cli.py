@@ -76,7 +76,7 @@ def test_groups_and_overrides():
 def test_every_option_of_every_group_composes(monkeypatch):
     monkeypatch.setenv("KILN_HF_DIR", "/some/hf/dir")
     groups = {p.name: sorted(q.stem for q in p.glob("*.yaml")) for p in CONFIG_DIR.iterdir() if p.is_dir()}
-    assert set(groups) == {"model_preset", "compile", "cache", "scheduler", "server", "parallel", "bench"}
+    assert set(groups) == {"model_preset", "compile", "cache", "scheduler", "server", "parallel", "speculative", "bench"}
     assert {"eager", "stock", "kiln", "kiln-piecewise", "kiln-full"} <= set(groups["compile"])
     assert {"throughput", "latency", "serve", "startup"} <= set(groups["bench"])
     for group, options in groups.items():

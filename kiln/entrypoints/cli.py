@@ -83,7 +83,7 @@ def cmd_generate(cli: CliConfig) -> None:
     def run() -> None:
         engine = engine_config(cli)
         llm = LLM(model=engine.model, cache=engine.cache, scheduler=engine.scheduler,
-                  compile=engine.compile, parallel=engine.parallel)
+                  compile=engine.compile, parallel=engine.parallel, speculative=engine.speculative)
         params = SamplingParams(max_tokens=cli.max_tokens, temperature=cli.temperature)
         if cli.chat and getattr(llm.tokenizer, "chat_template", None):
             outs = llm.chat([{"role": "user", "content": cli.prompt}], params, use_tqdm=False)
@@ -115,9 +115,9 @@ def cmd_bench(cli: CliConfig) -> None:
 TASKS = {"serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench}
 # The sections of CliConfig each command reads ("": the top-level keys, generate's own).
 COMMAND_SECTIONS = {
-    "serve": ("model", "cache", "scheduler", "compile", "server", "parallel"),
-    "generate": ("model", "cache", "scheduler", "compile", "parallel", ""),
-    "bench": ("model", "cache", "scheduler", "compile", "server", "parallel", "bench"),
+    "serve": ("model", "cache", "scheduler", "compile", "server", "parallel", "speculative"),
+    "generate": ("model", "cache", "scheduler", "compile", "parallel", "speculative", ""),
+    "bench": ("model", "cache", "scheduler", "compile", "server", "parallel", "speculative", "bench"),
 }
 # serve and generate write nothing to a run directory: no outputs/, no .hydra/, no log file.
 # They go before the user's overrides, so an explicit hydra.run.dir=... still wins.

@@ -29,7 +29,7 @@ from typing import NoReturn
 from kiln.bench.sweep import BENCH_KINDS, BenchConfig
 from kiln.config import (
     API_KEY_ENV, COMPILE_MODES, CUDAGRAPH_MODES, REDACTED, CacheConfig, CompileConfig, EngineConfig, ModelConfig,
-    ParallelConfig, SchedulerConfig, ServerConfig,
+    ParallelConfig, SchedulerConfig, ServerConfig, SPECULATIVE_METHODS, SpeculativeConfig,
 )
 
 # The Hydra YAML is package data (kiln/configs/), so a wheel install finds it as a checkout does.
@@ -48,6 +48,7 @@ class CliConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     prompt: str = "Give me three tips for a good night's sleep."  # generate
     max_tokens: int = 64  # generate
@@ -101,6 +102,16 @@ FIELD_HELP = {
     "parallel.step_timeout_s": "a rank silent this long in one step fails the engine",
     "parallel.all_reduce": "symm_mem: small all-reduces through PyTorch symmetric memory (CUDA, one host), NCCL above",
     "parallel.placement_strategy": "ray: how the ranks are laid over nodes; PACK fills a node first",
+    "speculative.method": "none; ngram: propose what followed the context's last n-gram earlier in it; "
+                          "draft: a smaller model with the same vocabulary proposes",
+    "speculative.num_speculative_tokens": "k: tokens proposed per request and step, all checked in one forward",
+    "speculative.prompt_lookup_min": "ngram: the shortest suffix looked up in the context",
+    "speculative.prompt_lookup_max": "ngram: the longest suffix looked up (the longest match wins)",
+    "speculative.draft_model": "draft: the proposing model (a name, a Hugging Face directory or random:<preset>)",
+    "speculative.draft_dtype": "draft: its dtype; auto: as the target model",
+    "speculative.draft_compile_mode": "draft: compile.mode of the draft model",
+    "speculative.draft_cudagraph": "draft: compile.cudagraph of the draft model",
+    "speculative.max_batch_size": "speculate only while at most this many requests decode in one step",
     "bench.kind": "throughput, latency, serve (over HTTP) or startup",
     "bench.batch_sizes": "concurrent requests per measured point",
     "bench.prompt_len": "tokens per prompt (random ids, fixed length)",
@@ -125,6 +136,10 @@ CHOICES: dict[str, tuple] = {
     "parallel.backend": ("uni", "mp", "ray"),
     "parallel.all_reduce": ("nccl", "symm_mem"),
     "parallel.placement_strategy": ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),
+    "speculative.method": SPECULATIVE_METHODS,
+    "speculative.draft_dtype": ("auto", "float32", "bfloat16", "float16"),
+    "speculative.draft_compile_mode": COMPILE_MODES,
+    "speculative.draft_cudagraph": CUDAGRAPH_MODES,
     "bench.kind": BENCH_KINDS,
 }
 
@@ -240,7 +255,8 @@ def _did_you_mean(name: str, candidates: list[str], otherwise: str) -> str:
 
 def engine_config(cli: CliConfig) -> EngineConfig:
     return EngineConfig(model=cli.model, cache=cli.cache, scheduler=cli.scheduler,
-                        compile=cli.compile, server=cli.server, parallel=cli.parallel)
+                        compile=cli.compile, server=cli.server, parallel=cli.parallel,
+                        speculative=cli.speculative)
 
 
 def register_configs() -> None:
