@@ -55,9 +55,9 @@ def test_input_batch_matches_a_from_scratch_layout(kiln_cache_dir):
     steps = []
     prepare = runner.input_batch.prepare
 
-    def spy(sched):
+    def spy(sched, *args):
         steps.append((_reference_layout(sched, 4), _laid_out(mine, sched)))
-        return prepare(sched)
+        return prepare(sched, *args)
 
     runner.input_batch.prepare = spy
     gen = torch.Generator().manual_seed(0)

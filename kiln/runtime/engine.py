@@ -64,6 +64,7 @@ from kiln.runtime.output_processor import OutputProcessor
 from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.scheduler import Scheduler
 from kiln.runtime.scheduler_output import SchedulerOutput
+from kiln.runtime.spec_stats import SpecDecodeStats
 from kiln.sampling_params import SEED_MIN, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -116,13 +117,15 @@ class LLMEngine:
         self.config = config
         self._overlap = overlap
         self._in_flight: Optional[tuple[SchedulerOutput, Any]] = None  # (step, executor handle)
-        self.executor = make_executor(config.model, config.cache, config.compile, config.parallel, config.scheduler)
+        self.executor = make_executor(config.model, config.cache, config.compile, config.parallel, config.scheduler,
+                                      config.speculative)
         self.tokenizer = self.executor.tokenizer
         self.max_model_len = self.executor.max_model_len
         self.kv_manager = KVCacheManager(
             self.executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.speculative)
+        self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.inputs = InputProcessor(self.tokenizer, self.executor.vocab_size, self.max_model_len)
         runner = getattr(self.executor, "runner", None)  # only the one-process executor holds one here
@@ -206,6 +209,7 @@ class LLMEngine:
         sched, handle = self._in_flight
         self._in_flight = None  # before wait: a failed step is not waited for again
         result = self.executor.wait(handle)
+        self.spec_stats.add(result.spec_counts)
         return self.scheduler.update(sched, result.sampled_token_ids), result.logprobs
 
     def _process(self, updated: list[Request], logprobs: dict[str, Optional[dict[int, float]]]
@@ -229,6 +233,7 @@ class LLMEngine:
             "num_blocks": self.executor.num_blocks,
             "num_usable_blocks": self.kv_manager.num_usable_blocks,
             "prefix_cache_hit_rate": self.kv_manager.hit_rate,
+            **self.spec_stats.as_dict(),
         }
 
     def shutdown(self) -> None:

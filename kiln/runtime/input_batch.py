@@ -18,6 +18,8 @@ may change owner from one step to the next); entries past a request's blocks are
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from kiln.compiler.inputs import InputBuffers, ModelInputs
@@ -31,8 +33,12 @@ class InputBatch:
         self.buffers = buffers
         self.block_size = block_size
 
-    def prepare(self, sched: SchedulerOutput) -> tuple[ModelInputs, list[int]]:
-        """Write ``sched`` into the host mirrors; returns the step's shape and its sample rows."""
+    def prepare(self, sched: SchedulerOutput, drafts: Optional[dict[str, list[int]]] = None
+                ) -> tuple[ModelInputs, list[int]]:
+        """Write ``sched`` into the host mirrors; returns the step's shape and its sample rows.
+
+        ``drafts``: speculative decoding's proposed tokens per request (at most its lookahead
+        slots); they follow its last known token, and each of its rows is a sample row."""
         buf, bs = self.buffers, self.block_size
         if len(sched.scheduled) > buf.max_num_reqs or sched.num_batched_tokens > buf.max_num_tokens:
             raise ValueError(f"a step of {len(sched.scheduled)} requests and {sched.num_batched_tokens} tokens "
@@ -43,27 +49,38 @@ class InputBatch:
         num_tokens = 0
         buf.qsl_np[0] = 0
         for i, s in enumerate(sched.scheduled):
-            start, n = s.start, s.num_new_tokens
-            end = num_tokens + n
+            start, n = s.start, s.num_new_tokens - s.num_lookahead_tokens
+            draft = drafts.get(s.request.request_id, ()) if drafts and s.num_lookahead_tokens else ()
             blocks = s.block_ids
             buf.table_np[i, : len(blocks)] = blocks
-            if n == 1:  # a decode: scalar writes, no arrays
+            if n == 1 and not draft:  # a decode: scalar writes, no arrays
                 buf.ids_np[num_tokens] = s.request.token_ids_slice(start, start + 1)[0]
                 buf.pos_np[num_tokens] = start
                 buf.slot_np[num_tokens] = blocks[start // bs] * bs + start % bs
             else:
-                pos = np.arange(start, start + n)
-                buf.ids_np[num_tokens:end] = s.request.token_ids_slice(start, start + n)
-                buf.pos_np[num_tokens:end] = pos
-                buf.slot_np[num_tokens:end] = buf.table_np[i, pos // bs].astype(np.int64) * bs + pos % bs
+                ids = s.request.token_ids_slice(start, start + n)
+                if draft:
+                    ids = ids + list(draft)
+                    n += len(draft)
+                self.write_chunk(i, num_tokens, start, ids)
+            num_tokens += n
             buf.seq_lens_np[i] = start + n
-            num_tokens = end
             buf.qsl_np[i + 1] = num_tokens
             query_lens.append(n)
             seq_lens.append(start + n)
             if s.samples:
-                sample_rows.append(num_tokens - 1)
+                sample_rows.extend(range(num_tokens - 1 - len(draft), num_tokens))
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
         return ModelInputs(num_tokens, num_decodes, query_lens, seq_lens), sample_rows
+
+    def write_chunk(self, row: int, first_token: int, start: int, ids: list[int]) -> None:
+        """Tokens ``ids`` at positions ``start..`` of the request in table row ``row``, written at
+        token rows ``first_token..`` (the table row must be written first)."""
+        buf, bs = self.buffers, self.block_size
+        end = first_token + len(ids)
+        pos = np.arange(start, start + len(ids))
+        buf.ids_np[first_token:end] = ids
+        buf.pos_np[first_token:end] = pos
+        buf.slot_np[first_token:end] = buf.table_np[row, pos // bs].astype(np.int64) * bs + pos % bs

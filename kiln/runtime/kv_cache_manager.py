@@ -82,13 +82,16 @@ class KVCacheManager:
         return computed_blocks, len(computed_blocks) * self.block_size
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: Iterable[Block] = ()
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Iterable[Block] = (),
+        num_lookahead_tokens: int = 0,
     ) -> Optional[list[int]]:
-        """Grow the request's table to hold num_computed_tokens + hits + num_new_tokens tokens.
+        """Grow the request's table to hold num_computed_tokens + hits + num_new_tokens tokens, plus
+        num_lookahead_tokens slots past the known tokens for proposed (speculative) ones.
 
         new_computed_blocks (from get_computed_blocks) are only passed when the request is admitted,
         before request.num_computed_tokens counts them. Returns the whole block id table, or None
-        (changing nothing) when too few blocks are free.
+        (changing nothing) when too few blocks are free. Blocks are cached only over known tokens,
+        never over lookahead slots.
         """
         request_id = request.request_id
         computed_blocks = list(new_computed_blocks)
@@ -101,7 +104,8 @@ class KVCacheManager:
                 f"request {request_id}: cannot compute {num_new_tokens} new tokens "
                 f"(computed {request.num_computed_tokens}, known {request.num_tokens})"
             )
-        num_new_blocks = max(0, _cdiv(num_tokens, self.block_size) - len(held_blocks) - len(computed_blocks))
+        num_slots = num_tokens + num_lookahead_tokens
+        num_new_blocks = max(0, _cdiv(num_slots, self.block_size) - len(held_blocks) - len(computed_blocks))
         # A hit on a free cached block takes it out of the free queue, so it costs a free block too.
         num_revived = sum(1 for block in computed_blocks if block.ref_cnt == 0)
         if num_new_blocks + num_revived > self.block_pool.num_free_blocks:
@@ -115,6 +119,19 @@ class KVCacheManager:
         blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
         self._cache_full_blocks(request, blocks, num_tokens // self.block_size)
         return [block.block_id for block in blocks]
+
+    def trim(self, request: Request) -> int:
+        """Give back the blocks past the request's known tokens (lookahead slots whose proposed
+        tokens were rejected); returns how many. They were never cached: caching stops at known tokens."""
+        blocks = self._blocks.get(request.request_id)
+        if not blocks:
+            return 0
+        keep = _cdiv(request.num_tokens, self.block_size)
+        extra = blocks[keep:]
+        if extra:
+            del blocks[keep:]
+            self.block_pool.free_blocks(reversed(extra))
+        return len(extra)
 
     def free(self, request: Request) -> None:
         """Give back every block of the request, last block first, and forget the request."""

@@ -24,13 +24,16 @@ from typing import Optional
 import torch
 
 from kiln.compiler import ArtifactCache, CompiledModel, InputLimits
-from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig
+from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kiln.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from kiln.models.parallel import SINGLE, TensorParallel, local_num_kv_heads, min_over_ranks
 from kiln.ops.registry import select_kernels
 from kiln.runtime import kv_sizing
+from kiln.runtime.draft_proposer import DraftProposer, DraftTarget
 from kiln.runtime.input_batch import InputBatch
 from kiln.runtime.kv_sizing import KVShape
+from kiln.runtime.ngram_proposer import NgramProposer
+from kiln.runtime.rejection_sampler import VerifiedTokens, verify
 from kiln.runtime.sampler import SampledTokens, Sampler, host_to_device
 from kiln.runtime.scheduler_output import SchedulerOutput
 
@@ -39,21 +42,27 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, Optional[dict[int, float]]] = field(default_factory=dict)
+    # One token per request, or (a step that verified proposed tokens) a list: the kept proposed
+    # tokens, then one more; logprobs then hold one entry per token.
+    sampled_token_ids: dict[str, int | list[int]] = field(default_factory=dict)
+    logprobs: dict[str, Optional[dict[int, float]] | Optional[list[dict[int, float]]]] = field(default_factory=dict)
+    # Speculative decoding, per request that had proposed tokens: (proposed, kept).
+    spec_counts: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
 class LaunchedStep:
     """A step whose device work is enqueued; ``ModelRunner.collect`` turns it into a RunnerOutput."""
 
-    request_ids: list[str] = field(default_factory=list)  # one per sampled row, in row order
+    request_ids: list[str] = field(default_factory=list)  # one per sampled request, in row order
     samples: Optional[SampledTokens] = None  # None: nothing sampled here (no row, or rank > 0)
+    verified: Optional[VerifiedTokens] = None  # instead of samples, when proposed tokens were verified
 
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, compile_config: CompileConfig,
-                 scheduler_config: Optional[SchedulerConfig] = None, tp: TensorParallel = SINGLE):
+                 scheduler_config: Optional[SchedulerConfig] = None, tp: TensorParallel = SINGLE,
+                 speculative: SpeculativeConfig = SpeculativeConfig()):
         t_start = time.perf_counter()
         self.tp = tp  # under tensor parallelism: this rank's shard; rank 0 alone samples
         self.device = resolve_device(model_config.device)
@@ -72,6 +81,7 @@ class ModelRunner:
         self.input_batch = InputBatch(self.compiled.inputs, self.block_size)
         self.kv_shape = KVShape(self.arch.num_layers, self.block_size, local_num_kv_heads(self.arch, tp),
                                 self.arch.head_dim, self.dtype)
+        self.proposer = self._make_proposer(speculative, model_config, cache_config, sched)
         activation_bytes = 0
         if self.device.type == "cuda":
             activation_bytes = kv_sizing.profile_activation_bytes(
@@ -81,6 +91,8 @@ class ModelRunner:
         kv_seconds = time.perf_counter() - t_kv
         self.compiled.bind_kv_caches(self.kv_caches)
         self.compiled.capture_graphs()
+        if isinstance(self.proposer, DraftProposer):
+            self.proposer.bind_kv_caches(self.draft_kv_caches)
         self.sampler = Sampler(seed=model_config.seed)
         num_usable = self.num_blocks - 1  # block 0 is the pool's null block (kiln.runtime.block_pool)
         logger.info("KV cache: %d usable blocks of %d tokens (%d tokens of context; 1 more block is reserved) "
@@ -96,9 +108,24 @@ class ModelRunner:
         """Size the cache, the same on every rank, and allocate it."""
         graphs = self.device.type == "cuda" and compile_config.cudagraph != "none"
         reserve = kv_sizing.GRAPH_RESERVE_BYTES if graphs else 0
-        num_blocks = kv_sizing.decide_num_blocks(cache_config, self.kv_shape, self.device, activation_bytes, reserve)
+        draft = self.proposer.kv_shape if isinstance(self.proposer, DraftProposer) else None
+        # A draft model's cache holds as many blocks (same ids): one budget, per-block cost summed.
+        budget_shape = self.kv_shape if draft is None else _SummedBlocks(self.kv_shape, draft)
+        num_blocks = kv_sizing.decide_num_blocks(cache_config, budget_shape, self.device, activation_bytes, reserve)
         num_blocks = min_over_ranks(num_blocks, self.tp, self.device)
+        if draft is not None:
+            self.draft_kv_caches = kv_sizing.allocate_kv_caches(draft, num_blocks, self.device)
         return num_blocks, kv_sizing.allocate_kv_caches(self.kv_shape, num_blocks, self.device)
+
+    def _make_proposer(self, spec: SpeculativeConfig, model_config: ModelConfig, cache_config: CacheConfig,
+                       sched: SchedulerConfig) -> Optional[NgramProposer | DraftProposer]:
+        if spec.method == "ngram":
+            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if spec.method == "draft":
+            target = DraftTarget(model_config, self.device, self.dtype, self.arch.vocab_size, self.max_model_len,
+                                 self.block_size, sched.max_num_batched_tokens, sched.max_num_seqs)
+            return DraftProposer(spec, target, cache_config, self.kernels)
+        return None
 
     def _artifact_name(self) -> str:
         # A rank's shard is a different graph from the whole model's; ranks never share a directory.
@@ -115,7 +142,8 @@ class ModelRunner:
         they run. Everything read from the requests is read here: ``collect`` reads none of it."""
         if sched.is_empty:
             return LaunchedStep()
-        inputs, sample_rows = self.input_batch.prepare(sched)
+        drafts = self.proposer.propose(sched) if self.proposer is not None else {}
+        inputs, sample_rows = self.input_batch.prepare(sched, drafts)
         out = self.compiled.run(inputs)
         if not sample_rows:
             return LaunchedStep()
@@ -129,11 +157,20 @@ class ModelRunner:
             logits = self.model.compute_logits(out.hidden[rows])  # [num_sampled, vocab] float32
         if self.tp.rank != 0:  # rank 0 alone samples
             return LaunchedStep()
-        requests = [s.request for s in sched.scheduled if s.samples]  # one per sample row
-        return LaunchedStep([r.request_id for r in requests], self.sampler.launch(logits, requests, greedy_ids))
+        requests = [s.request for s in sched.scheduled if s.samples]  # one per sample row, or 1 + drafts rows
+        request_ids = [r.request_id for r in requests]
+        if drafts:
+            draft_lists = [drafts.get(rid, []) for rid in request_ids]
+            return LaunchedStep(request_ids, verified=verify(self.sampler, logits, requests, draft_lists))
+        return LaunchedStep(request_ids, self.sampler.launch(logits, requests, greedy_ids))
 
     def collect(self, launched: LaunchedStep) -> RunnerOutput:
         """Wait for a launched step and read its tokens back to the host."""
+        if launched.verified is not None:
+            v = launched.verified.result()
+            ids = launched.request_ids
+            counts = {rid: (len(d), a) for rid, d, a in zip(ids, launched.verified.drafts, v.num_accepted) if d}
+            return RunnerOutput(dict(zip(ids, v.token_ids)), dict(zip(ids, v.logprobs)), counts)
         if launched.samples is None:
             return RunnerOutput()
         out = launched.samples.result()
@@ -141,5 +178,19 @@ class ModelRunner:
                             dict(zip(launched.request_ids, out.logprobs)))
 
     def forget(self, request_id: str) -> None:
-        """Drop per-request state (seeded generators) once a request finishes."""
+        """Drop per-request state (seeded generators, the draft's progress) once a request finishes."""
         self.sampler.forget(request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
+
+
+@dataclass(frozen=True)
+class _SummedBlocks:
+    """The KV budget's view of a target and a draft cache over the same block ids."""
+
+    target: KVShape
+    draft: KVShape
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.target.bytes_per_block + self.draft.bytes_per_block

@@ -31,12 +31,13 @@ class _Sample:
     cumulative_logprob: float = 0.0
     finish_reason: Optional[str] = None
     stop_reason: Optional[object] = None
+    num_taken: int = 0  # output tokens taken so far; a stop string can leave later ones untaken
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
             index=self.index,
             text=self.detokenizer.text,
-            token_ids=list(self.request.output_token_ids),
+            token_ids=self.request.output_token_ids[:self.num_taken],
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
@@ -122,14 +123,21 @@ class OutputProcessor:
                 failed += self._fail(user, e)
         return [self._emit(u) for u in touched.values()], stopped, failed
 
-    def _take_token(self, req: Request, sample: _Sample, lp: Optional[dict[int, float]]) -> bool:
-        """Detokenize one sample's new token; True when it hit a stop string."""
-        token = req.output_token_ids[-1]
-        if not _ended_by_stop_token(req, token):  # like eos, a stop token's text is not output
-            sample.detokenizer.add(token)
-        if sample.logprobs is not None and lp is not None:
-            sample.logprobs.append(lp)
-            sample.cumulative_logprob += lp.get(token, 0.0)
+    def _take_token(self, req: Request, sample: _Sample, lp: Optional[dict[int, float]] | list) -> bool:
+        """Detokenize one sample's new tokens (several after a speculative step, with one logprobs
+        entry each); True when it hit a stop string. Tokens after a stop string are not taken."""
+        new_tokens = req.output_token_ids[sample.num_taken:]
+        lps = lp if isinstance(lp, list) else [None] * (len(new_tokens) - 1) + [lp]
+        for i, token in enumerate(new_tokens):
+            last = i == len(new_tokens) - 1
+            if not (last and _ended_by_stop_token(req, token)):  # like eos, a stop token's text is not output
+                sample.detokenizer.add(token)
+            if sample.logprobs is not None and lps[i] is not None:
+                sample.logprobs.append(lps[i])
+                sample.cumulative_logprob += lps[i].get(token, 0.0)
+            sample.num_taken += 1
+            if sample.detokenizer.stop_string is not None:
+                break
         hit_stop = sample.detokenizer.stop_string is not None and not req.is_finished
         if hit_stop:
             sample.finish_reason, sample.stop_reason = "stop", sample.detokenizer.stop_string

@@ -124,6 +124,19 @@ class Sampler:
             noise[row].uniform_(generator=gen)
         return noise.log_().neg_()
 
+    def request_generator(self, request: Optional[Request], device: torch.device) -> torch.Generator:
+        """The generator a request draws from: its own when it is seeded (made on first use), else
+        (or for None) the sampler-wide one. Speculative verification
+        (``kiln.runtime.rejection_sampler``) draws through it."""
+        seed = request.sampling_params.seed if request is not None else None
+        if seed is None:
+            return self._shared_generator(device)
+        gen = self._seeded.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator(device=device).manual_seed(seed)
+            self._seeded[request.request_id] = gen
+        return gen
+
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         gen = self._shared.get(device)
         if gen is None:

@@ -19,6 +19,11 @@ Rules kept here:
 - schedule() never advances num_computed_tokens: ScheduledRequest.start reads it until update().
 - update() also ends a request (FINISHED_LENGTH) once it holds as many tokens as the whole pool
   can (plus the last sampled one), so a request alone always fits and never preempts itself.
+- Speculative decoding: while at most ``speculative.max_batch_size`` requests run, a decoding
+  request gets up to k lookahead slots (budgeted and allocated like tokens, never past max_tokens
+  or the pool); update() takes the tokens the runner kept (several per request), stops at the
+  first that finishes the request (the rest are dropped), and gives back the blocks that only
+  rejected tokens used.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kiln.config import SchedulerConfig
+from kiln.config import SchedulerConfig, SpeculativeConfig
 from kiln.runtime.kv_cache_manager import KVCacheManager
 from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -41,6 +46,10 @@ def _is_decode(scheduled: ScheduledRequest) -> bool:
     return scheduled.num_new_tokens == 1 and scheduled.request.num_computed_tokens > 0
 
 
+def _as_list(tokens: int | list[int]) -> list[int]:
+    return [tokens] if isinstance(tokens, int) else tokens
+
+
 @dataclass
 class _Step:
     """The step being built: what is scheduled so far and the token budget left."""
@@ -49,9 +58,10 @@ class _Step:
     scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
     preempted_ids: list[str] = field(default_factory=list)
 
-    def add(self, request: Request, num_new_tokens: int, block_ids: list[int]) -> None:
-        self.scheduled[request.request_id] = ScheduledRequest(request, num_new_tokens, block_ids)
-        self.token_budget -= num_new_tokens
+    def add(self, request: Request, num_new_tokens: int, block_ids: list[int], num_lookahead_tokens: int = 0) -> None:
+        self.scheduled[request.request_id] = ScheduledRequest(request, num_new_tokens + num_lookahead_tokens,
+                                                              block_ids, num_lookahead_tokens)
+        self.token_budget -= num_new_tokens + num_lookahead_tokens
 
     def preempt(self, request: Request) -> None:
         self.preempted_ids.append(request.request_id)
@@ -66,9 +76,11 @@ class _Step:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 speculative: SpeculativeConfig = SpeculativeConfig()) -> None:
         self.config = config
         self.kv_manager = kv_manager
+        self.speculative = speculative
         self.waiting: list[Request] = []  # queue order, head first
         self.running: list[Request] = []  # admission order
         self._requests: dict[str, Request] = {}  # unfinished requests only
@@ -106,12 +118,14 @@ class Scheduler:
             self._schedule_waiting(step)
         return step.to_output()
 
-    def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int | list[int]]) -> list[Request]:
         """Advance each scheduled request past its chunk and append sampled tokens.
 
-        Returns the requests that received a token this step, finished ones included. A request
-        finished since ``schedule()`` (an abort, or a stop string found while the step was in
-        flight) is skipped: its token is dropped and it is not returned.
+        A request's entry is one token, or a list of them (speculative decoding: the proposed
+        tokens kept, then one more; each but the last was computed in this step). Returns the
+        requests that received tokens this step, finished ones included. A request finished since
+        ``schedule()`` (an abort, or a stop string found while the step was in flight) is skipped:
+        its tokens are dropped and it is not returned.
         """
         received = []
         for scheduled in output.scheduled:
@@ -119,17 +133,22 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished after schedule() (abort, stop string while in flight): token dropped
             samples = scheduled.samples  # read before num_computed_tokens moves
-            request.num_computed_tokens += scheduled.num_new_tokens
+            request.num_computed_tokens += scheduled.num_new_tokens - scheduled.num_lookahead_tokens
             if not samples:
                 continue
             if request.request_id not in sampled_token_ids:
                 raise ValueError(f"request {request.request_id} reached its last token but has no sampled token")
-            token_id = sampled_token_ids[request.request_id]
-            request.output_token_ids.append(token_id)
             received.append(request)
-            status = self._stop_status(request, token_id)
-            if status is not None:
-                self._finish(request, status)
+            for i, token_id in enumerate(_as_list(sampled_token_ids[request.request_id])):
+                if i > 0:
+                    request.num_computed_tokens += 1  # the kept proposed token before it was computed
+                request.output_token_ids.append(token_id)
+                status = self._stop_status(request, token_id)
+                if status is not None:
+                    self._finish(request, status)
+                    break
+            if scheduled.num_lookahead_tokens and request.status is RequestStatus.RUNNING:
+                self.kv_manager.trim(request)
         return received
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
@@ -151,9 +170,15 @@ class Scheduler:
             num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, step.token_budget)
             if num_new_tokens == 0:
                 continue
-            block_ids = self._allocate_or_preempt(request, num_new_tokens, step)
+            lookahead = self._num_lookahead_tokens(request, num_new_tokens, step.token_budget)
+            block_ids = None
+            if lookahead:  # lookahead slots never preempt anyone: without room, no speculation
+                block_ids = self.kv_manager.allocate_slots(request, num_new_tokens, num_lookahead_tokens=lookahead)
+                lookahead = lookahead if block_ids is not None else 0
+            if block_ids is None:
+                block_ids = self._allocate_or_preempt(request, num_new_tokens, step)
             if block_ids is not None:
-                step.add(request, num_new_tokens, block_ids)
+                step.add(request, num_new_tokens, block_ids, lookahead)
 
     def _schedule_waiting(self, step: _Step) -> None:
         while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -184,6 +209,18 @@ class Scheduler:
             return num_remaining
         can_split = self.config.enable_chunked_prefill or num_remaining > self.config.max_num_batched_tokens
         return token_budget if can_split else 0
+
+    def _num_lookahead_tokens(self, request: Request, num_new_tokens: int, token_budget: int) -> int:
+        """Slots for proposed tokens: a decoding request (its one new token is its last known) gets
+        up to k while few requests run, never past its max_tokens, the pool or the budget."""
+        spec = self.speculative
+        if not spec.enabled or len(self.running) > spec.max_batch_size:
+            return 0
+        if num_new_tokens != 1 or request.num_computed_tokens != request.num_tokens - 1:
+            return 0
+        # Emitting 1 + lookahead tokens must not pass the request's cap.
+        room = min(request.max_num_tokens, self.max_num_tokens_in_pool) - request.num_tokens - 1
+        return max(0, min(spec.num_speculative_tokens, room, token_budget - num_new_tokens))
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, step: _Step) -> Optional[list[int]]:
         """Allocate, preempting victims until it fits; None when the request itself was preempted."""

@@ -12,8 +12,11 @@ class ScheduledRequest:
     """One request's share of a step: tokens [start, start + num_new_tokens) of prompt + output."""
 
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # lookahead slots included
     block_ids: list[int]  # the request's whole block table after allocation, in order
+    # Speculative decoding: slots after the known tokens for up to this many proposed tokens, which
+    # the model runner's proposer fills (it may propose fewer); counted in num_new_tokens.
+    num_lookahead_tokens: int = 0
 
     @property
     def start(self) -> int:
@@ -22,7 +25,7 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the last known token, so a new token is sampled after it."""
-        return self.start + self.num_new_tokens >= self.request.num_tokens
+        return self.start + self.num_new_tokens - self.num_lookahead_tokens >= self.request.num_tokens
 
 
 @dataclass

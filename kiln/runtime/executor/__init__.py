@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from kiln.config import CacheConfig, CompileConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from kiln.config import CacheConfig, CompileConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from kiln.runtime.executor.base import Executor
 from kiln.runtime.executor.mp import MultiprocExecutor
 from kiln.runtime.executor.uniproc import UniProcExecutor
@@ -21,7 +21,8 @@ __all__ = ["Executor", "MultiprocExecutor", "UniProcExecutor", "make_executor"]
 
 
 def make_executor(model: ModelConfig, cache: CacheConfig, compile: CompileConfig, parallel: ParallelConfig,
-                  scheduler: Optional[SchedulerConfig] = None) -> Executor:
+                  scheduler: Optional[SchedulerConfig] = None,
+                  speculative: SpeculativeConfig = SpeculativeConfig()) -> Executor:
     if parallel.backend == "mp":
         return MultiprocExecutor(model, cache, compile, parallel, scheduler)
     if parallel.backend == "ray":
@@ -33,4 +34,4 @@ def make_executor(model: ModelConfig, cache: CacheConfig, compile: CompileConfig
             f"parallel.backend=uni runs one process; tensor_parallel_size={parallel.tensor_parallel_size} "
             "needs parallel.backend=mp (or ray)"
         )
-    return UniProcExecutor(model, cache, compile, scheduler)
+    return UniProcExecutor(model, cache, compile, scheduler, speculative)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig
+from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kiln.runtime.executor.base import Executor
 from kiln.runtime.model_runner import LaunchedStep, RunnerOutput
 from kiln.runtime.scheduler_output import SchedulerOutput
@@ -32,10 +32,10 @@ class UniProcExecutor(Executor):
     """One ``ModelRunner`` in this process."""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, compile: CompileConfig,
-                 scheduler: Optional[SchedulerConfig] = None):
+                 scheduler: Optional[SchedulerConfig] = None, speculative: SpeculativeConfig = SpeculativeConfig()):
         from kiln.runtime.model_runner import ModelRunner
 
-        self.runner = ModelRunner(model, cache, compile, scheduler)
+        self.runner = ModelRunner(model, cache, compile, scheduler, speculative=speculative)
         self._describe_model(self.runner.num_blocks, self.runner.max_model_len, self.runner.tokenizer,
                              self.runner.arch)
         self._launch_in_submit = self.runner.device.type == "cuda"
