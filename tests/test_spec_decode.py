@@ -270,7 +270,7 @@ def test_greedy_tokens_identical_with_speculation_on_smollm2(smol_reference):
     assert stats.num_accepted_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
     _assert_no_leak(ngram)
     del ngram
-    draft = LLM("smollm2-135m-instruct", cache={"num_blocks": 9, "block_size": 4},
+    draft = LLM("smollm2-135m-instruct", cache={"num_blocks": 16, "block_size": 4},
                 scheduler={"max_num_batched_tokens": 16},
                 speculative={"method": "draft", "draft_model": "random:tiny", "num_speculative_tokens": 2})
     assert _greedy_tokens(draft, REPEATING) == smol_reference
@@ -290,7 +290,7 @@ def test_greedy_identical_with_the_target_as_its_own_draft(smol_reference):
 
 @pytest.mark.slow
 def test_ngram_under_chunked_prefill_and_preemption(smol_reference):
-    llm = LLM("smollm2-135m-instruct", cache={"num_blocks": 9, "block_size": 4},
+    llm = LLM("smollm2-135m-instruct", cache={"num_blocks": 16, "block_size": 4},
               scheduler={"max_num_batched_tokens": 16}, speculative={"method": "ngram", "num_speculative_tokens": 3})
     assert _greedy_tokens(llm, REPEATING) == smol_reference
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.spec_stats.num_accepted_tokens > 0
@@ -309,6 +309,7 @@ def tiny_draft():
                             "max_batch_size": 128})
 
 
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_target_on_a_tiny_model(tiny, tiny_draft):
     """Chi-square over seeded samples of (t1, t2) from a tiny model whose draft is itself (so its
     argmax proposal is kept only with the target's probability): t1 comes from the prefill, t2
@@ -358,3 +359,33 @@ def test_logprobs_stop_strings_and_n_with_speculation(tiny, tiny_draft):
     assert (g.text, g.token_ids, g.finish_reason) == (w.text, w.token_ids, w.finish_reason)
     assert g.finish_reason == "stop"
     _assert_no_leak(tiny_draft)
+
+
+@pytest.mark.slow
+def test_server_streams_several_tokens_per_delta_and_reports_metrics():
+    import httpx
+    from test_server import ServerThread, _metric
+
+    from kiln.config import CacheConfig, ModelConfig
+    from kiln.entrypoints.openai import build_app
+    from kiln.runtime.async_engine import AsyncEngine
+
+    config = EngineConfig(model=ModelConfig("random:tiny", max_model_len=256), cache=CacheConfig(num_blocks=128),
+                          speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    engine = AsyncEngine.from_config(config)
+    engine.wait_ready(timeout=300)
+    server = ServerThread(build_app(engine, config.server))
+    try:
+        client = server.client()
+        prompt = [5, 6, 7, 8] * 6
+        whole = client.completions.create(model="random:tiny", prompt=prompt, max_tokens=24, temperature=0)
+        chunks = list(client.completions.create(model="random:tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                                stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+        assert whole.usage.completion_tokens == 24
+        accepted = _metric(server.url, "kiln_spec_decode_num_accepted_tokens_total")
+        assert 0 < accepted <= _metric(server.url, "kiln_spec_decode_num_draft_tokens_total")
+        assert _metric(server.url, "kiln_spec_decode_num_accepted_tokens_per_pos_total", {"position": "0"}) > 0
+        assert "kiln_spec_decode_num_drafts_total" in httpx.get(server.url + "/metrics").text
+    finally:
+        server.stop()

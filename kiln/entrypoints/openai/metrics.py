@@ -11,7 +11,7 @@ import time
 from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -44,6 +44,26 @@ class _EngineCollector:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
             yield g
+        yield from _spec_decode_counters(s)
+
+
+def _spec_decode_counters(s: dict):
+    """Speculative decoding since start (kiln.runtime.spec_stats); zeros while it is off."""
+    counters = [
+        ("kiln_spec_decode_num_drafts", "Verifications of a request that had proposed tokens.", "spec_num_drafts"),
+        ("kiln_spec_decode_num_draft_tokens", "Tokens proposed.", "spec_num_draft_tokens"),
+        ("kiln_spec_decode_num_accepted_tokens", "Proposed tokens the target model kept.", "spec_num_accepted_tokens"),
+    ]
+    for name, doc, key in counters:
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], float(s.get(key, 0)))
+        yield c
+    per_position = CounterMetricFamily("kiln_spec_decode_num_accepted_tokens_per_pos",
+                                       "Proposed tokens kept, by position in the proposal (0: the first).",
+                                       labels=["position"])
+    for position, count in enumerate(s.get("spec_accepted_per_position", [])):
+        per_position.add_metric([str(position)], float(count))
+    yield per_position
 
 
 class ServerMetrics:
