@@ -27,8 +27,21 @@ def build_llm(engine: EngineConfig):
 
     t0 = time.perf_counter()
     llm = LLM(model=engine.model, cache=engine.cache, scheduler=engine.scheduler,
-              compile=engine.compile, parallel=engine.parallel)
+              compile=engine.compile, parallel=engine.parallel, speculative=engine.speculative)
     return llm, time.perf_counter() - t0
+
+
+def spec_metrics(llm) -> dict:
+    """Speculative decoding's counts over the run (none while it is off): proposed and kept tokens,
+    the acceptance rate and, per proposal position, how often it was kept."""
+    stats = llm.engine.spec_stats
+    if not stats.num_drafts:
+        return {}
+    out = {"spec_draft_tokens": stats.num_draft_tokens, "spec_accepted_tokens": stats.num_accepted_tokens,
+           "spec_acceptance_rate": stats.acceptance_rate,
+           "spec_mean_accepted_per_step": stats.num_accepted_tokens / stats.num_drafts}
+    out.update({f"spec_accepted_pos{i}": n for i, n in enumerate(stats.accepted_per_position)})
+    return out
 
 
 def make_prompts(llm, num_prompts: int, prompt_len: int, seed: int) -> list[list[int]]:
@@ -73,7 +86,7 @@ def measure_throughput(engine: EngineConfig, bench: BenchConfig) -> dict:
         elapsed = time.perf_counter() - t0
         metrics[f"output_tok_s_bs{bs}"] = num_tokens / elapsed
         metrics[f"requests_s_bs{bs}"] = rounds * bs / elapsed
-    return metrics
+    return {**metrics, **spec_metrics(llm)}
 
 
 def measure_latency(engine: EngineConfig, bench: BenchConfig) -> dict:
@@ -92,7 +105,8 @@ def measure_latency(engine: EngineConfig, bench: BenchConfig) -> dict:
         ttft.append(arrivals[0] * 1e3)
         tpot.extend((b - a) * 1e3 for a, b in zip(arrivals, arrivals[1:]))
         e2e.append(arrivals[-1] * 1e3)
-    return {**metrics, **percentiles("ttft", ttft), **percentiles("tpot", tpot), **percentiles("e2e", e2e)}
+    return {**metrics, **percentiles("ttft", ttft), **percentiles("tpot", tpot), **percentiles("e2e", e2e),
+            **spec_metrics(llm)}
 
 
 def _timed_request(engine, request_id: str, prompt: list[int], params) -> list[float]:

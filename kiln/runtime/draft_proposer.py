@@ -75,7 +75,7 @@ class DraftProposer:
         limits = InputLimits(target.max_num_batched_tokens + target.max_num_seqs * self.k, target.max_num_seqs,
                              -(-target.max_model_len // target.block_size))
         self.compiled = CompiledModel(self.loaded.model, spec.draft_compile, kernels, limits, target.max_model_len,
-                                      ArtifactCache(cache_config.resolved_dir, f"draft-{self.loaded.name}"))
+                                      ArtifactCache(cache_config.resolved_dir, self.loaded.name))
         self.input_batch = InputBatch(self.compiled.inputs, target.block_size)
         self.kv_shape = KVShape(arch.num_layers, target.block_size, arch.num_kv_heads, arch.head_dim, dtype)
         self._computed: dict[str, int] = {}  # request id -> tokens whose draft K/V are known good
