@@ -261,15 +261,20 @@ def smol_reference(kiln_cache_dir):
     return _greedy_tokens(llm, REPEATING)
 
 
-def test_greedy_tokens_identical_with_speculation_on_smollm2(smol_reference):
-    """ngram, and a draft that is a small random model with SmolLM2's vocabulary under chunked
-    prefill and preemption (a tight pool): the greedy tokens of decoding without speculation."""
+def test_greedy_tokens_identical_with_ngram_speculation_on_smollm2(smol_reference):
+    """The one end-to-end check of the default suite: prompt lookup on the real model, with some
+    proposals kept and some rejected, gives the tokens of decoding without it and leaks no block."""
     ngram = LLM("smollm2-135m-instruct", speculative={"method": "ngram", "num_speculative_tokens": 3})
     assert _greedy_tokens(ngram, REPEATING) == smol_reference
     stats = ngram.engine.spec_stats
     assert stats.num_accepted_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
     _assert_no_leak(ngram)
-    del ngram
+
+
+@pytest.mark.slow
+def test_greedy_identical_with_a_small_random_draft_under_chunked_prefill_and_preemption(smol_reference):
+    """A draft that is a small random model with SmolLM2's vocabulary (it proposes badly, so most
+    proposals are rejected), with prompts cut into chunks and a pool too small for the batch."""
     draft = LLM("smollm2-135m-instruct", cache={"num_blocks": 16, "block_size": 4},
                 scheduler={"max_num_batched_tokens": 16},
                 speculative={"method": "draft", "draft_model": "random:tiny", "num_speculative_tokens": 2})
@@ -389,3 +394,4 @@ def test_server_streams_several_tokens_per_delta_and_reports_metrics():
         assert "kiln_spec_decode_num_drafts_total" in httpx.get(server.url + "/metrics").text
     finally:
         server.stop()
+
