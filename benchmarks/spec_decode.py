@@ -8,7 +8,11 @@ the same run:
 2. n-gram (prompt lookup, ``--ngram-k``) on the same engine: acceptance rate and tok/s per batch
    size. Random weights do not continue their prompt, but a random model's greedy output tends
    to fall into a loop, which prompt lookup then predicts: the acceptance is measured, not set;
-3. draft = the target itself (the ceiling: every proposal is the target's own argmax, acceptance
+3. a replay proposer (``--replay-acceptance``): proposes the baseline's own greedy continuation
+   with each token swapped for a wrong one with probability 1 - acceptance, at no proposing cost:
+   the speed-up the verification itself gives at a set per-token acceptance (0.7: a good n-gram
+   or draft workload), independent of what random weights would repeat;
+4. draft = the target itself (the ceiling: every proposal is the target's own argmax, acceptance
    about 100%, bf16 rounding aside): tok/s at batch 1 for each k in ``--ks``, then per batch size
    at ``--sweep-k``.
 
@@ -43,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--ks", default="1,2,3,4,5", help="num_speculative_tokens at batch 1 (draft = target)")
     p.add_argument("--ngram-k", type=int, default=4)
+    p.add_argument("--replay-acceptance", type=float, default=0.7)
+    p.add_argument("--replay-k", type=int, default=4)
     p.add_argument("--sweep-k", type=int, default=3, help="k of the draft in the batch-size sweep")
     p.add_argument("--batch-sizes", default="1,4,16,64")
     p.add_argument("--mode", default="kiln", help="compile.mode of target and draft")
@@ -88,6 +94,29 @@ def set_speculation(llm, method: str, k: int, min_n: int = 2, max_n: int = 4) ->
     if method == "ngram":
         engine.executor.runner.proposer = NgramProposer(min_n, max_n)
     engine.spec_stats = SpecDecodeStats(k)
+
+
+class ReplayProposer:
+    """Proposes each request's continuation from a reference run, each token wrong (id + 1) with
+    probability 1 - acceptance: a proposer of set quality that costs nothing."""
+
+    def __init__(self, reference: dict[tuple, list[int]], acceptance: float, seed: int = 0):
+        self.reference, self.acceptance = reference, acceptance
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def propose(self, sched) -> dict[str, list[int]]:
+        drafts = {}
+        for s in sched.scheduled:
+            if not (s.num_lookahead_tokens and s.samples):
+                continue
+            done = len(s.request.output_token_ids)
+            ref = self.reference[tuple(s.request.prompt_token_ids)][done:done + s.num_lookahead_tokens]
+            wrong = (torch.rand(len(ref), generator=self.gen) >= self.acceptance).tolist()
+            drafts[s.request.request_id] = [t + 1 if w else t for t, w in zip(ref, wrong)]
+        return {rid: d for rid, d in drafts.items() if d}
+
+    def forget(self, request_id: str) -> None:
+        pass
 
 
 def sync() -> None:
@@ -151,6 +180,14 @@ def main(argv=None) -> None:
         if late():
             break
         record("ngram", args.ngram_k, run_point(llm, prompts[:bs], args.output_len, reference[bs])[0], baseline[bs])
+    replay = {tuple(p): r for bs in batch_sizes for p, r in zip(prompts[:bs], reference[bs])}
+    set_speculation(llm, "ngram", args.replay_k)
+    llm.engine.executor.runner.proposer = ReplayProposer(replay, args.replay_acceptance)
+    for bs in batch_sizes:
+        if late():
+            break
+        record(f"replay@{args.replay_acceptance}", args.replay_k,
+               run_point(llm, prompts[:bs], args.output_len, reference[bs])[0], baseline[bs])
     del llm
     gc.collect()
     if torch.cuda.is_available():

@@ -86,6 +86,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             activation_bytes = kv_sizing.profile_activation_bytes(
                 self.compiled, self.kv_shape, self.max_model_len, sched.max_num_batched_tokens, sched.max_num_seqs)
+            if isinstance(self.proposer, DraftProposer):  # runs before the target's forward, never beside it
+                draft = self.proposer
+                activation_bytes = max(activation_bytes, kv_sizing.profile_activation_bytes(
+                    draft.compiled, draft.kv_shape, self.max_model_len, draft.compiled.inputs.max_num_tokens,
+                    sched.max_num_seqs))
         t_kv = time.perf_counter()
         self.num_blocks, self.kv_caches = self._make_kv_caches(cache_config, compile_config, activation_bytes)
         kv_seconds = time.perf_counter() - t_kv
