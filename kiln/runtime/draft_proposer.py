@@ -37,6 +37,7 @@ from kiln.models.loader import load_model, resolve_dtype
 from kiln.ops.registry import KernelSet
 from kiln.runtime.input_batch import InputBatch
 from kiln.runtime.kv_sizing import KVShape
+from kiln.runtime.sampler import host_to_device
 from kiln.runtime.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ class DraftProposer:
         out = self.compiled.run(ModelInputs(num_tokens, num_decodes, query_lens, seq_lens))
         if not sample_rows:
             return None
-        rows = torch.tensor(sample_rows, device=out.hidden.device)
+        rows = host_to_device(sample_rows, out.hidden.device)
         return self.loaded.model.compute_logits(out.hidden[rows]).argmax(dim=-1)
 
     def _decode(self, scheduled: list, token_ids: list[int], j: int) -> torch.Tensor:

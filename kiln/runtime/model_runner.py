@@ -82,6 +82,7 @@ class ModelRunner:
         self.kv_shape = KVShape(self.arch.num_layers, self.block_size, local_num_kv_heads(self.arch, tp),
                                 self.arch.head_dim, self.dtype)
         self.proposer = self._make_proposer(speculative, model_config, cache_config, sched)
+        _check_verify_capture_sizes(speculative, sched, compile_config)
         activation_bytes = 0
         if self.device.type == "cuda":
             activation_bytes = kv_sizing.profile_activation_bytes(
@@ -187,6 +188,18 @@ class ModelRunner:
         self.sampler.forget(request_id)
         if self.proposer is not None:
             self.proposer.forget(request_id)
+
+
+def _check_verify_capture_sizes(spec: SpeculativeConfig, sched: SchedulerConfig, compile_config: CompileConfig) -> None:
+    """A verify step runs batch x (k + 1) tokens through the piecewise graphs; say so when the
+    capture sizes stop short of the largest one speculation allows."""
+    if not spec.enabled or compile_config.cudagraph not in ("piecewise", "full_and_piecewise"):
+        return
+    largest = min(spec.max_batch_size, sched.max_num_seqs) * (spec.num_speculative_tokens + 1)
+    if max(compile_config.capture_sizes, default=0) < largest:
+        logger.warning("speculative decoding verifies up to %d tokens a step (speculative.max_batch_size x (k + 1)) "
+                       "but the largest of compile.capture_sizes is %d: larger verify steps run without CUDA graphs",
+                       largest, max(compile_config.capture_sizes, default=0))
 
 
 @dataclass(frozen=True)
