@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--replay-acceptance", type=float, default=0.7)
     p.add_argument("--replay-k", type=int, default=4)
     p.add_argument("--sweep-k", type=int, default=3, help="k of the draft in the batch-size sweep")
-    p.add_argument("--batch-sizes", default="1,4,16,64")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     p.add_argument("--mode", default="kiln", help="compile.mode of target and draft")
     p.add_argument("--cudagraph", default="full_and_piecewise", help="compile.cudagraph of target and draft")
     p.add_argument("--deadline-s", type=float, default=200.0, help="start no new point after this many seconds")
