@@ -118,6 +118,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request], draf
         sampled_accept = uniform < p_draft
         # Rejected rows draw from p without the proposed token; bonus rows from p itself.
         residual = probs.scatter(1, row_draft.unsqueeze(1), 0.0).where(has_draft.unsqueeze(1), probs)
+        # p(d) rounding to just under 1 can reject with nothing left: draw from p then (it is d).
+        residual = residual.where(residual.sum(dim=-1, keepdim=True) > 0, probs)
         sampled_token = residual.div_(noise).argmax(dim=-1)  # the exponential race: a draw from residual
         greedy_rows = host_to_device(is_greedy, dev)
         accepted = torch.where(greedy_rows, accepted, sampled_accept)
