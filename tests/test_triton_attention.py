@@ -150,6 +150,27 @@ def test_default_launch_config(kernels, size):
     kernels.check_against_reference(kernels.random_paged_batch(spec, DEVICE, seed=7))
 
 
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("window, softcap", [(7, 0.0), (1, 0.0), (0, 0.7), (20, 0.7)])
+def test_sliding_window_and_softcap_match_reference(kernels, size, window, softcap):
+    # Windows narrower than a key tile (16) and of one key; a cap small enough that tanh saturates.
+    # Split decodes whose early splits fall before the window, prefill rows whose window starts
+    # past a whole key tile.
+    spec = _spec(kernels, size, decodes=(5, 90, 40), prefills=((75, 11), (45, 45), (30, 1)), group=4, block_size=8)
+    if size == "large":
+        window *= 61
+    kernels.check_against_reference(kernels.random_paged_batch(spec, DEVICE, seed=9), _small_tiles(kernels, size),
+                                    sliding_window=window, logit_softcap=softcap)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_head_dim_not_a_power_of_two(kernels, size):
+    """Phi-3's head_dim 96 is padded to 128 inside the kernels; the store writes only 96 dims."""
+    spec = _spec(kernels, size, decodes=(5, 40), prefills=((37, 6), (21, 21)), group=4, head_dim=96)
+    kernels.check_against_reference(kernels.random_paged_batch(spec, DEVICE, seed=10), _small_tiles(kernels, size),
+                                    sliding_window=9)
+
+
 def test_split_count_fills_the_gpu_but_not_below_min_split_tokens(kernels):
     cfg = kernels.LaunchConfig(min_split_tokens=512, programs_per_sm=2)
     # batch 1, 8 kv heads on 132 SMs wants 33 splits; 4096 keys allow at most 8 of 512.
