@@ -253,8 +253,8 @@ class ArchConfig:
         }
         if family not in ("llama", "olmo2", "granite"):
             d["sliding_window"] = self.sliding_window
-        if family == "qwen2" and not self.attention_bias:
-            raise ValueError("a qwen2 config.json always means qkv bias")
+        if family == "qwen2" and (not self.attention_bias or self.head_dim * self.num_heads != self.hidden_size):
+            raise ValueError("a qwen2 config.json always means qkv bias and head_dim = hidden_size // num_heads")
         if family in ("qwen2", "qwen3"):
             uses = self.sliding_window is not None
             d.update(use_sliding_window=uses, max_window_layers=self._first_sliding_layer() if uses else 0)

@@ -1,4 +1,6 @@
-"""The one Llama-family model: Llama 2/3, Qwen2, Mistral and SmolLM2 differ only in ``ArchConfig``.
+"""The one native model: Llama 2/3, Qwen2/3, Mistral, Gemma 2/3, Phi-3/4, OLMo-2, Granite and SmolLM2
+differ only in ``ArchConfig`` (numbers of the checkpoint) and its ``FamilyTraits`` (norm numerics and
+placement, q/k norms, scaled embeddings, fused checkpoint layouts).
 
 Rules this module keeps:
 - The forward takes a flat batch (``[num_tokens]`` ids and positions, no padding, decodes and
@@ -11,8 +13,11 @@ Rules this module keeps:
 - Tensor parallelism (``kiln.models.parallel``) only shrinks the per-rank sizes and adds one
   ``torch.ops.kiln.all_reduce`` after the embedding, o_proj and down_proj, and one
   ``torch.ops.kiln.all_gather`` of the logits; with one rank the graph is unchanged.
-- Numerics follow transformers: RMSNorm statistics in float32, RoPE table computed in float32
-  then cast to the model dtype, rotate-half (neox) layout.
+- Numerics follow transformers: RMSNorm statistics in float32 (the weight applied where each
+  family's code applies it), RoPE table computed in float32 then cast to the model dtype,
+  rotate-half (neox) layout.
+- Attention options a layer needs (sliding window, logit soft-cap) are passed to the attention op
+  only when set, so models without them capture the same graph as before.
 """
 
 from __future__ import annotations
