@@ -174,7 +174,7 @@ def test_chunked_prefill_and_preemption_match_transformers_all_families(family, 
     _check_engine(family, "chunked-preempt", kiln_cache_dir)
 
 
-@pytest.mark.slow  # one compile of a tiny model through kiln's passes (~30 s on two cores)
+@pytest.mark.slow  # one compile of a tiny model through kiln's passes (1-4 min on two busy cores)
 def test_gemma2_compiled_by_kiln_matches_transformers(tmp_path, kiln_cache_dir):
     """Window, soft-cap, GeGLU and Gemma's norms through the capture, the passes and Inductor."""
     hf = _save_hf(_configs()["gemma2"], tmp_path)

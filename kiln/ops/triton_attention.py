@@ -134,10 +134,11 @@ def _decode_kernel(
 ):
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    kv_start = split * split_tokens
+    if SLIDING:  # the query (position seq_len - 1) sees the last `window` keys: the splits cover those
+        kv_start = tl.maximum(seq_len - window, 0) + split * split_tokens
+    else:
+        kv_start = split * split_tokens
     kv_end = tl.minimum(kv_start + split_tokens, seq_len)
-    if SLIDING:  # the query (position seq_len - 1) sees the last `window` keys; earlier splits are empty
-        kv_start = tl.maximum(kv_start, seq_len - window)
 
     rows = tl.arange(0, BLOCK_M)  # row r is query head kv_head * GROUP + r
     row_ok = rows < GROUP
@@ -331,6 +332,8 @@ def _launch_decodes(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_wi
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     max_len = _static_max_seq_len or max(meta.seq_lens_cpu[:nd])
+    if sliding_window:
+        max_len = min(max_len, sliding_window)  # keys a decode reads, from its window's start
     num_splits = num_decode_splits(nd, num_kv_heads, max_len, _num_sms(q.device), cfg)
     split_tokens = triton.cdiv(triton.cdiv(max_len, num_splits), cfg.decode_block_n) * cfg.decode_block_n
     num_splits = triton.cdiv(max_len, split_tokens)
