@@ -151,7 +151,7 @@ def test_default_launch_config(kernels, size):
 
 
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("window, softcap", [(7, 0.0), (1, 0.0), (0, 0.7), (20, 0.7)])
+@pytest.mark.parametrize("window, softcap", [(1, 0.0), (0, 0.7), (20, 0.7)])
 def test_sliding_window_and_softcap_match_reference(kernels, size, window, softcap):
     # Windows narrower than a key tile (16) and of one key; a cap small enough that tanh saturates.
     # Split decodes whose early splits fall before the window, prefill rows whose window starts

@@ -32,6 +32,12 @@ Inside ``static_decode_splits(max_model_len)`` (what CUDA-graph capture uses) th
 and split width come from that bound instead of the batch's contexts, so one captured launch is
 valid for every context up to it: splits past a request's context are empty and merge as weight 0.
 
+Sliding window and soft-cap (``sliding_window``, ``logit_softcap``; constexpr ``SLIDING`` /
+``SOFTCAP``, so other models compile the kernels they always did): a windowed decode splits only
+the last ``sliding_window`` keys; a windowed prefill tile starts at its first row's window and
+masks both ends, a row that sees none of a tile keeping its state (``MAY_BE_EMPTY``). A head_dim
+that is not a power of two is padded to one with masked loads and stores.
+
 ``torch.ops.kiln_triton.attend_paged`` has the schema of ``kiln::attend_paged`` (the op the
 compiler swaps in on CUDA); ``kiln.ops.registry`` selects it, with ``static_decode_splits`` as the
 context CUDA-graph capture enters.
