@@ -153,7 +153,7 @@ def test_default_launch_config(kernels, size):
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("window, softcap", [(1, 0.0), (0, 0.7), (20, 0.7)])
 def test_sliding_window_and_softcap_match_reference(kernels, size, window, softcap):
-    # Windows narrower than a key tile (16) and of one key; a cap small enough that tanh saturates.
+    # A window of one key and one wider than a key tile (16); a cap small enough that tanh saturates.
     # Split decodes whose early splits fall before the window, prefill rows whose window starts
     # past a whole key tile.
     spec = _spec(kernels, size, decodes=(5, 90, 40), prefills=((75, 11), (45, 45), (30, 1)), group=4, block_size=8)
