@@ -186,10 +186,11 @@ def test_plugs_into_attend_paged_op(kernels):
     spec = _spec(kernels, "tiny", decodes=(9,), prefills=((26, 10),), group=4)
     batch = kernels.random_paged_batch(spec, DEVICE, seed=8)
     scale = spec.head_dim**-0.5
-    ref = attend_paged_reference(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.meta, scale)
-    for op in (torch.ops.kiln.attend_paged, torch.ops.kiln_triton.attend_paged):
-        cache = batch.kv_cache.clone()
-        ctx = ForwardContext(attn=batch.meta, kv_caches=[cache], attention_impl=kernels.triton_attend_paged)
-        with forward_context(ctx):
-            out = op(batch.q, batch.k, batch.v, 0, scale)
-        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    for options in ({}, {"sliding_window": 5, "logit_softcap": 0.7}):
+        ref = attend_paged_reference(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.meta, scale, **options)
+        for op in (torch.ops.kiln.attend_paged, torch.ops.kiln_triton.attend_paged):
+            cache = batch.kv_cache.clone()
+            ctx = ForwardContext(attn=batch.meta, kv_caches=[cache], attention_impl=kernels.triton_attend_paged)
+            with forward_context(ctx):
+                out = op(batch.q, batch.k, batch.v, 0, scale, **options)
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
