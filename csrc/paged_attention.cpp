@@ -3,7 +3,9 @@
 // Reference: attend_paged_reference in kiln/ops/attention.py. This kernel has its semantics: write
 // the step's new K/V into the paged cache at slot_mapping, then attend each request's queries
 // causally over its whole context (cached prefix plus the new tokens). Query j of request i sits at
-// context position seq_len - q_len + j and sees keys 0 .. that position.
+// context position seq_len - q_len + j and sees keys 0 .. that position; with a sliding window W > 0
+// only keys p - W < j <= p (W keys, its own included, as transformers defines the window). With a
+// logit soft-cap C > 0 the scaled scores s become C * tanh(s / C) before the softmax (Gemma 2).
 // Python side (fake impl, the kiln_cpu::attend_paged op, the correctness check):
 // kiln/ops/cpu_attention.py; tests: tests/test_cpu_attention.py; timing: benchmarks/cpu_attention.py.
 //
@@ -91,6 +93,9 @@ struct Problem {
   int64_t elt;  // bytes per element of q/k/v/cache/out
   bool bf16;
   float scale_log2;  // softmax scale times log2(e): scores are in base 2
+  float q_scale;     // what q is pre-scaled by: scale_log2, or scale when soft-capping
+  int64_t window;    // sliding window in keys, 0 for none
+  float softcap;     // logit soft-cap, 0 for none
 };
 
 struct WorkItem {
@@ -204,11 +209,22 @@ KILN_INLINE void over_row_groups(Scratch& s, int r_begin, int num_rows, int coun
   }
 }
 
-// Row m's scores for one tile (keys past `visible` are masked) become probabilities; its running
-// max and sum absorb them, and alpha[m] rescales its accumulator in the accumulate pass.
-KILN_INLINE void online_softmax_step(Scratch& s, int m, int visible) {
+// Row m's scores for one tile (keys outside [lo, hi) of the tile are masked) become probabilities;
+// its running max and sum absorb them, and alpha[m] rescales its accumulator in the accumulate
+// pass. A row that sees no key of the tile (outside its window) keeps its state: alpha 1, p 0.
+KILN_INLINE void online_softmax_step(const Problem& p, Scratch& s, int m, int lo, int hi) {
   float* sc = s.scores.data() + size_t(m) * kLanes;
-  for (int n = visible; n < kLanes; ++n) sc[n] = kNegInf;
+  if (lo >= hi) {
+    for (int n = 0; n < kLanes; ++n) sc[n] = 0.f;
+    s.alpha[m] = 1.f;
+    return;
+  }
+  if (p.softcap > 0.f) {  // scores are scale * q.k here; cap them, then go to base 2
+    const float inv_cap = 1.f / p.softcap, cap_log2 = p.softcap * kLog2E;
+    for (int n = lo; n < hi; ++n) sc[n] = cap_log2 * std::tanh(sc[n] * inv_cap);
+  }
+  for (int n = 0; n < lo; ++n) sc[n] = kNegInf;
+  for (int n = hi; n < kLanes; ++n) sc[n] = kNegInf;
   const vfloat sv = load(sc);
   const float new_max = std::max(s.row_max[m], hmax(sv));  // finite: the row sees a key of the tile
   const vfloat pv = exp2_nonpositive(sv - new_max);
@@ -248,7 +264,7 @@ KILN_MULTIVERSION void attend_item(const Problem& p, const WorkItem& w, Scratch&
     float* qm = s.q.data() + size_t(m) * P;
     row_to_float(p.q + (tok * p.q_tok + head * p.q_head) * p.elt, p.bf16, qm, D);
 #pragma omp simd
-    for (int d = 0; d < D; ++d) qm[d] *= p.scale_log2;
+    for (int d = 0; d < D; ++d) qm[d] *= p.q_scale;
     s.row_max[m] = kNegInf;
     s.row_sum[m] = 0.f;
   }
@@ -257,7 +273,9 @@ KILN_MULTIVERSION void attend_item(const Problem& p, const WorkItem& w, Scratch&
   const int64_t kv_end = first_pos + w.num_toks;  // last token's position + 1
   const int32_t* table = p.block_tables + int64_t(w.req) * p.bt_stride;
   int64_t offsets[kLanes];
-  for (int64_t n0 = 0; n0 < kv_end; n0 += kLanes) {
+  // With a window, keys before the first row's window are never read.
+  const int64_t kv_begin = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) / kLanes * kLanes : 0;
+  for (int64_t n0 = kv_begin; n0 < kv_end; n0 += kLanes) {
     const int count = int(std::min<int64_t>(kLanes, kv_end - n0));
     tile_offsets(p, table, n0, count, offsets);
     // The item's kv heads one after another over the same slots: a slot's heads are adjacent in
@@ -272,7 +290,8 @@ KILN_MULTIVERSION void attend_item(const Problem& p, const WorkItem& w, Scratch&
       over_row_groups<ScoresPass>(s, r_begin, r_end, count);
       for (int m = r_begin; m < r_end; ++m) {
         const int64_t pos = first_pos + (m % rows_per_kv_head) / nh;
-        online_softmax_step(s, m, int(std::min<int64_t>(count, pos - n0 + 1)));
+        const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - n0) : 0;
+        online_softmax_step(p, s, m, int(std::min<int64_t>(lo, count)), int(std::min<int64_t>(count, pos - n0 + 1)));
       }
       over_row_groups<AccumulatePass>(s, r_begin, r_end, count);
     }
@@ -317,7 +336,8 @@ std::vector<WorkItem> make_items(const Problem& p, int64_t num_reqs, bool whole_
       for (int g = 0; g < p.num_kv_heads; g += kv_heads) {
         for (int h0 = 0; h0 < p.group; h0 += heads_per_part) {
           const int32_t nh = std::min(heads_per_part, p.group - h0);
-          const int64_t cost = int64_t(kv_heads) * nt * nh * (ctx_start + t0 + nt);
+          const int64_t keys = ctx_start + t0 + nt;
+          const int64_t cost = int64_t(kv_heads) * nt * nh * (p.window > 0 ? std::min<int64_t>(keys, p.window + nt) : keys);
           items.push_back({int32_t(r), g, kv_heads, h0, nh, t0, nt, cost});
         }
       }
@@ -369,7 +389,8 @@ at::Tensor last_dim_contiguous(const at::Tensor& x) {
 void attend_paged_cpu_into(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                            at::Tensor& kv_cache, const at::Tensor& slot_mapping_in,
                            const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
-                           const at::Tensor& query_start_loc_in, double scale, at::Tensor& out) {
+                           const at::Tensor& query_start_loc_in, double scale, int64_t sliding_window,
+                           double logit_softcap, at::Tensor& out) {
   TORCH_CHECK(q_in.dim() == 3 && k_in.dim() == 3 && v_in.dim() == 3, "q, k, v must be [num_tokens, heads, head_dim]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
               "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim]");
@@ -421,7 +442,11 @@ void attend_paged_cpu_into(const at::Tensor& q_in, const at::Tensor& k_in, const
   p.num_heads = int(H), p.num_kv_heads = int(KVH), p.group = int(H / KVH), p.head_dim = int(D), p.block_size = int(BS);
   p.elt = kv_cache.element_size();
   p.bf16 = dtype == at::kBFloat16;
+  TORCH_CHECK(sliding_window >= 0 && logit_softcap >= 0, "sliding_window and logit_softcap must be >= 0 (0: off)");
   p.scale_log2 = float(scale) * kLog2E;
+  p.window = sliding_window;
+  p.softcap = float(logit_softcap);
+  p.q_scale = p.softcap > 0.f ? float(scale) : p.scale_log2;
   check_metadata(p, T, num_reqs, NB, block_tables.size(1));
 
   // Rows past query_start_loc[-1] (padding) belong to no request: zeros, not garbage.
@@ -445,17 +470,20 @@ void attend_paged_cpu_into(const at::Tensor& q_in, const at::Tensor& k_in, const
 
 at::Tensor attend_paged_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
                             const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                            const at::Tensor& query_start_loc, double scale) {
+                            const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
+                            double logit_softcap) {
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-  attend_paged_cpu_into(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, out);
+  attend_paged_cpu_into(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+                        sliding_window, logit_softcap, out);
   return out;
 }
 
 at::Tensor& attend_paged_cpu_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
                                  const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                                 at::Tensor& out) {
-  attend_paged_cpu_into(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, out);
+                                 int64_t sliding_window, double logit_softcap, at::Tensor& out) {
+  attend_paged_cpu_into(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+                        sliding_window, logit_softcap, out);
   return out;
 }
 
@@ -466,10 +494,12 @@ at::Tensor& attend_paged_cpu_out(const at::Tensor& q, const at::Tensor& k, const
 TORCH_LIBRARY(kiln_cpu, m) {
   m.def(
       "attend_paged_cpu(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window=0, "
+      "float logit_softcap=0.) -> Tensor");
   m.def(
       "attend_paged_cpu.out(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, *, Tensor(b!) out) -> Tensor(b!)");
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window=0, "
+      "float logit_softcap=0., *, Tensor(b!) out) -> Tensor(b!)");
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {

@@ -26,14 +26,14 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 def _check(seed, *, decodes=(), prefills=(), group=4, num_kv_heads=2, head_dim=64, block_size=16,
-           dtype=torch.float32, fused_qkv=True):
+           dtype=torch.float32, fused_qkv=True, sliding_window=0, logit_softcap=0.0):
     spec = ca.PagedBatchSpec(decode_seq_lens=decodes, prefill_chunks=prefills, num_heads=group * num_kv_heads,
                              num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype,
                              fused_qkv=fused_qkv)
     batch = ca.random_paged_batch(spec, seed=seed)
     if fused_qkv:
         assert batch.q.stride(0) > batch.q.shape[1] * head_dim  # really a strided view
-    return ca.check_against_reference(batch)
+    return ca.check_against_reference(batch, sliding_window, logit_softcap)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -64,6 +64,27 @@ def test_odd_group_and_block_size_bf16_and_fp32(dtype):
 def test_contiguous_inputs_and_single_request():
     _check(5, decodes=(40,), group=8, fused_qkv=False)  # batch 1: the group is split across threads
     _check(6, prefills=((64, 64),), group=1, num_kv_heads=1, fused_qkv=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window, softcap", [(7, 0.0), (20, 0.0), (1, 0.0), (0, 0.7), (13, 0.7)])
+def test_sliding_window_and_softcap_match_reference(window, softcap, dtype):
+    # Windows shorter than a key tile (16), than a work-item tile, and of one key; a cap small enough
+    # that tanh saturates (random scores are of order 1). Contexts both shorter and longer than W.
+    _check(8, decodes=(5, 40, 70), prefills=((75, 11), (45, 45), (30, 1)), group=4, block_size=8, dtype=dtype,
+           sliding_window=window, logit_softcap=softcap)
+    _check(9, decodes=(90,), group=8, fused_qkv=False, sliding_window=window, logit_softcap=softcap)  # batch 1
+
+
+def test_window_and_softcap_change_the_output():
+    """The reference really masks and caps (else the test above would compare two no-ops)."""
+    batch = ca.random_paged_batch(ca.PagedBatchSpec(decode_seq_lens=(40,), prefill_chunks=((45, 45),)), seed=10)
+    outs = [attend_paged_reference(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.meta, 0.125, w, c)
+            for w, c in ((0, 0.0), (7, 0.0), (0, 0.7))]
+    assert not torch.allclose(outs[0], outs[1]) and not torch.allclose(outs[0], outs[2])
+    # A window at least as long as every context changes nothing.
+    wide = attend_paged_reference(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.meta, 0.125, 45)
+    torch.testing.assert_close(wide, outs[0])
 
 
 def test_store_writes_exactly_the_new_slots():

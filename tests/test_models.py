@@ -161,11 +161,12 @@ def test_arch_roundtrip_and_preset_sizes():
 def test_arch_rejects_unsupported():
     with pytest.raises(ValueError, match="gpt2"):
         ArchConfig.from_hf_config({"model_type": "gpt2"})
-    bad = {**TINY.to_hf_config(), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
-    with pytest.raises(ValueError, match="yarn"):
+    bad = {**TINY.to_hf_config(), "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}
+    with pytest.raises(ValueError, match=r"yarn rope scaling lacks \['factor'\]"):
         ArchConfig.from_hf_config(bad)
-    windowed = {**TOY_ARCHS["mistral"].to_hf_config(), "sliding_window": 128}
-    assert ArchConfig.from_hf_config(windowed).max_position_embeddings == 128
+    windowed = ArchConfig.from_hf_config({**TOY_ARCHS["mistral"].to_hf_config(), "sliding_window": 128})
+    # A real window on every layer, not a context cap.
+    assert windowed.max_position_embeddings == 256 and windowed.window(0) == windowed.window(1) == 128
 
 
 def test_load_model_errors(tmp_path, cache_dir):

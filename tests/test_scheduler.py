@@ -195,8 +195,8 @@ def test_decodes_come_first_and_prefix_hits_are_recorded():
 @pytest.mark.parametrize(
     "kwargs, tokens, status, stop_reason, num_output_tokens",
     [
-        (dict(eos_token_id=7), [5, 7, 9], RequestStatus.FINISHED_STOPPED, None, 2),
-        (dict(eos_token_id=7, params=dict(ignore_eos=True)), [5, 7, 9], RequestStatus.FINISHED_LENGTH, None, 3),
+        (dict(eos_token_ids=(7,)), [5, 7, 9], RequestStatus.FINISHED_STOPPED, None, 2),
+        (dict(eos_token_ids=(7,), params=dict(ignore_eos=True)), [5, 7, 9], RequestStatus.FINISHED_LENGTH, None, 3),
         (dict(params=dict(stop_token_ids=[9, 42])), [5, 42, 9], RequestStatus.FINISHED_STOPPED, 42, 2),
         (dict(), [5, 6, 7, 8], RequestStatus.FINISHED_LENGTH, None, 3),
         (dict(max_tokens=None, max_model_len=5), [5, 6, 7, 8], RequestStatus.FINISHED_LENGTH, None, 2),

@@ -25,7 +25,9 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3)
 MP2 = {"tensor_parallel_size": 2, "backend": "mp"}
 # Untied LM head, and a vocabulary (one past the borrowed tokenizer's 49152) that no even size divides.
 ODD_VOCAB = dataclasses.replace(PRESETS["tiny"], vocab_size=49153, tie_word_embeddings=False)
-ARCHS = {**PRESETS, "tiny-odd-vocab": ODD_VOCAB}
+# Phi-3 stores q/k/v and gate/up fused: each rank cuts its heads and rows out of the fused tensors.
+FUSED = dataclasses.replace(PRESETS["tiny"], family="phi3", tie_word_embeddings=False)
+ARCHS = {**PRESETS, "tiny-odd-vocab": ODD_VOCAB, "tiny-phi3": FUSED}
 
 
 def _generate(llm):
@@ -38,6 +40,7 @@ def _generate(llm):
     ("tiny", 2, "checkpoint"), ("tiny-qwen2", 2, "checkpoint"), ("tiny", 4, "checkpoint"),
     ("tiny-odd-vocab", 2, "checkpoint"), ("tiny-odd-vocab", 4, "checkpoint"),
     ("tiny", 2, "random"), ("tiny-qwen2", 2, "random"), ("tiny", 4, "random"), ("tiny-odd-vocab", 2, "random"),
+    ("tiny-phi3", 2, "checkpoint"), ("tiny-phi3", 4, "checkpoint"), ("tiny-phi3", 4, "random"),
 ])
 def test_rank_shards_reassemble_the_full_weights(preset, size, source):
     """Every rank loads only its slice; the slices put back together are the single-device weights

@@ -150,6 +150,27 @@ def test_default_launch_config(kernels, size):
     kernels.check_against_reference(kernels.random_paged_batch(spec, DEVICE, seed=7))
 
 
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("window, softcap", [(1, 0.0), (0, 0.7), (20, 0.7)])
+def test_sliding_window_and_softcap_match_reference(kernels, size, window, softcap):
+    # A window of one key and one wider than a key tile (16); a cap small enough that tanh saturates.
+    # Split decodes whose early splits fall before the window, prefill rows whose window starts
+    # past a whole key tile.
+    spec = _spec(kernels, size, decodes=(5, 90, 40), prefills=((75, 11), (45, 45), (30, 1)), group=4, block_size=8)
+    if size == "large":
+        window *= 61
+    kernels.check_against_reference(kernels.random_paged_batch(spec, DEVICE, seed=9), _small_tiles(kernels, size),
+                                    sliding_window=window, logit_softcap=softcap)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_head_dim_not_a_power_of_two(kernels, size):
+    """Phi-3's head_dim 96 is padded to 128 inside the kernels; the store writes only 96 dims."""
+    spec = _spec(kernels, size, decodes=(5, 40), prefills=((37, 6), (21, 21)), group=4, head_dim=96)
+    kernels.check_against_reference(kernels.random_paged_batch(spec, DEVICE, seed=10), _small_tiles(kernels, size),
+                                    sliding_window=9)
+
+
 def test_split_count_fills_the_gpu_but_not_below_min_split_tokens(kernels):
     cfg = kernels.LaunchConfig(min_split_tokens=512, programs_per_sm=2)
     # batch 1, 8 kv heads on 132 SMs wants 33 splits; 4096 keys allow at most 8 of 512.
@@ -165,10 +186,11 @@ def test_plugs_into_attend_paged_op(kernels):
     spec = _spec(kernels, "tiny", decodes=(9,), prefills=((26, 10),), group=4)
     batch = kernels.random_paged_batch(spec, DEVICE, seed=8)
     scale = spec.head_dim**-0.5
-    ref = attend_paged_reference(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.meta, scale)
-    for op in (torch.ops.kiln.attend_paged, torch.ops.kiln_triton.attend_paged):
-        cache = batch.kv_cache.clone()
-        ctx = ForwardContext(attn=batch.meta, kv_caches=[cache], attention_impl=kernels.triton_attend_paged)
-        with forward_context(ctx):
-            out = op(batch.q, batch.k, batch.v, 0, scale)
-        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    for options in ({}, {"sliding_window": 5, "logit_softcap": 0.7}):
+        ref = attend_paged_reference(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.meta, scale, **options)
+        for op in (torch.ops.kiln.attend_paged, torch.ops.kiln_triton.attend_paged):
+            cache = batch.kv_cache.clone()
+            ctx = ForwardContext(attn=batch.meta, kv_caches=[cache], attention_impl=kernels.triton_attend_paged)
+            with forward_context(ctx):
+                out = op(batch.q, batch.k, batch.v, 0, scale, **options)
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

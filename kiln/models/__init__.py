@@ -1,7 +1,8 @@
-"""Llama-family models in plain PyTorch, their registry, and the weight loaders.
+"""Native decoder models in plain PyTorch, their registry, and the weight loaders.
 
-- ``arch``: ``ArchConfig`` (read from / written to ``config.json``) and the random-weight presets.
-- ``llama``: the one model implementation (Llama 2/3, Qwen2, Mistral, SmolLM2).
+- ``arch``: ``ArchConfig`` (read from / written to ``config.json``), family traits, the presets.
+- ``llama``: the one model implementation (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, OLMo-2, Granite).
+- ``rope``: RoPE frequency tables of every supported scaling type.
 - ``gguf``: one-time GGUF -> Hugging Face directory conversion into the cache dir.
 - ``registry``: registered model names and the packages that ship them.
 - ``loader``: ``load_model(ModelConfig, ...) -> LoadedModel``.

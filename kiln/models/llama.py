@@ -1,4 +1,6 @@
-"""The one Llama-family model: Llama 2/3, Qwen2, Mistral and SmolLM2 differ only in ``ArchConfig``.
+"""The one native model: Llama 2/3, Qwen2/3, Mistral, Gemma 2/3, Phi-3/4, OLMo-2, Granite and SmolLM2
+differ only in ``ArchConfig`` (numbers of the checkpoint) and its ``FamilyTraits`` (norm numerics and
+placement, q/k norms, scaled embeddings, fused checkpoint layouts).
 
 Rules this module keeps:
 - The forward takes a flat batch (``[num_tokens]`` ids and positions, no padding, decodes and
@@ -11,13 +13,15 @@ Rules this module keeps:
 - Tensor parallelism (``kiln.models.parallel``) only shrinks the per-rank sizes and adds one
   ``torch.ops.kiln.all_reduce`` after the embedding, o_proj and down_proj, and one
   ``torch.ops.kiln.all_gather`` of the logits; with one rank the graph is unchanged.
-- Numerics follow transformers: RMSNorm statistics in float32, RoPE table computed in float32
-  then cast to the model dtype, rotate-half (neox) layout.
+- Numerics follow transformers: RMSNorm statistics in float32 (the weight applied where each
+  family's code applies it), RoPE table computed in float32 then cast to the model dtype,
+  rotate-half (neox) layout.
+- Attention options a layer needs (sliding window, logit soft-cap) are passed to the attention op
+  only when set, so models without them capture the same graph as before.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Iterable, Iterator
 
 import torch
@@ -27,56 +31,46 @@ from torch import nn
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.attend_paged)
 import kiln.ops.collective  # noqa: F401  (registers torch.ops.kiln.all_reduce and all_gather)
 from kiln.models.arch import ArchConfig
+from kiln.models.rope import rope_cos_sin_table
 from kiln.models.parallel import (SINGLE, Shard, TensorParallel, check_tensor_parallel, column_shard, head_shards,
                                   local_intermediate_size, local_num_heads, local_num_kv_heads, row_shard,
                                   vocab_range, vocab_shard)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    """RMSNorm with statistics in float32; ``style`` says where the weight is applied, as each
+    family's transformers code does: "llama" rounds back to the input dtype before the weight,
+    "olmo" multiplies by the weight in float32 and then rounds, "gemma" scales by ``1 + weight`` in
+    float32 (its checkpoints store the offset from one)."""
+
+    def __init__(self, hidden_size: int, eps: float, style: str = "llama") -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.style = style
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in float32 even for bf16 models, rounding back before the weight, as HF does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def rope_inv_freq(arch: ArchConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] float32, with llama3 scaling when configured."""
-    dim = arch.head_dim
-    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    rs = arch.rope_scaling
-    if rs is None:
-        return inv_freq
-    # Llama 3.1: stretch low frequencies by `factor`, keep high ones, blend in between.
-    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
-    old_len = rs["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def rope_cos_sin_table(arch: ArchConfig, num_positions: int) -> torch.Tensor:
-    """[num_positions, head_dim] float32: cos in the first half, sin in the second."""
-    positions = torch.arange(num_positions, dtype=torch.float32)
-    freqs = torch.outer(positions, rope_inv_freq(arch))  # [num_positions, head_dim // 2]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        if self.style == "llama":
+            return self.weight * xf.to(x.dtype)
+        if self.style == "olmo":
+            return (self.weight * xf).to(x.dtype)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [T, n, D]; cos = [cos, cos], sin_signed = [-sin, sin], each [T, 1, D].
+    """Rotate-half RoPE. x: [T, n, D]; cos = [cos, cos], sin_signed = [-sin, sin], each [T, 1, R].
 
-    x * cos + roll(x, D/2) * [-sin, sin] equals HF's x * cos + rotate_half(x) * sin term by term
-    (negation is exact), in four ops instead of the six of slice-neg-cat.
+    x * cos + roll(x, R/2) * [-sin, sin] equals HF's x * cos + rotate_half(x) * sin term by term
+    (negation is exact), in four ops instead of the six of slice-neg-cat. With partial rotary
+    (R < D) only the first R dims of each head rotate; the rest pass through.
     """
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + x.roll(rot // 2, dims=-1) * sin_signed
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + x_rot.roll(rot // 2, dims=-1) * sin_signed, x_pass), dim=-1)
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -109,81 +103,151 @@ class LlamaAttention(nn.Module):
         self.head_dim = arch.head_dim
         self.q_size = self.num_heads * arch.head_dim
         self.kv_size = self.num_kv_heads * arch.head_dim
-        self.scale = arch.head_dim**-0.5
+        self.scale = arch.attention_scale
+        # Passed to the attention op only when set, so other models' graphs are unchanged.
+        self.attn_options = {}
+        if arch.window(layer_idx):
+            self.attn_options["sliding_window"] = arch.window(layer_idx)
+        if arch.attn_logit_softcapping:
+            self.attn_options["logit_softcap"] = float(arch.attn_logit_softcapping)
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        o_bias = arch.attention_bias and not arch.traits.always_qkv_bias  # Qwen2 biases only q/k/v
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=o_bias)
+        self.qk_norm = arch.traits.qk_norm
+        if self.qk_norm is not None:
+            # Qwen3 / Gemma 3 normalize each head; OLMo-2 the whole projection (one rank only).
+            q_dim, k_dim = (arch.head_dim, arch.head_dim) if self.qk_norm == "head" else (self.q_size, self.kv_size)
+            self.q_norm = RMSNorm(q_dim, arch.rms_norm_eps, arch.traits.norm)
+            self.k_norm = RMSNorm(k_dim, arch.rms_norm_eps, arch.traits.norm)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # q and k heads rotate together: one set of elementwise ops instead of two.
-        qk = apply_rope(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin_signed)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
+        if self.qk_norm is None:
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            # q and k heads rotate together: one set of elementwise ops instead of two.
+            qk = apply_rope(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin_signed)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            if self.qk_norm == "proj":
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = q.view(-1, self.num_heads, self.head_dim)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            if self.qk_norm == "head":
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin_signed), apply_rope(k, cos, sin_signed)
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         # q, k, v are row-strided views (last dim contiguous); the attention kernels take strides.
-        o = torch.ops.kiln.attend_paged(q, k, v, self.layer_idx, self.scale)  # [T, H, D]
+        o = torch.ops.kiln.attend_paged(q, k, v, self.layer_idx, self.scale, **self.attn_options)  # [T, H, D]
         out = self.o_proj(o.flatten(1))  # [T, hidden]: a partial sum over this rank's heads
         return torch.ops.kiln.all_reduce(out) if self.tp_size > 1 else out
 
 
 class LlamaMLP(nn.Module):
+    """Gated MLP: act(gate) * up with SiLU (SwiGLU) or tanh-approximated GELU (Gemma's GeGLU)."""
+
     def __init__(self, arch: ArchConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.tp_size = tp.size
+        self.gelu = arch.hidden_act == "gelu_pytorch_tanh"
         inter = local_intermediate_size(arch, tp)  # gate_up_proj column-parallel, down_proj row-parallel
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate / tp] each
-        out = self.down_proj(F.silu(gate) * up)  # [T, hidden]: a partial sum over this rank's rows
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        out = self.down_proj(act * up)  # [T, hidden]: a partial sum over this rank's rows
         return torch.ops.kiln.all_reduce(out) if self.tp_size > 1 else out
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Norm placement by family: pre-norm (Llama), sandwich (Gemma: before and after attention and
+    MLP) or post-norm (OLMo-2: after only). Norm modules carry their Hugging Face names."""
+
     def __init__(self, arch: ArchConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        traits = arch.traits
+        self.placement = "sandwich" if traits.sandwich_norm else "post" if traits.post_norm else "pre"
+        self.residual_multiplier = arch.residual_multiplier
+        # Gemma 3's sliding layers read the local RoPE table.
+        self.local_rope = arch.local_rope_theta is not None and arch.window(layer_idx) > 0
+        self.norm_names = {"pre": ("input_layernorm", "post_attention_layernorm"),
+                           "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                                        "post_feedforward_layernorm"),
+                           "post": ("post_attention_layernorm", "post_feedforward_layernorm")}[self.placement]
+        for name in self.norm_names:
+            setattr(self, name, RMSNorm(arch.hidden_size, arch.rms_norm_eps, traits.norm))
         self.self_attn = LlamaAttention(arch, layer_idx, tp)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = LlamaMLP(arch, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin_signed)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.placement == "sandwich":
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin_signed))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        if self.placement == "post":
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin_signed))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin_signed)
+        x = x + (h * self.residual_multiplier if self.residual_multiplier != 1.0 else h)
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + (h * self.residual_multiplier if self.residual_multiplier != 1.0 else h)
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ArchConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         check_tensor_parallel(arch, tp.size)
+        if tp.size > 1 and arch.traits.qk_norm == "proj":
+            raise ValueError(f"{arch.family} normalizes q and k over all heads, which kiln does not split over "
+                             "ranks; use parallel.tensor_parallel_size=1")
         self.arch = arch
         self.tp = tp
         # Embedding and LM head hold this rank's vocabulary rows, norms are replicated (kiln.models.parallel).
         self.embed_tokens = VocabParallelEmbedding(arch, tp)
+        # Gemma: sqrt(hidden_size); Granite: embedding_multiplier. A buffer in the model dtype: Gemma
+        # rounds the scale to it before multiplying, as its transformers code does.
+        self.embed_scale = arch.hidden_size**0.5 if arch.traits.scale_embeddings else arch.embedding_multiplier
+        if self.embed_scale != 1.0:
+            self.register_buffer("embed_scale_tensor", torch.tensor(self.embed_scale), persistent=False)
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, tp) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.traits.norm)
         # Tied models read the embedding matrix in compute_logits instead of holding a second Linear.
         num_vocab_rows = self.embed_tokens.num_embeddings
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, num_vocab_rows, bias=False)
         # Not persistent: recomputed from ArchConfig, never loaded from a checkpoint.
-        self.register_buffer("cos_sin_cache", rope_cos_sin_table(arch, arch.max_position_embeddings), persistent=False)
+        num_positions = arch.context_limit
+        self.register_buffer("cos_sin_cache", rope_cos_sin_table(arch, num_positions), persistent=False)
+        if arch.local_rope_theta is not None:
+            self.register_buffer("cos_sin_cache_local", rope_cos_sin_table(arch, num_positions, arch.local_rope_theta),
+                                 persistent=False)
 
     def reset_rope_cache(self) -> None:
-        """Recompute the RoPE table in place (after ``to_empty`` from the meta device)."""
-        table = rope_cos_sin_table(self.arch, self.cos_sin_cache.shape[0])
+        """Recompute the RoPE tables and the embedding scale in place (after ``to_empty`` from the
+        meta device)."""
         with torch.no_grad():
-            self.cos_sin_cache.copy_(table)
+            if self.embed_scale != 1.0:
+                self.embed_scale_tensor.copy_(torch.tensor(self.embed_scale))
+            self.cos_sin_cache.copy_(rope_cos_sin_table(self.arch, self.cos_sin_cache.shape[0]))
+            if self.arch.local_rope_theta is not None:
+                self.cos_sin_cache_local.copy_(rope_cos_sin_table(self.arch, self.cos_sin_cache_local.shape[0],
+                                                                  self.arch.local_rope_theta))
+
+    @staticmethod
+    def _cos_sin(table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos_sin = table.index_select(0, positions).to(dtype)  # [T, R]
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, R/2] each
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # [T, 1, R] each
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens] int64 -> final hidden states [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        cos_sin = self.cos_sin_cache.index_select(0, positions).to(x.dtype)  # [T, D]
-        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        cos = torch.cat((cos, cos), dim=-1)  # [T, 1, D]
-        sin_signed = torch.cat((-sin, sin), dim=-1)  # [T, 1, D]
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale_tensor
+        rope = self._cos_sin(self.cos_sin_cache, positions, x.dtype)
+        local = self._cos_sin(self.cos_sin_cache_local, positions, x.dtype) if self.arch.local_rope_theta else rope
         for layer in self.layers:
-            x = layer(x, cos, sin_signed)
+            x = layer(x, *(local if layer.local_rope else rope))
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -192,19 +256,26 @@ class LlamaForCausalLM(nn.Module):
         Under tensor parallelism a collective: every rank must call it for the same rows."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden, weight)  # [N, this rank's vocab rows]
-        if self.tp.size == 1:
-            return logits.float()
-        logits = torch.ops.kiln.all_gather(logits)  # [N, padded vocab], ranks in order
-        if logits.shape[-1] != self.arch.vocab_size:
-            logits = logits[:, :self.arch.vocab_size]  # the padding's columns (zero rows) never sample
-        return logits.float().contiguous()
+        if self.tp.size > 1:
+            logits = torch.ops.kiln.all_gather(logits)  # [N, padded vocab], ranks in order
+            if logits.shape[-1] != self.arch.vocab_size:
+                logits = logits[:, :self.arch.vocab_size]  # the padding's columns (zero rows) never sample
+        if self.arch.logits_scaling != 1.0:
+            logits = logits / self.arch.logits_scaling
+        cap = self.arch.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float() if self.tp.size == 1 else logits.float().contiguous()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be given.
 
-        Tensors are full (unsharded); under tensor parallelism each rank copies only its slice."""
-        targets = {name: (dest, shard) for name, dest, shard in self._weight_slices()}
+        Tensors are full (unsharded); under tensor parallelism each rank copies only its slice. A
+        tensor stored fused (Phi-3's qkv_proj) may fill several slices of a kiln parameter."""
+        targets: dict[str, list[tuple[torch.Tensor, Shard]]] = {}
+        for name, dest, shard in self._weight_slices():
+            targets.setdefault(name, []).append((dest, shard))
         self._zero_vocab_padding()
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -213,13 +284,13 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 raise ValueError(f"unexpected weight {name!r} for a {self.arch.family} model "
                                  f"with {self.arch.num_layers} layers")
-            dest, shard = targets[name]
-            if shard is not None:
-                tensor = tensor.narrow(*shard)
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            del tensor  # before the next is drawn or read: one full tensor at a time
+            for dest, shard in targets[name]:
+                part = tensor.narrow(*shard) if shard is not None else tensor
+                if tuple(dest.shape) != tuple(part.shape):
+                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, which does not fit "
+                                     f"{tuple(dest.shape)}")
+                dest.copy_(part)
+            del tensor, part  # before the next is drawn or read: one full tensor at a time
             loaded.add(name)
         missing = sorted(set(targets) - loaded)
         if missing:
@@ -234,10 +305,13 @@ class LlamaForCausalLM(nn.Module):
                 head.weight[num_real:].zero_()
 
     def _weight_targets(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, the slice of a kiln parameter it fills); fused weights are row ranges. With one
-        rank these are the Hugging Face tensors, ready for any rank's ``load_weights``."""
-        for name, dest, _ in self._weight_slices():
-            yield name, dest
+        """(HF name, a kiln parameter of that tensor's full shape) once per checkpoint tensor. With
+        one rank these are the Hugging Face tensors' shapes, ready for any rank's ``load_weights``."""
+        seen: dict[str, list[torch.Tensor]] = {}
+        for name, dest, shard in self._weight_slices():
+            seen.setdefault(name, []).append(dest)
+        for name, dests in seen.items():
+            yield name, dests[0] if len(dests) == 1 else torch.cat(dests, dim=0)
 
     def _weight_slices(self) -> Iterator[tuple[str, torch.Tensor, Shard]]:
         """(HF name, the slice of a kiln parameter it fills, the slice of the HF tensor this rank
@@ -249,23 +323,43 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             yield "lm_head.weight", self.lm_head.weight[:num_real], vocab
         heads = head_shards(arch, tp)
+        fused = arch.traits.fused_checkpoint
+        full_q, full_kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             q, kv = attn.q_size, attn.kv_size
             rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+            # Where each projection starts in a fused checkpoint tensor (Phi-3's qkv_proj).
+            fused_start = {"q_proj": 0, "k_proj": full_q, "v_proj": full_q + full_kv}
             for proj, (start, end) in rows.items():
-                yield f"{p}self_attn.{proj}.weight", attn.qkv_proj.weight[start:end], heads[proj]
-                if attn.qkv_proj.bias is not None:
-                    yield f"{p}self_attn.{proj}.bias", attn.qkv_proj.bias[start:end], heads[proj]
+                for kind, param in (("weight", attn.qkv_proj.weight), ("bias", attn.qkv_proj.bias)):
+                    if param is None:
+                        continue
+                    if fused:
+                        src = heads[proj] or (0, 0, end - start)
+                        yield f"{p}self_attn.qkv_proj.{kind}", param[start:end], (0, fused_start[proj] + src[1], src[2])
+                    else:
+                        yield f"{p}self_attn.{proj}.{kind}", param[start:end], heads[proj]
             yield f"{p}self_attn.o_proj.weight", attn.o_proj.weight, row_shard(arch.num_heads * arch.head_dim, tp)
+            if attn.o_proj.bias is not None:
+                yield f"{p}self_attn.o_proj.bias", attn.o_proj.bias, None
+            if attn.qk_norm is not None:
+                yield f"{p}self_attn.q_norm.weight", attn.q_norm.weight, None
+                yield f"{p}self_attn.k_norm.weight", attn.k_norm.weight, None
             inter = mlp.down_proj.in_features
             col, row = column_shard(arch.intermediate_size, tp), row_shard(arch.intermediate_size, tp)
-            yield f"{p}mlp.gate_proj.weight", mlp.gate_up_proj.weight[:inter], col
-            yield f"{p}mlp.up_proj.weight", mlp.gate_up_proj.weight[inter:], col
+            if fused:
+                gate = col or (0, 0, inter)
+                yield f"{p}mlp.gate_up_proj.weight", mlp.gate_up_proj.weight[:inter], gate
+                yield f"{p}mlp.gate_up_proj.weight", mlp.gate_up_proj.weight[inter:], \
+                    (0, arch.intermediate_size + gate[1], gate[2])
+            else:
+                yield f"{p}mlp.gate_proj.weight", mlp.gate_up_proj.weight[:inter], col
+                yield f"{p}mlp.up_proj.weight", mlp.gate_up_proj.weight[inter:], col
             yield f"{p}mlp.down_proj.weight", mlp.down_proj.weight, row
-            yield f"{p}input_layernorm.weight", layer.input_layernorm.weight, None
-            yield f"{p}post_attention_layernorm.weight", layer.post_attention_layernorm.weight, None
+            for norm in layer.norm_names:
+                yield f"{p}{norm}.weight", getattr(layer, norm).weight, None
 
 
 def _is_ignorable(name: str, arch: ArchConfig) -> bool:

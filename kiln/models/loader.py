@@ -89,6 +89,7 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
                          f"checkpoint directory (config.json, *.safetensors, tokenizer files). {_choices()}")
     with open(os.path.join(hf_dir, "config.json")) as f:
         arch = ArchConfig.from_hf_config(json.load(f))
+    arch = dataclasses.replace(arch, eos_token_id=stop_token_ids(hf_dir, arch))
     max_model_len = _max_model_len(model_config, arch)
     tokenizer = _load_tokenizer(hf_dir)
     model = build_empty_model(arch, device, dtype, tp)
@@ -219,11 +220,29 @@ def _load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+def stop_token_ids(hf_dir: str, arch: ArchConfig) -> tuple[int, ...]:
+    """Every id that ends a request: config.json's ``eos_token_id`` (one id or a list) and then
+    generation_config.json's, which transformers' ``generate`` stops on (Llama 3.1 Instruct lists
+    <|end_of_text|>, <|eom_id|> and <|eot_id|> there)."""
+    ids = list(arch.eos_token_id)
+    path = os.path.join(hf_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        for e in [] if eos is None else [eos] if isinstance(eos, int) else eos:
+            if int(e) not in ids:
+                ids.append(int(e))
+    return tuple(ids)
+
+
 def _max_model_len(model_config: ModelConfig, arch: ArchConfig) -> int:
-    limit = model_config.max_model_len or arch.max_position_embeddings
-    if limit > arch.max_position_embeddings:
-        raise ValueError(f"model.max_model_len={limit} exceeds the model's context length "
-                         f"{arch.max_position_embeddings}; lower it or leave it unset")
+    context = arch.context_limit
+    limit = model_config.max_model_len or context
+    if limit > context:
+        why = "" if context == arch.max_position_embeddings else (
+            " (dynamic NTK RoPE is served up to its trained length, where it matches transformers)")
+        raise ValueError(f"model.max_model_len={limit} exceeds the model's context length {context}{why}; "
+                         "lower it or leave it unset")
     return limit
 
 

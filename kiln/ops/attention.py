@@ -26,9 +26,8 @@ import torch.nn.functional as F
 
 from kiln.forward_context import AttentionMetadata, get_forward_context
 
-AttentionImpl = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
-]
+# impl(q, k, v, kv_cache, meta, scale, sliding_window=0, logit_softcap=0.0) -> out
+AttentionImpl = Callable[..., torch.Tensor]
 
 
 def store_kv_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -45,6 +44,20 @@ def _gather_context(kv: torch.Tensor, block_table: torch.Tensor, seq_len: int) -
     return kv[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
 
 
+def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int) -> torch.Tensor:
+    """[len(q_pos), len(k_pos)] bool: key j is visible to the query at position p when j <= p and,
+    with a window W > 0, j > p - W (W keys, the query's own included: transformers' definition)."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window > 0:
+        mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    return mask
+
+
+def softcap_scores(scores: torch.Tensor, logit_softcap: float) -> torch.Tensor:
+    """Gemma 2's soft-capping of the scaled scores: cap * tanh(scores / cap); 0 means none."""
+    return torch.tanh(scores / logit_softcap) * logit_softcap if logit_softcap > 0 else scores
+
+
 def attend_paged_reference(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -52,6 +65,8 @@ def attend_paged_reference(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int = 0,  # > 0: each query sees only the last `sliding_window` keys up to itself
+    logit_softcap: float = 0.0,  # > 0: scores = cap * tanh(scores / cap) before the softmax
 ) -> torch.Tensor:
     """Pure-torch paged attention: the definition every kernel is checked against."""
     store_kv_reference(k, v, kv_cache, meta.slot_mapping)
@@ -60,7 +75,7 @@ def attend_paged_reference(
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd > 0:
-        _attend_decodes(q[:nd], kv_cache, meta, scale, group, out[:nd])
+        _attend_decodes(q[:nd], kv_cache, meta, scale, group, out[:nd], sliding_window, logit_softcap)
     start_loc = meta.query_start_loc.tolist() if nd < meta.num_reqs else []
     for i in range(nd, meta.num_reqs):
         s, e = start_loc[i], start_loc[i + 1]
@@ -69,21 +84,23 @@ def attend_paged_reference(
         vals = _gather_context(kv_cache[1], meta.block_tables[i], seq_len)
         # Query j (0-based in the chunk) sits at context position seq_len - q_len + j.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
-        mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-        o = F.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1),
-            keys.transpose(0, 1).to(q.dtype).repeat_interleave(group, 0),
-            vals.transpose(0, 1).to(q.dtype).repeat_interleave(group, 0),
-            attn_mask=mask,
-            scale=scale,
-        )
+        mask = visible_keys(q_pos, torch.arange(seq_len, device=q.device), sliding_window)  # [q_len, seq_len]
+        qh = q[s:e].transpose(0, 1)  # [H, q_len, D]
+        kh = keys.transpose(0, 1).to(q.dtype).repeat_interleave(group, 0)  # [H, seq_len, D]
+        vh = vals.transpose(0, 1).to(q.dtype).repeat_interleave(group, 0)
+        if logit_softcap > 0:
+            scores = softcap_scores(torch.matmul(qh.float(), kh.float().transpose(1, 2)) * scale, logit_softcap)
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+            o = torch.matmul(probs, vh.float()).to(q.dtype)
+        else:
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
         out[s:e] = o.transpose(0, 1)
     return out
 
 
-def _attend_decodes(q, kv_cache, meta, scale, group, out) -> None:
-    """All decode requests at once: pad each context to the longest, mask the tail."""
+def _attend_decodes(q, kv_cache, meta, scale, group, out, sliding_window, logit_softcap) -> None:
+    """All decode requests at once: pad each context to the longest, mask the tail (and, with a
+    window, the keys before it)."""
     nd = q.shape[0]
     seq_lens = meta.seq_lens[:nd].long()
     block_size = kv_cache.shape[2]
@@ -94,8 +111,9 @@ def _attend_decodes(q, kv_cache, meta, scale, group, out) -> None:
     max_len = keys.shape[1]
     kvh, head_dim = keys.shape[2], keys.shape[3]
     qg = q.view(nd, kvh, group, head_dim).to(torch.float32)  # [nd, kvh, group, D]
-    scores = torch.einsum("nhgd,nlhd->nhgl", qg, keys.to(torch.float32)) * scale
-    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [nd, max_len]
+    scores = softcap_scores(torch.einsum("nhgd,nlhd->nhgl", qg, keys.to(torch.float32)) * scale, logit_softcap)
+    # The query sits at position seq_len - 1.
+    valid = visible_keys(seq_lens - 1, torch.arange(max_len, device=q.device), sliding_window)  # [nd, max_len]
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1)
     o = torch.einsum("nhgl,nlhd->nhgd", probs, vals.to(torch.float32))
@@ -108,17 +126,21 @@ def define_attention_op(qualname: str, impl: Optional[AttentionImpl]):
     the reference). Kernel packages define theirs with this, so every attention op a graph can hold
     reads the context the same way."""
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float,
+               sliding_window: int = 0, logit_softcap: float = 0.0) -> torch.Tensor:
         ctx = get_forward_context()
         if ctx.attn is None:
             raise RuntimeError(f"{qualname} needs attention metadata in the forward context")
         run = impl or ctx.attention_impl or attend_paged_reference
-        return run(q, k, v, ctx.kv_caches[layer_idx], ctx.attn, scale)
+        return run(q, k, v, ctx.kv_caches[layer_idx], ctx.attn, scale,
+                   sliding_window=sliding_window, logit_softcap=logit_softcap)
 
     op = torch.library.custom_op(qualname, attend, mutates_args=())
-    op.register_fake(lambda q, k, v, layer_idx, scale: torch.empty_like(q))
+    op.register_fake(lambda q, k, v, layer_idx, scale, sliding_window=0, logit_softcap=0.0: torch.empty_like(q))
     return op
 
 
 # Store k/v of the new tokens in layer ``layer_idx``'s cache and attend; returns [T, H, D].
+# attend_paged(q, k, v, layer_idx, scale, sliding_window=0, logit_softcap=0.0): a window W > 0 lets
+# each query see only keys p - W < j <= p; a cap > 0 soft-caps the scaled scores (Gemma 2).
 attend_paged = define_attention_op("kiln::attend_paged", None)

@@ -8,7 +8,7 @@ which registers ``torch.ops.kiln_cpu.attend_paged_cpu`` (plus an ``.out`` overlo
 - loads ``kiln._C`` on first use; without it (installed with no compiler, or a stale build) every
   entry point falls back to the pure-torch reference, and says so once at info level;
 - gives the C++ op its fake impl, so it can appear in a traced graph;
-- defines ``kiln_cpu::attend_paged(q, k, v, layer_idx, scale)``, the schema of
+- defines ``kiln_cpu::attend_paged(q, k, v, layer_idx, scale, sliding_window=0, logit_softcap=0.0)``, the schema of
   ``kiln::attend_paged``: the op ``AttentionBackendPass`` swaps in on CPU;
 - ``kiln.ops.registry`` selects this op on CPU when ``load_extension()`` succeeds;
 - the correctness check (``check_against_reference``) used by ``tests/test_cpu_attention.py``;
@@ -49,7 +49,8 @@ def load_extension() -> bool:
     return _extension_loaded
 
 
-def _attend_paged_cpu_fake(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale):
+def _attend_paged_cpu_fake(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+                           sliding_window=0, logit_softcap=0.0):
     return q.new_empty(q.shape)  # the kernel's output is contiguous even when q is a strided view
 
 
@@ -60,14 +61,17 @@ def cpu_attend_paged(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> torch.Tensor:
     """Drop-in for ``attend_paged_reference``: store the new K/V, attend; returns [num_tokens, H, D].
     What the kernel lacks (float16, mixed dtypes, tensors off the CPU) goes to the reference."""
     if not (load_extension() and q.device.type == "cpu" and q.dtype in KERNEL_DTYPES
             and q.dtype == k.dtype == v.dtype == kv_cache.dtype):
-        return attend_paged_reference(q, k, v, kv_cache, meta, scale)
+        return attend_paged_reference(q, k, v, kv_cache, meta, scale, sliding_window, logit_softcap)
     return torch.ops.kiln_cpu.attend_paged_cpu(
-        q, k, v, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
+        q, k, v, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+        sliding_window, logit_softcap,
     )
 
 
@@ -83,17 +87,19 @@ def tolerance(dtype: torch.dtype) -> float:
     return {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
 
 
-def check_against_reference(batch: PagedBatch) -> float:
+def check_against_reference(batch: PagedBatch, sliding_window: int = 0, logit_softcap: float = 0.0) -> float:
     """Store + attend with the C++ kernel and the reference on copies of the same cache.
     The cache must match bit for bit; the output, poisoned with NaN first, within ``tolerance``.
     Returns the largest absolute output error."""
     scale = batch.q.shape[-1] ** -0.5
     ref_cache, cache = batch.kv_cache.clone(), batch.kv_cache.clone()
-    ref = attend_paged_reference(batch.q, batch.k, batch.v, ref_cache, batch.meta, scale)
+    ref = attend_paged_reference(batch.q, batch.k, batch.v, ref_cache, batch.meta, scale, sliding_window,
+                                 logit_softcap)
     out = torch.full(batch.q.shape, float("nan"), dtype=batch.q.dtype)
     m = batch.meta
     torch.ops.kiln_cpu.attend_paged_cpu.out(
-        batch.q, batch.k, batch.v, cache, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc, scale, out=out
+        batch.q, batch.k, batch.v, cache, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc, scale,
+        sliding_window, logit_softcap, out=out,
     )
     if not torch.equal(cache, ref_cache):
         raise AssertionError("kv cache after the store differs from the reference's")

@@ -32,6 +32,12 @@ Inside ``static_decode_splits(max_model_len)`` (what CUDA-graph capture uses) th
 and split width come from that bound instead of the batch's contexts, so one captured launch is
 valid for every context up to it: splits past a request's context are empty and merge as weight 0.
 
+Sliding window and soft-cap (``sliding_window``, ``logit_softcap``; constexpr ``SLIDING`` /
+``SOFTCAP``, so other models compile the kernels they always did): a windowed decode splits only
+the last ``sliding_window`` keys; a windowed prefill tile starts at its first row's window and
+masks both ends, a row that sees none of a tile keeping its state (``MAY_BE_EMPTY``). A head_dim
+that is not a power of two is padded to one with masked loads and stores.
+
 ``torch.ops.kiln_triton.attend_paged`` has the schema of ``kiln::attend_paged`` (the op the
 compiler swaps in on CUDA); ``kiln.ops.registry`` selects it, with ``static_decode_splits`` as the
 context CUDA-graph capture enters.
@@ -80,22 +86,37 @@ class LaunchConfig:
 
 
 @triton.jit
-def _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, offs_n, key_ok, kv_head, d,
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, offs_n, key_ok, kv_head, d, d_ok,
                   stride_cb, stride_cs, stride_ch, PAGE_SIZE: tl.constexpr):
-    """Gather keys ``offs_n`` of one request: K transposed [HEAD_DIM, BLOCK_N], V [BLOCK_N, HEAD_DIM]."""
+    """Gather keys ``offs_n`` of one request: K transposed [HEAD_DIM, BLOCK_N], V [BLOCK_N, HEAD_DIM]
+    (``HEAD_DIM`` a power of two; dims where ``d_ok`` is false read as 0)."""
     block_ids = tl.load(table_ptr + offs_n // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
     slot = block_ids * stride_cb + (offs_n % PAGE_SIZE) * stride_cs + kv_head * stride_ch  # [BLOCK_N]
-    k_t = tl.load(k_cache_ptr + slot[None, :] + d[:, None], mask=key_ok[None, :], other=0.0)
-    v = tl.load(v_cache_ptr + slot[:, None] + d[None, :], mask=key_ok[:, None], other=0.0)
+    k_t = tl.load(k_cache_ptr + slot[None, :] + d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + slot[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
     return k_t, v
 
 
 @triton.jit
-def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+def _scores(q, k_t, qk_scale, cap_log2, inv_cap, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Log2-scaled scores of a tile [BLOCK_M, BLOCK_N]. Without a soft-cap ``qk_scale`` is
+    scale * log2(e); with one it is the scale, and the scores become cap * tanh(s / cap) in base 2
+    (tanh(x) = 2 sigmoid(2x) - 1: the interpreter has no tanh)."""
+    s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+    if SOFTCAP:
+        s = cap_log2 * (2.0 * tl.sigmoid(2.0 * s * inv_cap) - 1.0)
+    return s
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr, MAY_BE_EMPTY: tl.constexpr = False):
     """Fold one tile of log2-scaled scores ``s`` [BLOCK_M, BLOCK_N] (masked keys at -inf) into the
-    running max ``m_i``, denominator ``l_i`` and unnormalised output ``acc``. Every row must have
-    seen at least one unmasked key by the end of this step, so ``m_new`` is finite."""
+    running max ``m_i``, denominator ``l_i`` and unnormalised output ``acc``. Without
+    ``MAY_BE_EMPTY`` every row must have seen an unmasked key by the end of this step, so ``m_new``
+    is finite; with it (sliding windows) a row that has seen none keeps l_i = 0 and acc = 0."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MAY_BE_EMPTY:
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -111,41 +132,45 @@ def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+    qk_scale, cap_log2, inv_cap, window, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt, split_tokens,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    kv_start = split * split_tokens
+    if SLIDING:  # the query (position seq_len - 1) sees the last `window` keys: the splits cover those
+        kv_start = tl.maximum(seq_len - window, 0) + split * split_tokens
+    else:
+        kv_start = split * split_tokens
     kv_end = tl.minimum(kv_start + split_tokens, seq_len)
 
     rows = tl.arange(0, BLOCK_M)  # row r is query head kv_head * GROUP + r
     row_ok = rows < GROUP
     heads = kv_head * GROUP + rows
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, HEAD_DIM_P2)
+    d_ok = d < HEAD_DIM
     q_ptrs = q_ptr + req * stride_qt + heads[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
     table_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
     for start in range(kv_start, kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         key_ok = offs_n < kv_end
-        k_t, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, offs_n, key_ok, kv_head, d,
+        k_t, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, offs_n, key_ok, kv_head, d, d_ok,
                                stride_cb, stride_cs, stride_ch, PAGE_SIZE)
-        s = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=DOT_PRECISION) * scale_log2
+        s = _scores(q, k_t.to(DOT_DTYPE), qk_scale, cap_log2, inv_cap, SOFTCAP, DOT_PRECISION)
         s = tl.where(key_ok[None, :], s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v.to(DOT_DTYPE), m_i, l_i, acc, DOT_PRECISION)
 
     if SINGLE_SPLIT:
         o = acc / l_i[:, None]
         tl.store(out_ptr + req * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         # An empty split (past this request's context) leaves l_i = 0: it stores lse = -inf, o = 0.
         empty = l_i == 0.0
@@ -154,23 +179,24 @@ def _decode_kernel(
         num_splits = tl.num_programs(2)
         part = (req * (tl.num_programs(1) * GROUP) + heads) * num_splits + split  # [nd, H, splits]
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=row_ok[:, None])
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
 def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
-                         HEAD_DIM: tl.constexpr, SPLITS_POW2: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, SPLITS_POW2: tl.constexpr):
     """out[req, head] = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
     req, head = tl.program_id(0), tl.program_id(1)
     splits = tl.arange(0, SPLITS_POW2)
     ok = splits < num_splits
     part = (req * tl.num_programs(1) + head) * num_splits + splits
     lse = tl.load(part_lse_ptr + part, mask=ok, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
-    d = tl.arange(0, HEAD_DIM)
-    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+    w = tl.exp2(lse - tl.max(lse, 0))  # the last key's split is never empty, so the max is finite
+    d = tl.arange(0, HEAD_DIM_P2)
+    d_ok = d < HEAD_DIM
+    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
     o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + req * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + req * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,11 +206,11 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+    qk_scale, cap_log2, inv_cap, window, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt, first_req,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     q_block, kv_head = tl.program_id(0), tl.program_id(2)
     req = first_req + tl.program_id(1)
@@ -201,35 +227,51 @@ def _prefill_kernel(
     row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
     # Rows past the chunk get q_pos >= seq_len: they see key 0 like every row, so no row is all -inf.
     q_pos = ctx_start + tok
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, HEAD_DIM_P2)
+    d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
     table_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
-    # Keys below the tile's first query position are visible to every row: no mask in that loop.
-    kv_full_end = (ctx_start + q_block * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
     kv_end = tl.minimum(ctx_start + (q_block + 1) * BLOCK_Q, seq_len)  # last query's position + 1
-    for start in range(0, kv_full_end, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        k_t, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, offs_n, offs_n < kv_full_end, kv_head, d,
-                               stride_cb, stride_cs, stride_ch, PAGE_SIZE)
-        s = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=DOT_PRECISION) * scale_log2
-        m_i, l_i, acc = _online_softmax_step(s, v.to(DOT_DTYPE), m_i, l_i, acc, DOT_PRECISION)
-    for start in range(kv_full_end, kv_end, BLOCK_N):  # the diagonal: causal mask
-        offs_n = start + tl.arange(0, BLOCK_N)
-        key_ok = offs_n < kv_end
-        k_t, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, offs_n, key_ok, kv_head, d,
-                               stride_cb, stride_cs, stride_ch, PAGE_SIZE)
-        s = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(key_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, v.to(DOT_DTYPE), m_i, l_i, acc, DOT_PRECISION)
+    if SLIDING:
+        # Keys from the first row's window start on, each tile masked both ways: a row may see none
+        # of a tile (its window starts later), hence MAY_BE_EMPTY.
+        kv_lo = tl.maximum(ctx_start + q_block * BLOCK_Q - window + 1, 0) // BLOCK_N * BLOCK_N
+        for start in range(kv_lo, kv_end, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            key_ok = offs_n < kv_end
+            k_t, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, offs_n, key_ok, kv_head, d, d_ok,
+                                   stride_cb, stride_cs, stride_ch, PAGE_SIZE)
+            s = _scores(q, k_t.to(DOT_DTYPE), qk_scale, cap_log2, inv_cap, SOFTCAP, DOT_PRECISION)
+            seen = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - window)
+            s = tl.where(key_ok[None, :] & seen, s, float("-inf"))
+            m_i, l_i, acc = _online_softmax_step(s, v.to(DOT_DTYPE), m_i, l_i, acc, DOT_PRECISION, True)
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows past the chunk may see no key: 0, not 0 / 0
+    else:
+        # Keys below the tile's first query position are visible to every row: no mask in that loop.
+        kv_full_end = (ctx_start + q_block * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
+        for start in range(0, kv_full_end, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            k_t, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, offs_n, offs_n < kv_full_end, kv_head, d,
+                                   d_ok, stride_cb, stride_cs, stride_ch, PAGE_SIZE)
+            s = _scores(q, k_t.to(DOT_DTYPE), qk_scale, cap_log2, inv_cap, SOFTCAP, DOT_PRECISION)
+            m_i, l_i, acc = _online_softmax_step(s, v.to(DOT_DTYPE), m_i, l_i, acc, DOT_PRECISION)
+        for start in range(kv_full_end, kv_end, BLOCK_N):  # the diagonal: causal mask
+            offs_n = start + tl.arange(0, BLOCK_N)
+            key_ok = offs_n < kv_end
+            k_t, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, offs_n, key_ok, kv_head, d, d_ok,
+                                   stride_cb, stride_cs, stride_ch, PAGE_SIZE)
+            s = _scores(q, k_t.to(DOT_DTYPE), qk_scale, cap_log2, inv_cap, SOFTCAP, DOT_PRECISION)
+            s = tl.where(key_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
+            m_i, l_i, acc = _online_softmax_step(s, v.to(DOT_DTYPE), m_i, l_i, acc, DOT_PRECISION)
 
     o = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,12 +322,24 @@ def static_decode_splits(max_seq_len: int) -> Iterator[None]:
         _static_max_seq_len = None
 
 
-def _launch_decodes(q, kv_cache, meta, scale, out, cfg: LaunchConfig) -> None:
+def _score_args(q, scale: float, sliding_window: int, logit_softcap: float) -> dict:
+    """Scale, soft-cap and window arguments shared by the decode and prefill kernels."""
+    head_dim = q.shape[2]
+    softcap = logit_softcap > 0
+    return dict(qk_scale=scale if softcap else scale * LOG2_E, cap_log2=logit_softcap * LOG2_E,
+                inv_cap=1.0 / logit_softcap if softcap else 0.0, window=sliding_window,
+                HEAD_DIM=head_dim, HEAD_DIM_P2=triton.next_power_of_2(head_dim),
+                SLIDING=sliding_window > 0, SOFTCAP=softcap)
+
+
+def _launch_decodes(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_window=0, logit_softcap=0.0) -> None:
     nd = meta.num_decodes
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     max_len = _static_max_seq_len or max(meta.seq_lens_cpu[:nd])
+    if sliding_window:
+        max_len = min(max_len, sliding_window)  # keys a decode reads, from its window's start
     num_splits = num_decode_splits(nd, num_kv_heads, max_len, _num_sms(q.device), cfg)
     split_tokens = triton.cdiv(triton.cdiv(max_len, num_splits), cfg.decode_block_n) * cfg.decode_block_n
     num_splits = triton.cdiv(max_len, split_tokens)
@@ -294,19 +348,20 @@ def _launch_decodes(q, kv_cache, meta, scale, out, cfg: LaunchConfig) -> None:
     part_lse = out if single else q.new_empty((nd, num_heads, num_splits), dtype=torch.float32)
     _decode_kernel[(nd, num_kv_heads, num_splits)](
         **_kernel_args(q, kv_cache, meta, out), part_out_ptr=part_out, part_lse_ptr=part_lse,
-        scale_log2=scale * LOG2_E, split_tokens=split_tokens,
-        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2],
+        split_tokens=split_tokens, **_score_args(q, scale, sliding_window, logit_softcap),
+        GROUP=group, PAGE_SIZE=kv_cache.shape[2],
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n, SINGLE_SPLIT=single,
         **_dot_args(q), num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
     )
     if not single:
         _merge_splits_kernel[(nd, num_heads)](
             part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS_POW2=triton.next_power_of_2(num_splits), num_warps=4 if head_dim >= 128 else 2,
+            HEAD_DIM=head_dim, HEAD_DIM_P2=triton.next_power_of_2(head_dim),
+            SPLITS_POW2=triton.next_power_of_2(num_splits), num_warps=4 if head_dim >= 128 else 2,
         )
 
 
-def _launch_prefills(q, kv_cache, meta, scale, out, cfg: LaunchConfig) -> None:
+def _launch_prefills(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_window=0, logit_softcap=0.0) -> None:
     num_prefills = meta.num_reqs - meta.num_decodes
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
@@ -317,8 +372,8 @@ def _launch_prefills(q, kv_cache, meta, scale, out, cfg: LaunchConfig) -> None:
     grid = (triton.cdiv(meta.max_query_len, block_q), num_prefills, num_kv_heads)
     _prefill_kernel[grid](
         **_kernel_args(q, kv_cache, meta, out), query_start_loc_ptr=meta.query_start_loc,
-        scale_log2=scale * LOG2_E, first_req=meta.num_decodes,
-        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2],
+        first_req=meta.num_decodes, **_score_args(q, scale, sliding_window, logit_softcap),
+        GROUP=group, PAGE_SIZE=kv_cache.shape[2],
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.prefill_block_n,
         **_dot_args(q), num_warps=cfg.prefill_num_warps, num_stages=cfg.prefill_num_stages,
     )
@@ -339,17 +394,21 @@ def _dot_args(q: torch.Tensor) -> dict:
     return dict(DOT_DTYPE=_TL_DTYPES[q.dtype], DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
 
 
-def attend_paged_cached(q, kv_cache, meta: AttentionMetadata, scale: float, out, cfg: LaunchConfig = LaunchConfig()):
-    """Attention only (the new K/V must already be in ``kv_cache``); writes every row of ``out``."""
+def attend_paged_cached(q, kv_cache, meta: AttentionMetadata, scale: float, out, cfg: LaunchConfig = LaunchConfig(),
+                        sliding_window: int = 0, logit_softcap: float = 0.0):
+    """Attention only (the new K/V must already be in ``kv_cache``); writes every row of ``out``.
+    A head_dim that is not a power of two (Phi-3's 96) is padded to one inside the kernels."""
     head_dim = q.shape[2]
-    if head_dim not in (16, 32, 64, 128, 256) or q.stride(2) != 1 or kv_cache.stride(4) != 1:
-        raise ValueError(f"Triton attention needs a contiguous power-of-two head_dim (16..256), got {head_dim}")
+    if not 16 <= head_dim <= 256 or q.stride(2) != 1 or kv_cache.stride(4) != 1:
+        raise ValueError(f"Triton attention needs a contiguous head_dim of 16..256, got {head_dim}")
     if q.shape[1] % kv_cache.shape[3] != 0:
         raise ValueError("num_heads must be a multiple of num_kv_heads")
+    if sliding_window < 0 or logit_softcap < 0:
+        raise ValueError("sliding_window and logit_softcap must be >= 0 (0: off)")
     if meta.num_decodes > 0:
-        _launch_decodes(q, kv_cache, meta, scale, out, cfg)
+        _launch_decodes(q, kv_cache, meta, scale, out, cfg, sliding_window, logit_softcap)
     if meta.num_decodes < meta.num_reqs:
-        _launch_prefills(q, kv_cache, meta, scale, out, cfg)
+        _launch_prefills(q, kv_cache, meta, scale, out, cfg, sliding_window, logit_softcap)
     return out
 
 
@@ -360,11 +419,14 @@ def triton_attend_paged(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> torch.Tensor:
     """Drop-in for ``attend_paged_reference``: store the new K/V, attend; returns [num_tokens, H, D]."""
     triton_store_kv(k, v, kv_cache, meta.slot_mapping)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    return attend_paged_cached(q, kv_cache, meta, scale, out)
+    return attend_paged_cached(q, kv_cache, meta, scale, out, sliding_window=sliding_window,
+                               logit_softcap=logit_softcap)
 
 
 # ``kiln::attend_paged`` on this kernel: cache and metadata come from the forward context.
@@ -379,20 +441,21 @@ def tolerance(dtype: torch.dtype) -> float:
     return {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
 
 
-def check_against_reference(batch: PagedBatch, cfg: LaunchConfig = LaunchConfig()) -> float:
+def check_against_reference(batch: PagedBatch, cfg: LaunchConfig = LaunchConfig(), sliding_window: int = 0,
+                            logit_softcap: float = 0.0) -> float:
     """Store + attend with the Triton kernels and the reference on copies of the same cache.
     The cache must match bit for bit; the output, poisoned with NaN first, within ``tolerance``.
     Returns the largest absolute output error."""
     q, meta = batch.q, batch.meta
     scale = q.shape[2] ** -0.5
     ref_cache = batch.kv_cache.clone()
-    ref = attend_paged_reference(q, batch.k, batch.v, ref_cache, meta, scale)
+    ref = attend_paged_reference(q, batch.k, batch.v, ref_cache, meta, scale, sliding_window, logit_softcap)
     cache = batch.kv_cache.clone()
     triton_store_kv(batch.k, batch.v, cache, meta.slot_mapping)
     if not torch.equal(cache, ref_cache):
         raise AssertionError("triton_store_kv wrote a different cache than store_kv_reference")
     out = torch.full_like(q, float("nan"))
-    attend_paged_cached(q, cache, meta, scale, out, cfg)
+    attend_paged_cached(q, cache, meta, scale, out, cfg, sliding_window, logit_softcap)
     tol = tolerance(q.dtype)
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     return (out.float() - ref.float()).abs().max().item()

@@ -36,13 +36,14 @@ def _store_kv_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEADS_POW2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,  # HEAD_DIM rounded up to a power of two (Phi-3's 96 -> 128)
     PAGE_SIZE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     heads = tl.arange(0, HEADS_POW2)
-    d = tl.arange(0, HEAD_DIM)
-    mask = (heads < NUM_KV_HEADS)[:, None]
+    d = tl.arange(0, HEAD_DIM_P2)
+    mask = (heads < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
     dst = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs + heads[:, None] * stride_ch + d[None, :]
     k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + d[None, :], mask=mask)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -74,6 +75,7 @@ def triton_store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
         NUM_KV_HEADS=num_kv_heads,
         HEADS_POW2=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
+        HEAD_DIM_P2=triton.next_power_of_2(head_dim),
         PAGE_SIZE=kv_cache.shape[2],
         num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
     )

@@ -158,7 +158,7 @@ class LLMEngine:
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}",
                 prompt_token_ids=processed.token_ids,
                 sampling_params=params if params.seed is None else _with_seed(params, params.seed + i),
-                eos_token_id=self.executor.eos_token_id,
+                eos_token_ids=self.executor.eos_token_ids,
                 max_model_len=self.max_model_len,
                 priority=priority,
             )

@@ -36,7 +36,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()  # the model's stop ids (ignored with ignore_eos)
     max_model_len: Optional[int] = None  # the context cap: prompt + output never pass it
     priority: int = 0  # lower runs first under the priority policy
     arrival_time: float = field(default_factory=time.monotonic)

@@ -261,7 +261,7 @@ class Scheduler:
 
     def _stop_status(self, request: Request, token_id: int) -> Optional[RequestStatus]:
         params = request.sampling_params
-        if token_id == request.eos_token_id and not params.ignore_eos:
+        if token_id in request.eos_token_ids and not params.ignore_eos:
             return RequestStatus.FINISHED_STOPPED
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id

@@ -41,7 +41,7 @@ class Executor(abc.ABC):
     num_blocks: int
     max_model_len: int
     tokenizer: object
-    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # every id that stops a request (none with ignore_eos)
 
     @abc.abstractmethod
     def submit(self, sched: SchedulerOutput) -> Any:
@@ -70,7 +70,7 @@ class Executor(abc.ABC):
         """Record what the engine reads of the model (``arch``: rank 0's ArchConfig)."""
         self.num_blocks, self.max_model_len, self.tokenizer = num_blocks, max_model_len, tokenizer
         eos = arch.eos_token_id
-        self.eos_token_id = eos[0] if isinstance(eos, (tuple, list)) and eos else eos
+        self.eos_token_ids = tuple(eos) if isinstance(eos, (tuple, list)) else () if eos is None else (eos,)
         self.vocab_size = arch.vocab_size
 
     def _describe_ranks(self, infos: list[dict[str, Any]]) -> None:
