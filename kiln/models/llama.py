@@ -1,4 +1,5 @@
-"""The one Llama-family model: Llama 2/3, Qwen2, Mistral and SmolLM2 differ only in ``ArchConfig``.
+"""The one Llama-family model: Llama 2/3, Qwen2, Mistral and SmolLM2 differ only in ``ArchConfig``;
+Mixtral, Qwen2-MoE and Qwen3-MoE swap sparse layers' MLP for ``kiln.models.moe.SparseMoeBlock``.
 
 Rules this module keeps:
 - The forward takes a flat batch (``[num_tokens]`` ids and positions, no padding, decodes and
@@ -26,7 +27,8 @@ from torch import nn
 
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.attend_paged)
 import kiln.ops.collective  # noqa: F401  (registers torch.ops.kiln.all_reduce and all_gather)
-from kiln.models.arch import ArchConfig
+from kiln.models.arch import ArchConfig, is_sparse_layer
+from kiln.models.moe import SparseMoeBlock
 from kiln.models.parallel import (SINGLE, Shard, TensorParallel, check_tensor_parallel, column_shard, head_shards,
                                   local_intermediate_size, local_num_heads, local_num_kv_heads, row_shard,
                                   vocab_range, vocab_shard)
@@ -112,12 +114,19 @@ class LlamaAttention(nn.Module):
         self.scale = arch.head_dim**-0.5
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        # Qwen3: RMSNorm over head_dim on q and k, before RoPE.
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # q and k heads rotate together: one set of elementwise ops instead of two.
-        qk = apply_rope(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin_signed)
+        qk = apply_rope(qk, cos, sin_signed)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         # q, k, v are row-strided views (last dim contiguous); the attention kernels take strides.
@@ -146,7 +155,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = LlamaAttention(arch, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch, tp)
+        self.mlp = SparseMoeBlock(arch, tp) if is_sparse_layer(arch, layer_idx) else LlamaMLP(arch, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin_signed)
@@ -259,11 +268,17 @@ class LlamaForCausalLM(nn.Module):
                 if attn.qkv_proj.bias is not None:
                     yield f"{p}self_attn.{proj}.bias", attn.qkv_proj.bias[start:end], heads[proj]
             yield f"{p}self_attn.o_proj.weight", attn.o_proj.weight, row_shard(arch.num_heads * arch.head_dim, tp)
-            inter = mlp.down_proj.in_features
-            col, row = column_shard(arch.intermediate_size, tp), row_shard(arch.intermediate_size, tp)
-            yield f"{p}mlp.gate_proj.weight", mlp.gate_up_proj.weight[:inter], col
-            yield f"{p}mlp.up_proj.weight", mlp.gate_up_proj.weight[inter:], col
-            yield f"{p}mlp.down_proj.weight", mlp.down_proj.weight, row
+            if attn.q_norm is not None:
+                yield f"{p}self_attn.q_norm.weight", attn.q_norm.weight, None
+                yield f"{p}self_attn.k_norm.weight", attn.k_norm.weight, None
+            if isinstance(mlp, SparseMoeBlock):  # experts are never sharded (the block refuses tp > 1)
+                yield from ((name, dest, None) for name, dest in mlp.weight_slices(p))
+            else:
+                inter = mlp.down_proj.in_features
+                col, row = column_shard(arch.intermediate_size, tp), row_shard(arch.intermediate_size, tp)
+                yield f"{p}mlp.gate_proj.weight", mlp.gate_up_proj.weight[:inter], col
+                yield f"{p}mlp.up_proj.weight", mlp.gate_up_proj.weight[inter:], col
+                yield f"{p}mlp.down_proj.weight", mlp.down_proj.weight, row
             yield f"{p}input_layernorm.weight", layer.input_layernorm.weight, None
             yield f"{p}post_attention_layernorm.weight", layer.post_attention_layernorm.weight, None
 
