@@ -2,7 +2,8 @@
 
 ``ArchConfig`` is the one place where a Hugging Face ``config.json`` is read and written, so the
 model code never sees a transformers config object. Rules kept here:
-- Only the families kiln implements are accepted (llama, qwen2, mistral); anything the model would
+- Only the families kiln implements are accepted (llama, qwen2, mistral; mixture of experts:
+  mixtral, qwen2_moe, qwen3_moe); anything the model would
   silently compute wrong (another activation, MLP bias, an unknown RoPE scaling) is refused.
 - Sliding-window attention is not implemented, so a model that uses one gets its context capped to
   the window: within it, full attention and windowed attention agree exactly.

@@ -1,0 +1,210 @@
+"""Mixture of experts on one device, one process: the fused MoE kernel, then a MoE model offline.
+
+1. Kernel: ``kiln_triton::fused_moe`` against the grouped pure-torch reference at Qwen3-30B-A3B's
+   expert shapes (hidden 2048, 128 experts of 768, top-8, bf16) for 1, 64 and 512 tokens: time per
+   call (CUDA events, median of repeats) and max error relative to the reference's max.
+2. Model: offline throughput of ``random:qwen1.5-moe-a2.7b`` (Qwen2-MoE shapes, the first
+   ``--num-layers`` of its 24 layers) in kiln (``compile.mode=kiln``, full CUDA graphs) beside
+   transformers eager ``generate`` holding the same random weights: N prompts of P tokens, O new
+   tokens each (greedy, no EOS), output tokens/s; plus how many greedy tokens agree.
+
+    python benchmarks/moe.py                                  # the device run (about 3 minutes on an H100)
+    python benchmarks/moe.py --smoke                          # CPU: tiny shapes, the reference only
+
+Writes ``moe.json`` and ``moe.md`` under ``$OUT`` (or ``--out``) and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import re
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import console_table  # noqa: E402
+from kiln.models.arch import PRESETS  # noqa: E402
+from kiln.ops.moe import fused_moe_reference  # noqa: E402
+
+QWEN3_30B_EXPERTS = dict(hidden=2048, inter=768, num_experts=128, top_k=8)
+SMOKE_EXPERTS = dict(hidden=64, inter=32, num_experts=8, top_k=2)
+
+
+def _time_ms(fn, device: str, repeats: int) -> float:
+    fn()  # warm-up (Triton compiles here)
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def bench_kernel(shape: dict, token_counts: list[int], dtype: torch.dtype, device: str, repeats: int,
+                 with_triton: bool) -> list[dict]:
+    from kiln.ops.triton_moe import random_moe_inputs
+
+    rows = []
+    for n in token_counts:
+        args = random_moe_inputs(n, shape["hidden"], shape["inter"], shape["num_experts"], shape["top_k"],
+                                 dtype, device, seed=n)
+        ref = fused_moe_reference(*args)
+        row = {"tokens": n, "reference_ms": _time_ms(lambda: fused_moe_reference(*args), device, repeats)}
+        if with_triton:
+            from kiln.ops.triton_moe import triton_fused_moe
+
+            got = triton_fused_moe(*args)
+            row["triton_ms"] = _time_ms(lambda: triton_fused_moe(*args), device, repeats)
+            row["speedup"] = row["reference_ms"] / row["triton_ms"]
+            row["max_abs_err"] = float((got.float() - ref.float()).abs().max())
+            row["max_rel_err"] = row["max_abs_err"] / float(ref.float().abs().max())
+        rows.append(row)
+    return rows
+
+
+def hf_state_from_kiln(kiln_model, hf_model) -> dict[str, torch.Tensor]:
+    """transformers' state dict filled from kiln's tensors: checkpoint names where they match, the
+    stacked expert tensors (transformers 5 holds ``experts.gate_up_proj`` / ``experts.down_proj``)
+    from kiln's ``w13`` / ``w2``."""
+    by_name = dict(kiln_model._weight_targets())
+    state, missing = {}, []
+    for key, value in hf_model.state_dict().items():
+        m = re.match(r"model\.layers\.(\d+)\..*experts\.(gate_up_proj|down_proj)$", key)
+        if m:
+            mlp = kiln_model.layers[int(m.group(1))].mlp
+            src = mlp.w13 if m.group(2) == "gate_up_proj" else mlp.w2
+        else:
+            src = by_name.get(key)
+        if src is None or tuple(src.shape) != tuple(value.shape):
+            missing.append(key)
+            continue
+        state[key] = src
+    if missing:
+        raise RuntimeError(f"no kiln tensor for {len(missing)} transformers weights, e.g. {missing[:4]}")
+    return state
+
+
+def bench_model(preset: str, num_layers: int, num_prompts: int, prompt_len: int, output_len: int,
+                device: str, smoke: bool) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kiln import LLM, SamplingParams
+
+    name = f"{preset}-{num_layers}l"
+    arch = dataclasses.replace(PRESETS[preset], num_layers=num_layers)
+    if smoke:  # tiny widths, same family and routing
+        arch = dataclasses.replace(arch, vocab_size=512, hidden_size=64, intermediate_size=96, num_heads=4,
+                                   num_kv_heads=4, head_dim=16, num_experts=6, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=48, bos_token_id=1, eos_token_id=(2,))
+    PRESETS[name] = arch  # in this process only: the loader resolves random:<name> here
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    compile_cfg = {"mode": "kiln", "cudagraph": "full" if device == "cuda" else "none"}
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, min(arch.vocab_size, 40000), (prompt_len,), generator=g).tolist()
+               for _ in range(num_prompts)]
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+
+    t0 = time.perf_counter()
+    llm = LLM(f"random:{name}", device=device, cache={"kv_cache_memory_gib": 8.0 if device == "cuda" else 0.25},
+              compile=compile_cfg)
+    startup_s = time.perf_counter() - t0
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    kiln_s = time.perf_counter() - t0
+    kiln_tokens = [o.outputs[0].token_ids for o in outs]
+
+    kiln_model = llm.engine.executor.runner.loaded.model
+    hf_cfg = arch.to_hf_config()
+    config = AutoConfig.for_model(hf_cfg.pop("model_type"), **hf_cfg)
+    with torch.device(device):  # initialized, rotary tables included; the weights are overwritten
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    hf.load_state_dict(hf_state_from_kiln(kiln_model, hf))
+    hf.generation_config.eos_token_id = None
+    del llm, kiln_model, outs
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    ids = torch.tensor(prompts, device=device)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        hf.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=4, do_sample=False, pad_token_id=0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ref = hf.generate(ids, attention_mask=mask, max_new_tokens=output_len, do_sample=False, pad_token_id=0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        hf_s = time.perf_counter() - t0
+    hf_tokens = ref[:, prompt_len:].tolist()
+    agree = [next((i for i, (a, b) in enumerate(zip(k, h)) if a != b), output_len)
+             for k, h in zip(kiln_tokens, hf_tokens)]
+    total = num_prompts * output_len
+    return {
+        "model": f"random:{preset} ({num_layers} of {PRESETS[preset].num_layers} layers)" + (" smoke" if smoke else ""),
+        "requests": num_prompts, "prompt_len": prompt_len, "output_len": output_len, "dtype": str(dtype),
+        "kiln_startup_s": startup_s, "kiln_s": kiln_s, "kiln_tok_s": total / kiln_s,
+        "hf_eager_s": hf_s, "hf_eager_tok_s": total / hf_s, "speedup": hf_s / kiln_s,
+        "first_token_agree": sum(a > 0 for a in agree) / num_prompts,
+        "mean_agree_prefix": sum(agree) / num_prompts,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
+    ap.add_argument("--num-layers", type=int, default=8)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    with_triton = device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    shape = SMOKE_EXPERTS if args.smoke else QWEN3_30B_EXPERTS
+    tokens = [1, 8] if args.smoke else [1, 64, 512]
+    repeats = 2 if args.smoke else args.repeats
+    kernel_dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    kernel = bench_kernel(shape, tokens, kernel_dtype, device, repeats, with_triton)
+    if args.smoke:
+        args.num_layers, args.num_prompts, args.prompt_len, args.output_len = 2, 3, 8, 4
+    model = bench_model("qwen1.5-moe-a2.7b", args.num_layers, args.num_prompts, args.prompt_len,
+                        args.output_len, device, args.smoke)
+
+    result = {"card": card, "torch": torch.__version__, "expert_shape": shape, "kernel_dtype": str(kernel_dtype),
+              "kernel": kernel, "model": model}
+    header = ["tokens", "reference_ms"] + (["triton_ms", "speedup", "max_abs_err", "max_rel_err"] if with_triton else [])
+    kernel_table = console_table(header, [[r[h] for h in header] for r in kernel])
+    model_keys = ["model", "requests", "prompt_len", "output_len", "kiln_tok_s", "hf_eager_tok_s", "speedup",
+                  "kiln_startup_s", "first_token_agree", "mean_agree_prefix"]
+    model_table = console_table(model_keys, [[model[k] for k in model_keys]])
+    text = (f"# MoE on {card}\n\nFused MoE kernel vs grouped reference, experts {shape}, {kernel_dtype}:\n\n"
+            f"```\n{kernel_table}\n```\n\nOffline throughput, kiln (compile.mode=kiln, CUDA graphs) vs "
+            f"transformers eager generate, same weights:\n\n```\n{model_table}\n```\n")
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "moe.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    with open(os.path.join(args.out, "moe.md"), "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()
