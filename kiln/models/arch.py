@@ -100,7 +100,8 @@ class ArchConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v bias; Qwen2-MoE unless qkv_bias=false.
-            attention_bias=d.get("qkv_bias", True) if family in ("qwen2", "qwen2_moe") else d.get("attention_bias", False),
+            attention_bias=(d.get("qkv_bias", True) if family in ("qwen2", "qwen2_moe")
+                            else d.get("attention_bias", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             family=family,

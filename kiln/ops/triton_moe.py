@@ -48,7 +48,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
     """(sorted slot ids [max_padded], expert of each block [max_padded // block_m], padded total [1]).
 
     Slot s = t * K + k. Each expert's slots are contiguous and start at a multiple of ``block_m``;
-    padding holds the sentinel T * K. Blocks past the padded total get expert -1."""
+    padding holds T * K, one past the last slot."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_slots = flat.numel()
     device = flat.device
@@ -66,10 +66,9 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
     sorted_ids = torch.full((max_padded,), num_slots, dtype=torch.int32, device=device)
     sorted_ids.scatter_(0, padded_start[expert_of] + rank, order.to(torch.int32))
     block_starts = torch.arange(0, max_padded, block_m, device=device)
-    block_expert = torch.searchsorted(padded_end, block_starts, right=True)
-    total = padded_end[-1:]
-    block_expert = torch.where(block_starts < total, block_expert, -1).to(torch.int32)
-    return sorted_ids, block_expert, total.to(torch.int32)
+    # Blocks past the padded total are never read (the kernels return first); clamped into range.
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_ids, block_expert.to(torch.int32), padded_end[-1:].to(torch.int32)
 
 
 @triton.jit
