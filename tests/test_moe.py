@@ -219,3 +219,15 @@ def test_moe_presets_have_published_sizes():
                       "qwen3-30b-a3b": 30_532_122_624}
     for name in ("mixtral-8x7b", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b"):
         assert ArchConfig.from_hf_config(PRESETS[name].to_hf_config()) == PRESETS[name]
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_with_triton_moe_match_hf(moe, hf_greedy, kiln_cache_dir):
+    """On the GPU in float32: the Triton MoE kernel inside full and piecewise CUDA graphs gives
+    transformers' greedy tokens (IEEE float32 matmuls in the kernel)."""
+    _, _, path = moe
+    got, llm = _generate(path, device="cuda", dtype="float32", cache={"dir": kiln_cache_dir},
+                         compile={"mode": "kiln", "cudagraph": "full_and_piecewise", "capture_sizes": (1, 2, 4, 8)})
+    compiled = llm.engine.executor.runner.compiled
+    assert compiled.kernels.moe.name == "triton" and compiled.full_graphs is not None
+    assert got == hf_greedy

@@ -80,7 +80,7 @@ def test_cuda_graph_replay_follows_new_routing():
     """Captured once, replayed with other tokens and experts: no size is read on the host. The
     generic op on CUDA tensors runs the Triton kernel, so it captures too."""
     from kiln.ops.moe import fused_moe_reference
-    from kiln.ops.triton_moe import random_moe_inputs
+    from kiln.ops.triton_moe import random_moe_inputs  # registers the generic op's CUDA kernel
 
     x, w13, w2, weights, ids = random_moe_inputs(16, 256, 128, 16, 4, torch.bfloat16, DEVICE, seed=0)
     static = [x.clone(), weights.clone(), ids.clone()]
@@ -101,5 +101,7 @@ def test_cuda_kernel_set_selects_the_triton_moe():
     from kiln.ops.registry import reference_kernels, select_kernels
 
     assert select_kernels("cuda").moe.op_name == "kiln_triton::fused_moe" and select_kernels("cuda").moe.fast
+    # Choosing the CUDA kernels also gave the generic op its CUDA kernel (graph-safe eager mode).
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("kiln::fused_moe", "CUDA")
     assert select_kernels("cpu").moe.op_name == "kiln::fused_moe"
     assert reference_kernels().moe.name == "reference"

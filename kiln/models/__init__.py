@@ -1,7 +1,8 @@
 """Llama-family models in plain PyTorch, their registry, and the weight loaders.
 
 - ``arch``: ``ArchConfig`` (read from / written to ``config.json``) and the random-weight presets.
-- ``llama``: the one model implementation (Llama 2/3, Qwen2, Mistral, SmolLM2).
+- ``llama``: the one model implementation (Llama 2/3, Qwen2, Mistral, SmolLM2; MoE families too).
+- ``moe``: the mixture-of-experts block of Mixtral, Qwen2-MoE and Qwen3-MoE.
 - ``gguf``: one-time GGUF -> Hugging Face directory conversion into the cache dir.
 - ``registry``: registered model names and the packages that ship them.
 - ``loader``: ``load_model(ModelConfig, ...) -> LoadedModel``.

@@ -20,8 +20,9 @@ The reference loops over experts, not tokens: for each expert it gathers the row
 Its order of operations is transformers' (``MixtralExperts.forward``): the weighted product is
 rounded to ``x``'s dtype before the sum. It finds each expert's rows with one host sync, so it is
 not CUDA-graph safe; the Triton kernel is. Hence on CUDA tensors the generic op itself runs the
-Triton kernel too (a CUDA-only implementation registered below), so eager and stock modes can
-capture CUDA graphs as well; everywhere else it runs the reference.
+Triton kernel too (``kiln.ops.triton_moe`` registers it as the op's CUDA implementation when the
+CUDA KernelSet is chosen), so eager and stock modes can capture CUDA graphs as well; everywhere
+else it runs the reference.
 """
 
 from __future__ import annotations
@@ -91,9 +92,3 @@ def define_fused_moe_op(qualname: str, impl: FusedMoEImpl):
 
 fused_moe = define_fused_moe_op(GENERIC_MOE_OP, fused_moe_reference)
 
-
-@fused_moe.register_kernel("cuda")
-def _(x, w13, w2, topk_weights, topk_ids):
-    from kiln.ops.triton_moe import triton_fused_moe  # imported on first CUDA use only
-
-    return triton_fused_moe(x, w13, w2, topk_weights, topk_ids)

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.moe import check_moe_shapes, define_fused_moe_op, fused_moe_reference
+from kiln.ops.moe import GENERIC_MOE_OP, check_moe_shapes, define_fused_moe_op, fused_moe_reference
 
 
 def moe_block_config(num_tokens: int, top_k: int) -> dict[str, int]:
@@ -206,6 +206,9 @@ def triton_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
 
 
 fused_moe = define_fused_moe_op("kiln_triton::fused_moe", triton_fused_moe)
+# The generic op on CUDA tensors runs this kernel too: the reference's host sync would make eager
+# and stock modes fail CUDA-graph capture.
+torch.library.register_kernel(GENERIC_MOE_OP, "cuda", triton_fused_moe)
 
 
 def random_moe_inputs(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
