@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import re
 import sys
 import time
+import traceback
 
 import torch
 
@@ -87,7 +87,7 @@ def bench_kernel(shape: dict, token_counts: list[int], dtype: torch.dtype, devic
 def hf_state_from_kiln(kiln_model, hf_model) -> dict[str, torch.Tensor]:
     """transformers' state dict filled from kiln's tensors: checkpoint names where they match, the
     stacked expert tensors (transformers 5 holds ``experts.gate_up_proj`` / ``experts.down_proj``)
-    from kiln's ``w13`` / ``w2``."""
+    from kiln's ``w13`` / ``w2`` (transposed where a version stores them [E, in, out])."""
     by_name = dict(kiln_model._weight_targets())
     state, missing = {}, []
     for key, value in hf_model.state_dict().items():
@@ -95,6 +95,8 @@ def hf_state_from_kiln(kiln_model, hf_model) -> dict[str, torch.Tensor]:
         if m:
             mlp = kiln_model.layers[int(m.group(1))].mlp
             src = mlp.w13 if m.group(2) == "gate_up_proj" else mlp.w2
+            if tuple(src.shape) != tuple(value.shape) and tuple(src.mT.shape) == tuple(value.shape):
+                src = src.mT
         else:
             src = by_name.get(key)
         if src is None or tuple(src.shape) != tuple(value.shape):
@@ -106,47 +108,46 @@ def hf_state_from_kiln(kiln_model, hf_model) -> dict[str, torch.Tensor]:
     return state
 
 
-def bench_model(preset: str, num_layers: int, num_prompts: int, prompt_len: int, output_len: int,
-                device: str, smoke: bool) -> dict:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from kiln import LLM, SamplingParams
-
-    name = f"{preset}-{num_layers}l"
+def _model_arch(preset: str, num_layers: int, smoke: bool):
     arch = dataclasses.replace(PRESETS[preset], num_layers=num_layers)
     if smoke:  # tiny widths, same family and routing
         arch = dataclasses.replace(arch, vocab_size=512, hidden_size=64, intermediate_size=96, num_heads=4,
                                    num_kv_heads=4, head_dim=16, num_experts=6, moe_intermediate_size=32,
                                    shared_expert_intermediate_size=48, bos_token_id=1, eos_token_id=(2,))
-    PRESETS[name] = arch  # in this process only: the loader resolves random:<name> here
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    compile_cfg = {"mode": "kiln", "cudagraph": "full" if device == "cuda" else "none"}
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, min(arch.vocab_size, 40000), (prompt_len,), generator=g).tolist()
-               for _ in range(num_prompts)]
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    return arch
 
+
+def _run_kiln(name: str, device: str, prompts: list[list[int]], output_len: int) -> tuple[dict, list, object]:
+    """kiln's offline run: (metrics, greedy tokens, the engine, still holding the weights)."""
+    from kiln import LLM, SamplingParams
+
+    compile_cfg = {"mode": "kiln", "cudagraph": "full" if device == "cuda" else "none"}
     t0 = time.perf_counter()
     llm = LLM(f"random:{name}", device=device, cache={"kv_cache_memory_gib": 8.0 if device == "cuda" else 0.25},
               compile=compile_cfg)
     startup_s = time.perf_counter() - t0
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     kiln_s = time.perf_counter() - t0
-    kiln_tokens = [o.outputs[0].token_ids for o in outs]
+    total = len(prompts) * output_len
+    metrics = {"kiln_startup_s": startup_s, "kiln_s": kiln_s, "kiln_tok_s": total / kiln_s,
+               "kernels": llm.engine.executor.runner.kernels.describe()}
+    return metrics, [o.outputs[0].token_ids for o in outs], llm
 
-    kiln_model = llm.engine.executor.runner.loaded.model
+
+def _run_hf(arch, kiln_model, device: str, prompts: list[list[int]], output_len: int) -> tuple[dict, list]:
+    """transformers eager ``generate`` with kiln's weights: (metrics, greedy tokens)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = next(kiln_model.parameters()).dtype
     hf_cfg = arch.to_hf_config()
     config = AutoConfig.for_model(hf_cfg.pop("model_type"), **hf_cfg)
     with torch.device(device):  # initialized, rotary tables included; the weights are overwritten
         hf = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     hf.load_state_dict(hf_state_from_kiln(kiln_model, hf))
-    hf.generation_config.eos_token_id = None
-    del llm, kiln_model, outs
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    hf.generation_config.eos_token_id = None  # as ignore_eos
     ids = torch.tensor(prompts, device=device)
     mask = torch.ones_like(ids)
     with torch.no_grad():
@@ -154,22 +155,58 @@ def bench_model(preset: str, num_layers: int, num_prompts: int, prompt_len: int,
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        ref = hf.generate(ids, attention_mask=mask, max_new_tokens=output_len, do_sample=False, pad_token_id=0)
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=output_len, do_sample=False, pad_token_id=0)
         if device == "cuda":
             torch.cuda.synchronize()
         hf_s = time.perf_counter() - t0
-    hf_tokens = ref[:, prompt_len:].tolist()
+    metrics = {"hf_eager_s": hf_s, "hf_eager_tok_s": len(prompts) * output_len / hf_s,
+               "hf_attn": hf.config._attn_implementation,
+               "hf_experts": getattr(hf.config, "_experts_implementation", None)}
+    return metrics, out[:, ids.shape[1]:].tolist()
+
+
+def bench_model(preset: str, num_layers: int, num_prompts: int, prompt_len: int, output_len: int,
+                device: str, smoke: bool) -> dict:
+    name = f"{preset}-{num_layers}l"
+    arch = _model_arch(preset, num_layers, smoke)
+    PRESETS[name] = arch  # in this process only: the loader resolves random:<name> here
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, min(arch.vocab_size, 40000), (prompt_len,), generator=g).tolist()
+               for _ in range(num_prompts)]
+    result = {"model": f"random:{preset} ({num_layers} of {PRESETS[preset].num_layers} layers)"
+              + (" smoke" if smoke else ""),
+              "requests": num_prompts, "prompt_len": prompt_len, "output_len": output_len}
+    metrics, kiln_tokens, llm = _run_kiln(name, device, prompts, output_len)
+    result.update(metrics, dtype=str(next(llm.engine.executor.runner.model.parameters()).dtype))
+    try:  # a transformers failure still leaves kiln's numbers in the results
+        metrics, hf_tokens = _run_hf(arch, llm.engine.executor.runner.model, device, prompts, output_len)
+    except Exception as e:  # noqa: BLE001
+        result["hf_error"] = f"{type(e).__name__}: {e}"
+        return result
     agree = [next((i for i, (a, b) in enumerate(zip(k, h)) if a != b), output_len)
              for k, h in zip(kiln_tokens, hf_tokens)]
-    total = num_prompts * output_len
-    return {
-        "model": f"random:{preset} ({num_layers} of {PRESETS[preset].num_layers} layers)" + (" smoke" if smoke else ""),
-        "requests": num_prompts, "prompt_len": prompt_len, "output_len": output_len, "dtype": str(dtype),
-        "kiln_startup_s": startup_s, "kiln_s": kiln_s, "kiln_tok_s": total / kiln_s,
-        "hf_eager_s": hf_s, "hf_eager_tok_s": total / hf_s, "speedup": hf_s / kiln_s,
-        "first_token_agree": sum(a > 0 for a in agree) / num_prompts,
-        "mean_agree_prefix": sum(agree) / num_prompts,
-    }
+    result.update(metrics, speedup=metrics["hf_eager_s"] / result["kiln_s"],
+                  first_token_agree=sum(a > 0 for a in agree) / num_prompts,
+                  mean_agree_prefix=sum(agree) / num_prompts)
+    return result
+
+
+def _report(result: dict, with_triton: bool, device: str) -> str:
+    header = ["tokens", "reference_ms"]
+    if with_triton:
+        header += ["triton_ms", "speedup", "max_abs_err", "max_rel_err"]
+    if device == "cuda":
+        header.append("triton_graph_ms")
+    kernel_table = console_table(header, [[r.get(h, "-") for h in header] for r in result["kernel"]])
+    model = result["model"]
+    model_keys = ["model", "requests", "prompt_len", "output_len", "kiln_tok_s", "hf_eager_tok_s", "speedup",
+                  "kiln_startup_s", "first_token_agree", "mean_agree_prefix"]
+    model_table = console_table(model_keys, [[model.get(k, "-") for k in model_keys]])
+    errors = "".join(f"\n{k}: {v}" for k, v in {**result, **model}.items() if k.endswith("error"))
+    return (f"# MoE on {result['card']}\n\nFused MoE kernel vs grouped reference, experts "
+            f"{result['expert_shape']}, {result['kernel_dtype']}:\n\n```\n{kernel_table}\n```\n\n"
+            f"Offline throughput, kiln (compile.mode=kiln, CUDA graphs) vs transformers eager generate, "
+            f"same weights:\n\n```\n{model_table}\n```\n{errors}\n")
 
 
 def main() -> None:
@@ -189,26 +226,20 @@ def main() -> None:
     tokens = [1, 8] if args.smoke else [1, 64, 512]
     repeats = 2 if args.smoke else args.repeats
     kernel_dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    kernel = bench_kernel(shape, tokens, kernel_dtype, device, repeats, with_triton)
+    result = {"card": card, "torch": torch.__version__, "expert_shape": shape, "kernel_dtype": str(kernel_dtype),
+              "kernel": [], "model": {}}
     if args.smoke:
         args.num_layers, args.num_prompts, args.prompt_len, args.output_len = 2, 3, 8, 4
-    model = bench_model("qwen1.5-moe-a2.7b", args.num_layers, args.num_prompts, args.prompt_len,
-                        args.output_len, device, args.smoke)
-
-    result = {"card": card, "torch": torch.__version__, "expert_shape": shape, "kernel_dtype": str(kernel_dtype),
-              "kernel": kernel, "model": model}
-    header = ["tokens", "reference_ms"]
-    if with_triton:
-        header += ["triton_ms", "speedup", "max_abs_err", "max_rel_err"]
-    if device == "cuda":
-        header.append("triton_graph_ms")
-    kernel_table = console_table(header, [[r[h] for h in header] for r in kernel])
-    model_keys = ["model", "requests", "prompt_len", "output_len", "kiln_tok_s", "hf_eager_tok_s", "speedup",
-                  "kiln_startup_s", "first_token_agree", "mean_agree_prefix"]
-    model_table = console_table(model_keys, [[model[k] for k in model_keys]])
-    text = (f"# MoE on {card}\n\nFused MoE kernel vs grouped reference, experts {shape}, {kernel_dtype}:\n\n"
-            f"```\n{kernel_table}\n```\n\nOffline throughput, kiln (compile.mode=kiln, CUDA graphs) vs "
-            f"transformers eager generate, same weights:\n\n```\n{model_table}\n```\n")
+    # Each part's failure is recorded and the other part still runs: the results always get written.
+    for part, run in (("kernel", lambda: bench_kernel(shape, tokens, kernel_dtype, device, repeats, with_triton)),
+                      ("model", lambda: bench_model("qwen1.5-moe-a2.7b", args.num_layers, args.num_prompts,
+                                                    args.prompt_len, args.output_len, device, args.smoke))):
+        try:
+            result[part] = run()
+        except Exception as e:  # noqa: BLE001
+            result[f"{part}_error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+    text = _report(result, with_triton, device)
     print(text)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "moe.json"), "w") as f:
