@@ -266,12 +266,15 @@ def test_uuid_tracks_source_and_options():
 
 def test_pass_list_order_and_auto_fusion():
     names = [p.name for p in build_passes(PassConfig())]
-    assert names == ["AttentionBackendPass", "NoOpEliminationPass", "SiluMulFusionPass", "AddRMSNormFusionPass"]
+    assert names == ["AttentionBackendPass", "MoEBackendPass", "NoOpEliminationPass", "SiluMulFusionPass",
+                     "AddRMSNormFusionPass"]
     cpu = {p.name: p.options() for p in build_passes(PassConfig(kernels=select_kernels("cpu")))}
     cuda = {p.name: p.options() for p in build_passes(PassConfig(kernels=select_kernels("cuda")))}
     assert cpu["SiluMulFusionPass"] == {"enabled": False}  # no CPU kernel beats Inductor's loop
     assert cuda["SiluMulFusionPass"] == {"enabled": True, "op": "kiln_triton::silu_and_mul"}
     assert cuda["AddRMSNormFusionPass"] == {"enabled": True, "op": "kiln_triton::add_rms_norm"}
+    assert cuda["MoEBackendPass"] == {"device_type": "cuda", "kernel": "kiln_triton::fused_moe"}
+    assert cpu["MoEBackendPass"] == {"device_type": "cpu", "kernel": "kiln::fused_moe"}
     with pytest.raises(ValueError, match="fusion"):
         PassConfig(fusion="sometimes")
 

@@ -7,6 +7,8 @@ model code never sees a transformers config object. Rules kept here:
   attention) is refused with a ValueError that names the setting.
 - What differs between families is either a number of the checkpoint (kept as a field, so it
   round-trips through ``config.json``) or a fixed trait of the family (``FamilyTraits``).
+- Mixture-of-experts families (``MOE_FAMILIES``: Mixtral, Qwen2-MoE, Qwen3-MoE) add the expert
+  fields; ``is_sparse_layer`` says which layers route to experts (``kiln.models.moe``).
 - Sliding-window attention is real: each layer's window comes from ``layer_types`` and
   ``sliding_window``, and the attention kernels mask keys outside it (no context cap).
 """
@@ -32,6 +34,7 @@ class FamilyTraits:
     fused_checkpoint: bool = False  # Phi-3: qkv_proj and gate_up_proj are stored fused
     window_on_all_layers: bool = False  # Mistral, Phi-3: `sliding_window` applies to every layer
     always_qkv_bias: bool = False  # Qwen2
+    qkv_bias_key: Optional[str] = None  # Qwen2-MoE: config.json's `qkv_bias` (default true) sets the bias
 
 
 TRAITS: dict[str, FamilyTraits] = {
@@ -45,8 +48,16 @@ TRAITS: dict[str, FamilyTraits] = {
     "phi3": FamilyTraits("Phi3ForCausalLM", fused_checkpoint=True, window_on_all_layers=True),
     "olmo2": FamilyTraits("Olmo2ForCausalLM", qk_norm="proj", norm="olmo", post_norm=True),
     "granite": FamilyTraits("GraniteForCausalLM"),
+    # Mixture of experts (kiln.models.moe): Mixtral always renormalizes the top-k weights; Qwen2-MoE
+    # adds a sigmoid-gated shared expert; Qwen3-MoE adds q/k RMSNorm.
+    "mixtral": FamilyTraits("MixtralForCausalLM", window_on_all_layers=True),
+    "qwen2_moe": FamilyTraits("Qwen2MoeForCausalLM", qkv_bias_key="qkv_bias"),
+    "qwen3_moe": FamilyTraits("Qwen3MoeForCausalLM", qk_norm="head"),
 }
 FAMILIES = tuple(TRAITS)
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# Families whose config.json windows layers only with use_sliding_window=true (from max_window_layers on).
+_QWEN_WINDOWED = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Per family, the key of config.json that names the MLP activation (Gemma's is hidden_activation).
@@ -97,10 +108,21 @@ class ArchConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: Optional[float] = None  # the attention scale itself
     logits_scaling: float = 1.0  # logits are divided by it
+    # Mixture of experts (MOE_FAMILIES only): layer i is sparse unless i is in mlp_only_layers or
+    # (i + 1) is not a multiple of decoder_sparse_step; dense layers use intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert, 0 = none
+    norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"ArchConfig.family={self.family!r} is not supported; choose one of {list(FAMILIES)}")
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        _check_moe(self)
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         if self.rotary_dim % 2 != 0 or self.rotary_dim <= 0:
@@ -185,7 +207,7 @@ class ArchConfig:
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
         rope_theta, rope_scaling, partial, local_theta = _read_rope(d, family)
         window = d.get("sliding_window")
-        if family in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+        if family in _QWEN_WINDOWED and not d.get("use_sliding_window", False):
             window = None
         layer_types = tuple(d.get("layer_types") or ())
         if window is None:
@@ -205,7 +227,9 @@ class ArchConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=d.get("tie_word_embeddings", family in ("gemma2", "gemma3_text")),
-            attention_bias=True if traits.always_qkv_bias else bool(d.get("attention_bias", False)),
+            attention_bias=(True if traits.always_qkv_bias
+                            else bool(d.get(traits.qkv_bias_key, True)) if traits.qkv_bias_key
+                            else bool(d.get("attention_bias", False))),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             family=family,
@@ -221,6 +245,7 @@ class ArchConfig:
             residual_multiplier=d.get("residual_multiplier", 1.0) if family == "granite" else 1.0,
             attention_multiplier=d.get("attention_multiplier") if family == "granite" else None,
             logits_scaling=d.get("logits_scaling", 1.0) if family == "granite" else 1.0,
+            **_read_moe(d, family),
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -255,10 +280,10 @@ class ArchConfig:
             d["sliding_window"] = self.sliding_window
         if family == "qwen2" and (not self.attention_bias or self.head_dim * self.num_heads != self.hidden_size):
             raise ValueError("a qwen2 config.json always means qkv bias and head_dim = hidden_size // num_heads")
-        if family in ("qwen2", "qwen3"):
+        if family in _QWEN_WINDOWED:
             uses = self.sliding_window is not None
             d.update(use_sliding_window=uses, max_window_layers=self._first_sliding_layer() if uses else 0)
-        if family not in ("mistral", "phi3"):  # those window every layer and have no layer_types
+        if family not in ("mistral", "phi3", "mixtral"):  # those window every layer and have no layer_types
             d["layer_types"] = list(self.all_layer_types)
         elif self.sliding_window is not None and "full_attention" in self.all_layer_types:
             raise ValueError(f"a {family} config.json cannot say which layers are windowed")
@@ -277,6 +302,8 @@ class ArchConfig:
                      attention_multiplier=self.attention_scale, logits_scaling=self.logits_scaling)
         if family == "phi3" and self.rope_scaling and "original_max_position_embeddings" in self.rope_scaling:
             d["original_max_position_embeddings"] = self.rope_scaling["original_max_position_embeddings"]
+        if family in MOE_FAMILIES:
+            d.update(_moe_hf_fields(self))
         return d
 
     def _first_sliding_layer(self) -> int:
@@ -346,7 +373,7 @@ def _read_rope(d: dict[str, Any], family: str) -> tuple[float, Optional[dict], f
 def _default_layer_types(d: dict[str, Any], family: str, window: int) -> tuple[str, ...]:
     """layer_types as transformers derives them for a config.json that lacks the key."""
     n = d["num_hidden_layers"]
-    if family in ("qwen2", "qwen3"):
+    if family in _QWEN_WINDOWED:
         first = d.get("max_window_layers", 28)
         return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
     if family in ("gemma2", "gemma3_text"):
@@ -355,6 +382,65 @@ def _default_layer_types(d: dict[str, Any], family: str, window: int) -> tuple[s
     if TRAITS[family].window_on_all_layers:
         return ("sliding_attention",) * n
     return ()  # llama, olmo2, granite: no windows
+
+
+def _read_moe(d: dict[str, Any], family: str) -> dict[str, Any]:
+    """The ArchConfig fields of a mixture-of-experts ``config.json``; {} for dense families."""
+    if family not in MOE_FAMILIES:
+        return {}
+    if family == "qwen3_moe" and d.get("attention_bias", False):
+        raise ValueError("qwen3_moe with attention_bias=true (bias on o_proj too) is not supported")
+    num_experts = d.get("num_experts") or d.get("num_local_experts") or 0
+    out = dict(
+        num_experts=num_experts,
+        num_experts_per_tok=d.get("num_experts_per_tok", 0),
+        decoder_sparse_step=d.get("decoder_sparse_step", 1),
+        mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+        norm_topk_prob=d.get("norm_topk_prob", False),
+    )
+    if family == "mixtral":  # every layer sparse, experts of intermediate_size, top-k renormalized
+        out.update(moe_intermediate_size=d["intermediate_size"], norm_topk_prob=True)
+    else:
+        out.update(moe_intermediate_size=d["moe_intermediate_size"])
+    if family == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=d["shared_expert_intermediate_size"])
+    return out
+
+
+def _moe_hf_fields(arch: "ArchConfig") -> dict[str, Any]:
+    d: dict[str, Any] = dict(num_experts_per_tok=arch.num_experts_per_tok)
+    if arch.family == "mixtral":
+        d.update(num_local_experts=arch.num_experts, intermediate_size=arch.moe_intermediate_size,
+                 router_jitter_noise=0.0)
+        return d
+    d.update(num_experts=arch.num_experts, moe_intermediate_size=arch.moe_intermediate_size,
+             norm_topk_prob=arch.norm_topk_prob, decoder_sparse_step=arch.decoder_sparse_step,
+             mlp_only_layers=list(arch.mlp_only_layers))
+    if arch.family == "qwen2_moe":
+        d.update(shared_expert_intermediate_size=arch.shared_expert_intermediate_size, qkv_bias=arch.attention_bias)
+    return d
+
+
+def _check_moe(arch: "ArchConfig") -> None:
+    if arch.family not in MOE_FAMILIES:
+        if arch.num_experts:
+            raise ValueError(f"family {arch.family!r} has no experts; experts need one of {list(MOE_FAMILIES)}")
+        return
+    if arch.num_experts < 1 or not 1 <= arch.num_experts_per_tok <= arch.num_experts:
+        raise ValueError(f"{arch.family}: need num_experts >= 1 and 1 <= num_experts_per_tok <= num_experts "
+                         f"(got {arch.num_experts}, {arch.num_experts_per_tok})")
+    if arch.moe_intermediate_size < 1 or arch.decoder_sparse_step < 1:
+        raise ValueError(f"{arch.family}: moe_intermediate_size and decoder_sparse_step must be >= 1")
+    if arch.family == "mixtral" and (not arch.norm_topk_prob or arch.moe_intermediate_size != arch.intermediate_size):
+        raise ValueError("mixtral: experts have intermediate_size and always renormalize the top-k weights")
+    if (arch.family == "qwen2_moe") != (arch.shared_expert_intermediate_size > 0):
+        raise ValueError("a shared expert (shared_expert_intermediate_size > 0) is Qwen2-MoE's, and it always has one")
+
+
+def is_sparse_layer(arch: "ArchConfig", layer_idx: int) -> bool:
+    """Whether layer ``layer_idx`` is a mixture of experts (transformers' rule for Qwen2/3-MoE)."""
+    return (arch.num_experts > 0 and layer_idx not in arch.mlp_only_layers
+            and (layer_idx + 1) % arch.decoder_sparse_step == 0)
 
 
 _LLAMA3_ROPE = {
@@ -439,3 +525,28 @@ PRESETS: dict[str, ArchConfig] = {
         residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=16.0,
     ),
 }
+
+
+_QWEN_VOCAB = dict(vocab_size=151936, bos_token_id=151643)
+PRESETS.update({
+    # Mixtral-8x7B: 46.7B parameters (about 93 GB in bf16, more than one 80 GB card holds).
+    "mixtral-8x7b": ArchConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, max_position_embeddings=32768, rope_theta=1e6, bos_token_id=1, eos_token_id=(2,),
+        family="mixtral", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336, norm_topk_prob=True,
+    ),
+    # Qwen1.5-MoE-A2.7B (Qwen2-MoE): 60 experts, top-4 unnormalized, one gated shared expert.
+    "qwen1.5-moe-a2.7b": ArchConfig(
+        hidden_size=2048, intermediate_size=5632, num_layers=24, num_heads=16, num_kv_heads=16, head_dim=128,
+        max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=1e6, attention_bias=True,
+        eos_token_id=(151643,), family="qwen2_moe", num_experts=60, num_experts_per_tok=4,
+        moe_intermediate_size=1408, shared_expert_intermediate_size=5632, **_QWEN_VOCAB,
+    ),
+    # Qwen3-30B-A3B: 128 experts, top-8 renormalized, q/k RMSNorm.
+    "qwen3-30b-a3b": ArchConfig(
+        hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6, eos_token_id=(151645,),
+        family="qwen3_moe", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        norm_topk_prob=True, **_QWEN_VOCAB,
+    ),
+})

@@ -1,6 +1,7 @@
 """The one native model: Llama 2/3, Qwen2/3, Mistral, Gemma 2/3, Phi-3/4, OLMo-2, Granite and SmolLM2
 differ only in ``ArchConfig`` (numbers of the checkpoint) and its ``FamilyTraits`` (norm numerics and
 placement, q/k norms, scaled embeddings, fused checkpoint layouts).
+Mixtral, Qwen2-MoE and Qwen3-MoE swap sparse layers' MLP for ``kiln.models.moe.SparseMoeBlock``.
 
 Rules this module keeps:
 - The forward takes a flat batch (``[num_tokens]`` ids and positions, no padding, decodes and
@@ -30,7 +31,8 @@ from torch import nn
 
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.attend_paged)
 import kiln.ops.collective  # noqa: F401  (registers torch.ops.kiln.all_reduce and all_gather)
-from kiln.models.arch import ArchConfig
+from kiln.models.arch import ArchConfig, is_sparse_layer
+from kiln.models.moe import SparseMoeBlock
 from kiln.models.rope import rope_cos_sin_table
 from kiln.models.parallel import (SINGLE, Shard, TensorParallel, check_tensor_parallel, column_shard, head_shards,
                                   local_intermediate_size, local_num_heads, local_num_kv_heads, row_shard,
@@ -111,7 +113,8 @@ class LlamaAttention(nn.Module):
         if arch.attn_logit_softcapping:
             self.attn_options["logit_softcap"] = float(arch.attn_logit_softcapping)
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
-        o_bias = arch.attention_bias and not arch.traits.always_qkv_bias  # Qwen2 biases only q/k/v
+        # Qwen2 and Qwen2-MoE bias only q/k/v.
+        o_bias = arch.attention_bias and not arch.traits.always_qkv_bias and arch.traits.qkv_bias_key is None
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=o_bias)
         self.qk_norm = arch.traits.qk_norm
         if self.qk_norm is not None:
@@ -179,7 +182,7 @@ class LlamaDecoderLayer(nn.Module):
         for name in self.norm_names:
             setattr(self, name, RMSNorm(arch.hidden_size, arch.rms_norm_eps, traits.norm))
         self.self_attn = LlamaAttention(arch, layer_idx, tp)
-        self.mlp = LlamaMLP(arch, tp)
+        self.mlp = SparseMoeBlock(arch, tp) if is_sparse_layer(arch, layer_idx) else LlamaMLP(arch, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         if self.placement == "sandwich":
@@ -347,9 +350,11 @@ class LlamaForCausalLM(nn.Module):
             if attn.qk_norm is not None:
                 yield f"{p}self_attn.q_norm.weight", attn.q_norm.weight, None
                 yield f"{p}self_attn.k_norm.weight", attn.k_norm.weight, None
-            inter = mlp.down_proj.in_features
+            inter = mlp.down_proj.in_features if not isinstance(mlp, SparseMoeBlock) else 0
             col, row = column_shard(arch.intermediate_size, tp), row_shard(arch.intermediate_size, tp)
-            if fused:
+            if isinstance(mlp, SparseMoeBlock):  # experts are never sharded (the block refuses tp > 1)
+                yield from ((name, dest, None) for name, dest in mlp.weight_slices(p))
+            elif fused:
                 gate = col or (0, 0, inter)
                 yield f"{p}mlp.gate_up_proj.weight", mlp.gate_up_proj.weight[:inter], gate
                 yield f"{p}mlp.gate_up_proj.weight", mlp.gate_up_proj.weight[inter:], \
@@ -357,7 +362,8 @@ class LlamaForCausalLM(nn.Module):
             else:
                 yield f"{p}mlp.gate_proj.weight", mlp.gate_up_proj.weight[:inter], col
                 yield f"{p}mlp.up_proj.weight", mlp.gate_up_proj.weight[inter:], col
-            yield f"{p}mlp.down_proj.weight", mlp.down_proj.weight, row
+            if not isinstance(mlp, SparseMoeBlock):
+                yield f"{p}mlp.down_proj.weight", mlp.down_proj.weight, row
             for norm in layer.norm_names:
                 yield f"{p}{norm}.weight", getattr(layer, norm).weight, None
 

@@ -8,6 +8,7 @@ the first candidate of an op whose device matches and whose loader returns a ker
     attention     kiln_triton::attend_paged kiln_cpu::attend_paged (kiln._C) kiln::attend_paged
     add_rms_norm  kiln_triton::add_rms_norm                                  kiln::add_rms_norm
     silu_and_mul  kiln_triton::silu_and_mul                                  kiln::silu_and_mul
+    moe           kiln_triton::fused_moe                                     kiln::fused_moe
 
 ``select_kernels(device_type)`` returns the ``KernelSet`` a ``CompiledModel`` is built with. Nothing
 here is process-global state: two models on two devices in one process hold two KernelSets, and
@@ -76,6 +77,7 @@ class KernelSet:
     attention: AttentionKernel
     add_rms_norm: Kernel
     silu_and_mul: Kernel
+    moe: Kernel
 
     def split_op_names(self) -> tuple[str, ...]:
         """The ops the graph is split at: the generic attention op and this set's attention kernel."""
@@ -84,7 +86,7 @@ class KernelSet:
     def describe(self) -> dict[str, str]:
         """op -> kernel name, for logs and the artifact cache key."""
         return {"attention": self.attention.name, "add_rms_norm": self.add_rms_norm.name,
-                "silu_and_mul": self.silu_and_mul.name}
+                "silu_and_mul": self.silu_and_mul.name, "moe": self.moe.name}
 
 
 # ---- the table ---------------------------------------------------------------------------------
@@ -135,12 +137,25 @@ def _triton_silu_and_mul() -> Kernel:
     return Kernel("triton", torch.ops.kiln_triton.silu_and_mul, fast=True)
 
 
+def _reference_moe() -> Kernel:
+    import kiln.ops.moe  # noqa: F401
+
+    return Kernel("reference", torch.ops.kiln.fused_moe)
+
+
+def _triton_moe() -> Kernel:
+    import kiln.ops.triton_moe  # noqa: F401
+
+    return Kernel("triton", torch.ops.kiln_triton.fused_moe, fast=True)
+
+
 ANY_DEVICE = "*"
 # op -> ordered (device type, loader); a loader returns None when its kernel cannot run here.
 REGISTRY: dict[str, tuple[tuple[str, Callable[[], Optional[Kernel]]], ...]] = {
     "attention": (("cuda", _triton_attention), ("cpu", _cpu_attention), (ANY_DEVICE, _reference_attention)),
     "add_rms_norm": (("cuda", _triton_add_rms_norm), (ANY_DEVICE, _reference_add_rms_norm)),
     "silu_and_mul": (("cuda", _triton_silu_and_mul), (ANY_DEVICE, _reference_silu_and_mul)),
+    "moe": (("cuda", _triton_moe), (ANY_DEVICE, _reference_moe)),
 }
 
 
@@ -155,9 +170,10 @@ def _choose(op: str, device_type: str) -> Kernel:
 
 def select_kernels(device_type: str) -> KernelSet:
     """The fastest kernels registered for ``device_type`` ("cuda", "cpu", ...)."""
-    return KernelSet(device_type, *(_choose(op, device_type) for op in ("attention", "add_rms_norm", "silu_and_mul")))
+    return KernelSet(device_type, **{op: _choose(op, device_type) for op in REGISTRY})
 
 
 def reference_kernels(device_type: str = "cpu") -> KernelSet:
     """The pure-torch references only: the definition every kernel is checked against."""
-    return KernelSet(device_type, _reference_attention(), _reference_add_rms_norm(), _reference_silu_and_mul())
+    return KernelSet(device_type, _reference_attention(), _reference_add_rms_norm(), _reference_silu_and_mul(),
+                     _reference_moe())

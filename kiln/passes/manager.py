@@ -3,6 +3,7 @@
 The list (``build_passes``) runs in order; each pass says where it runs (``KilnPass.stage``):
 
 1. ``AttentionBackendPass`` (dynamo): the generic attention call becomes the KernelSet's kernel op.
+   ``MoEBackendPass`` (dynamo): likewise the generic ``kiln.fused_moe`` (mixture-of-experts models).
 2. ``NoOpEliminationPass`` (post_grad): views, slices and casts that return their input.
 3. ``SiluMulFusionPass`` (post_grad): ``silu(gate) * up`` -> ``kiln.silu_and_mul``.
 4. ``AddRMSNormFusionPass`` (post_grad): residual add + RMSNorm -> ``kiln.add_rms_norm``.
@@ -46,6 +47,7 @@ from kiln.ops.registry import Kernel, KernelSet, reference_kernels
 from kiln.passes.add_rms_norm_fusion import AddRMSNormFusionPass
 from kiln.passes.attention_backend import AttentionBackendPass
 from kiln.passes.base import STAGES, KilnPass, source_hash
+from kiln.passes.moe_backend import MoEBackendPass
 from kiln.passes.noop_elimination import NoOpEliminationPass
 from kiln.passes.silu_mul_fusion import SiluMulFusionPass
 
@@ -75,6 +77,7 @@ def build_passes(config: PassConfig) -> list[KilnPass]:
     k = config.kernels
     return [
         AttentionBackendPass(k),
+        MoEBackendPass(k),
         NoOpEliminationPass(),
         SiluMulFusionPass(enabled=config.fusion_enabled(k.silu_and_mul), op=k.silu_and_mul.op),
         AddRMSNormFusionPass(enabled=config.fusion_enabled(k.add_rms_norm), op=k.add_rms_norm.op),

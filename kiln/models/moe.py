@@ -1,0 +1,103 @@
+"""The mixture-of-experts FFN of Mixtral, Qwen2-MoE and Qwen3-MoE (``SparseMoeBlock``).
+
+One block replaces a layer's MLP where ``kiln.models.arch.is_sparse_layer`` says so. Per token::
+
+    probs   = softmax(router(x)) in float32               [T, E]
+    w, ids  = top-k(probs)                                [T, K]
+    w      /= w.sum(-1)        if arch.norm_topk_prob     (Mixtral always; Qwen3-MoE by config)
+    out     = kiln.fused_moe(x, w13, w2, w, ids)          experts' SwiGLU MLPs, weighted sum
+    out    += sigmoid(shared_gate(x)) * shared_mlp(x)     Qwen2-MoE's shared expert
+
+Numerics follow transformers: Mixtral keeps the routing weights in float32 for the product; the
+Qwen families round them to the model dtype first. Routing stays in the graph (Inductor fuses
+softmax, top-k and the renormalization); the experts are the opaque op ``kiln.fused_moe``, which the
+compiler points at the device's kernel (``kiln.passes.moe_backend``).
+
+Expert weights are stacked per layer: ``w13`` [E, 2I, H] (gate rows, then up rows, as the fused
+dense MLP) and ``w2`` [E, H, I]. Checkpoints store one tensor per expert and projection; the
+loader copies each into its slice (``weight_slices``). Tensor parallelism is not implemented for
+experts and is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kiln.ops.moe  # noqa: F401  (registers torch.ops.kiln.fused_moe)
+from kiln.models.arch import ArchConfig
+from kiln.models.parallel import SINGLE, TensorParallel
+
+
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's always-on expert: a SwiGLU MLP (gate/up fused, as ``LlamaMLP``)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, arch: ArchConfig, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        if tp.size > 1:
+            raise ValueError(f"{arch.family}: tensor parallelism is not implemented for mixture-of-experts "
+                             "models; use parallel.tensor_parallel_size=1")
+        self.family = arch.family
+        self.top_k = arch.num_experts_per_tok
+        self.renormalize = arch.norm_topk_prob
+        self.float_weights = arch.family == "mixtral"  # transformers' Mixtral never rounds them
+        num_experts, hidden, inter = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
+        self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.shared_expert = None
+        self.shared_expert_gate = None
+        if arch.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(hidden, arch.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        logits = self.gate(x)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K] each
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.float_weights:
+            weights = weights.to(x.dtype)
+        out = torch.ops.kiln.fused_moe(x, self.w13, self.w2, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def weight_slices(self, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """(checkpoint name, the slice of a parameter it fills) for this block; ``prefix`` is the
+        layer's ('model.layers.3.')."""
+        inter = self.w2.shape[-1]
+        if self.family == "mixtral":
+            p = f"{prefix}block_sparse_moe."
+            names = ("w1", "w3", "w2")  # gate, up, down
+        else:
+            p = f"{prefix}mlp."
+            names = ("gate_proj", "up_proj", "down_proj")
+        yield f"{p}gate.weight", self.gate.weight
+        for e in range(self.w13.shape[0]):
+            yield f"{p}experts.{e}.{names[0]}.weight", self.w13[e, :inter]
+            yield f"{p}experts.{e}.{names[1]}.weight", self.w13[e, inter:]
+            yield f"{p}experts.{e}.{names[2]}.weight", self.w2[e]
+        if self.shared_expert is not None:
+            shared = self.shared_expert
+            n = shared.down_proj.in_features
+            yield f"{p}shared_expert.gate_proj.weight", shared.gate_up_proj.weight[:n]
+            yield f"{p}shared_expert.up_proj.weight", shared.gate_up_proj.weight[n:]
+            yield f"{p}shared_expert.down_proj.weight", shared.down_proj.weight
+            yield f"{p}shared_expert_gate.weight", self.shared_expert_gate.weight
