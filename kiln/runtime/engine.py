@@ -64,6 +64,7 @@ from kiln.runtime.output_processor import OutputProcessor
 from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.scheduler import Scheduler
 from kiln.runtime.scheduler_output import SchedulerOutput
+from kiln.runtime.structured_output import GrammarCompiler
 from kiln.sampling_params import SEED_MIN, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -124,8 +125,12 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.inputs = InputProcessor(self.tokenizer, self.executor.vocab_size, self.max_model_len)
         runner = getattr(self.executor, "runner", None)  # only the one-process executor holds one here
+        # One compiler (and so one grammar cache) where the runner is in this process.
+        self.grammars = runner.grammars if runner is not None else GrammarCompiler(
+            self.tokenizer, self.executor.vocab_size,
+            None if self.executor.eos_token_id is None else [self.executor.eos_token_id])
+        self.inputs = InputProcessor(self.tokenizer, self.executor.vocab_size, self.max_model_len, self.grammars)
         phases = dict(runner.startup_seconds) if runner is not None else {}
         self.startup = StartupReport(self.kv_manager.num_usable_blocks, config.cache.block_size,
                                      time.perf_counter() - t_start, phases)
@@ -233,6 +238,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        self.grammars.shutdown()
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

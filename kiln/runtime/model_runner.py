@@ -32,6 +32,7 @@ from kiln.runtime import kv_sizing
 from kiln.runtime.input_batch import InputBatch
 from kiln.runtime.kv_sizing import KVShape
 from kiln.runtime.sampler import SampledTokens, Sampler, host_to_device
+from kiln.runtime.structured_output import GrammarBitmasks, GrammarCompiler
 from kiln.runtime.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,8 @@ class ModelRunner:
         self.compiled.bind_kv_caches(self.kv_caches)
         self.compiled.capture_graphs()
         self.sampler = Sampler(seed=model_config.seed)
+        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, _stop_ids(self.arch.eos_token_id))
+        self.bitmasks = GrammarBitmasks(self.grammars)
         num_usable = self.num_blocks - 1  # block 0 is the pool's null block (kiln.runtime.block_pool)
         logger.info("KV cache: %d usable blocks of %d tokens (%d tokens of context; 1 more block is reserved) "
                     "in %.2f GiB", num_usable, self.block_size, num_usable * self.block_size,
@@ -130,7 +133,10 @@ class ModelRunner:
         if self.tp.rank != 0:  # rank 0 alone samples
             return LaunchedStep()
         requests = [s.request for s in sched.scheduled if s.samples]  # one per sample row
-        return LaunchedStep([r.request_id for r in requests], self.sampler.launch(logits, requests, greedy_ids))
+        # On a GPU the forward is still running: the grammar bitmask is filled on the CPU meanwhile.
+        bitmask = self.bitmasks.fill(requests)
+        return LaunchedStep([r.request_id for r in requests],
+                            self.sampler.launch(logits, requests, greedy_ids, bitmask))
 
     def collect(self, launched: LaunchedStep) -> RunnerOutput:
         """Wait for a launched step and read its tokens back to the host."""
@@ -141,5 +147,14 @@ class ModelRunner:
                             dict(zip(launched.request_ids, out.logprobs)))
 
     def forget(self, request_id: str) -> None:
-        """Drop per-request state (seeded generators) once a request finishes."""
+        """Drop per-request state (seeded generators, grammar matchers) once a request finishes."""
         self.sampler.forget(request_id)
+        self.bitmasks.forget(request_id)
+
+
+def _stop_ids(eos) -> Optional[list[int]]:
+    if eos is None:
+        return None
+    # The scheduler stops on the first EOS id only (as the executor reports it), so grammars may end on it alone.
+    first = eos[0] if isinstance(eos, (tuple, list)) else eos
+    return [int(first)]
