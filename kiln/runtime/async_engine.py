@@ -224,6 +224,11 @@ class AsyncEngine:
             raise first
         return RequestStream(self, request_id, sink)
 
+    @property
+    def grammars(self):
+        """The engine's ``GrammarCompiler`` (thread-safe), or None before the engine is built."""
+        return getattr(self._input_processor, "grammars", None)
+
     def process(self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool = True) -> Prompt:
         """Tokenize and check a prompt on the caller's thread (ValueError for bad input). Before the
         engine is built, or for an engine without an InputProcessor, the prompt passes as it is."""

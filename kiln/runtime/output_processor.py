@@ -83,7 +83,8 @@ class OutputProcessor:
         user = _UserRequest(request_id, prompt, samples[0].prompt_token_ids)
         for i, req in enumerate(samples):
             params = req.sampling_params
-            sample = _Sample(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params), i)
+            sample = _Sample(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params,
+                                                             params.skip_special_tokens), i)
             if params.logprobs is not None:
                 sample.logprobs = []
             user.samples.append(sample)

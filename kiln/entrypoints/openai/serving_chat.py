@@ -137,7 +137,7 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, request_id: 
                 yield chunk([ChatStreamChoice(
                     index=c.index, delta=ChatResponseMessage(content=text), logprobs=logprobs,
                     finish_reason=c.finish_reason, token_ids=list(new_ids) if body.return_token_ids else None,
-                )])
+                )], _usage(out) if body.continuous_usage else None)
         if body.include_usage_in_stream and final is not None:
             yield chunk([], _usage(final))
     except Exception as e:  # noqa: BLE001 - the 200 is already sent; report in-band

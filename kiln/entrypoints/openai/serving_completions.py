@@ -103,15 +103,18 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, request_id: str,
     tokenizer = ctx.engine.tokenizer
     sent: dict[int, _Sent] = {}  # by choice index
     finals: list[Optional[RequestOutput]] = [None] * len(streams)
+    latest: list[Optional[RequestOutput]] = [None] * len(streams)  # for continuous usage stats
     try:
         async for i, out in merge_streams(streams):
+            latest[i] = out
             if out.finished:
                 finals[i] = out
             for c in out.outputs:
                 index = i * body.n + c.index
                 choice = _delta(tokenizer, body, out, c, index, sent.setdefault(index, _Sent()))
                 if choice is not None:
-                    yield sse(CompletionResponse(id=request_id, model=ctx.model_name, choices=[choice]))
+                    yield sse(CompletionResponse(id=request_id, model=ctx.model_name, choices=[choice],
+                                                 usage=_usage(latest) if body.continuous_usage else None))
         if body.include_usage_in_stream:
             yield sse(CompletionResponse(id=request_id, model=ctx.model_name, choices=[], usage=_usage(finals)))
     except Exception as e:  # noqa: BLE001 - the 200 is already sent; report in-band
