@@ -43,7 +43,6 @@ from kiln.sampling_params import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 _MAX_CACHED_GRAMMARS = 1024
-_MAX_ROLLBACK_TOKENS = 16  # enough for a dropped step; a longer rewind rebuilds the matcher
 
 
 class GrammarError(ValueError):
@@ -168,15 +167,14 @@ class GrammarBitmasks:
         output = request.output_token_ids
         if state is not None and state.num_accepted > len(output):
             rewind = state.num_accepted - len(output)
-            if rewind <= state.matcher.max_rollback_tokens and not state.broken:
+            if not state.broken:  # xgrammar keeps every step, so any rewind is a rollback
                 state.matcher.rollback(rewind)
                 state.num_accepted = len(output)
             else:
                 state = None
         if state is None:
             grammar = self.compiler.compile(request.sampling_params.structured_outputs)
-            state = _Matcher(xgr.GrammarMatcher(grammar, override_stop_tokens=self.compiler.stop_token_ids,
-                                                max_rollback_tokens=_MAX_ROLLBACK_TOKENS))
+            state = _Matcher(xgr.GrammarMatcher(grammar, override_stop_tokens=self.compiler.stop_token_ids))
             self._matchers[request.request_id] = state
         while state.num_accepted < len(output) and not state.broken:
             token = output[state.num_accepted]

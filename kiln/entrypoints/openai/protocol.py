@@ -25,6 +25,7 @@ guided_regex, guided_choice and guided_grammar are accepted too), parse_special_
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -67,10 +68,10 @@ Stop = Annotated[Union[None, str, list[str]], BeforeValidator(_stop)]
 # with the values that, like null, ask for nothing and so pass; any other value is a 400 naming it.
 UNIMPLEMENTED_FIELDS: dict[str, tuple] = {
     "suffix": ("",),  # completions
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "functions": ([],), "function_call": ("none",),  # OpenAI's deprecated names: use tools, tool_choice
     "modalities": (["text"],), "audio": (), "prediction": (),
     "web_search_options": (), "reasoning_effort": (), "verbosity": (),
-    "tool_calls": ([],), "refusal": (),  # on a message
+    "refusal": (),  # on a message
 }
 
 
@@ -324,15 +325,48 @@ def _content(value: Any) -> Optional[str]:
     return "".join(texts)
 
 
+class FunctionCall(_Request):
+    name: Text
+    arguments: Text = "{}"  # JSON text
+
+
+class ToolCall(_Request):
+    id: Optional[Text] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    # developer is OpenAI's newer name for system; tool and function messages need tool calling.
-    role: Literal["system", "developer", "user", "assistant"]
+    # developer is OpenAI's newer name for system; tool messages answer an assistant's tool_calls.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[Optional[str], BeforeValidator(_content)] = None
     name: Optional[Text] = None  # the template may use it
-    tool_calls: Unimplemented = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[Text] = None  # a tool message: the call it answers
     function_call: Unimplemented = None
     audio: Unimplemented = None
     refusal: Unimplemented = None
+
+
+class FunctionDefinition(_Request):
+    name: Annotated[str, AfterValidator(_utf8), Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: Optional[Text] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments
+    strict: Optional[bool] = None  # the schema is enforced when tool_choice requires a call
+
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: Text
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -341,9 +375,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT32)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[None, Literal["none", "auto", "required"], NamedToolChoice] = None
     # OpenAI fields kiln does not implement: refused unless null or asking for nothing.
-    tools: Unimplemented = None
-    tool_choice: Unimplemented = None
     functions: Unimplemented = None
     function_call: Unimplemented = None
     modalities: Unimplemented = None
@@ -352,17 +386,54 @@ class ChatCompletionRequest(_SamplingFields):
     web_search_options: Unimplemented = None
     reasoning_effort: Unimplemented = None
     verbosity: Unimplemented = None
-    parallel_tool_calls: Optional[bool] = None  # accepted, ignored: no tools, so no tool calls
+    parallel_tool_calls: Optional[bool] = None  # accepted: a model may write several calls; a grammar asks one
+
+    @property
+    def effective_tool_choice(self) -> Union[str, NamedToolChoice]:
+        """OpenAI's default: ``auto`` with tools, ``none`` without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def tool_dicts(self) -> list[dict]:
+        """The functions, as templates and grammars read them (name, description, parameters)."""
+        return [t.function.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def check_tools(self) -> None:
+        """ValueError (naming the field) for a tool_choice the tools cannot satisfy."""
+        choice = self.effective_tool_choice
+        names = [t.function.name for t in self.tools or []]
+        if choice == "required" and not names:
+            raise ValueError("tool_choice: `required` needs at least one tool in `tools`")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: names the function {choice.function.name!r}, which `tools` does not define")
+        if choice not in ("none", "auto") and self.structured_outputs_params() is not None:
+            raise ValueError("tool_choice: a required or named tool call cannot be combined with response_format "
+                             "or structured_outputs")
 
     def conversation(self) -> list[dict]:
-        """Messages as the chat template expects them (developer as system)."""
+        """Messages as the chat template expects them (developer as system; a call's arguments as
+        an object, as templates write them with tojson)."""
         out = []
         for m in self.messages:
-            d = {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
+            d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
             if m.name is not None:
                 d["name"] = m.name
+            if m.tool_calls:
+                d["tool_calls"] = [{"id": c.id, "type": "function",
+                                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                   for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
             out.append(d)
         return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -415,6 +486,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[dict]] = None  # OpenAI's shape: id, type, function {name, arguments}; index in deltas
 
 
 class ChatChoice(BaseModel):
@@ -462,3 +534,32 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------------
+class TokenizeRequest(_Request):
+    """Either ``prompt`` (text) or ``messages`` (rendered by the chat template first)."""
+
+    model: Optional[Text] = None
+    prompt: Optional[Text] = None
+    messages: Optional[list[ChatMessage]] = None
+    tools: Optional[list[Tool]] = None
+    add_special_tokens: Optional[bool] = None  # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: Optional[int] = None
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeRequest(_Request):
+    model: Optional[Text] = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
