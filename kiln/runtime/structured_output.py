@@ -101,8 +101,8 @@ class GrammarCompiler:
             if kind == "json":
                 # Compact JSON (no free whitespace): a small model cannot pad its way past max_tokens.
                 grammar = compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
-            elif kind == "json_object":
-                grammar = compiler.compile_builtin_json_grammar()
+            elif kind == "json_object":  # any object, compact like the schemas
+                grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             elif kind == "regex":
                 grammar = compiler.compile_regex(text)
             elif kind == "choice":
