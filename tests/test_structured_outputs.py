@@ -186,6 +186,19 @@ def test_unconstrained_greedy_is_hf_greedy_beside_constrained_requests(smol, cli
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     want = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()
     assert plain.choices[0].token_ids == want
+    # Prompt logprobs (echo + logprobs, and vLLM's prompt_logprobs) against HF's over the same prompt.
+    with torch.no_grad():
+        hf = model(ids).logits[0].float().log_softmax(-1)  # [prompt, vocab]
+    hf_prompt = hf[:-1].gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1).tolist()
+    echo = client.completions.create(model=SMOL, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=2,
+                                     extra_body={"prompt_logprobs": 1})
+    lp = echo.choices[0].logprobs
+    assert echo.choices[0].text.startswith(prompt) and lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:len(hf_prompt) + 1] == pytest.approx(hf_prompt, abs=2e-3)
+    assert all(len(top) >= 2 for top in lp.top_logprobs[1:len(hf_prompt) + 1])
+    vllm_shape = echo.choices[0].model_extra["prompt_logprobs"]
+    assert vllm_shape[0] is None and len(vllm_shape) == ids.shape[1]
+    assert vllm_shape[1][str(ids[0, 1].item())]["logprob"] == pytest.approx(hf_prompt[0], abs=2e-3)
 
 
 def test_bad_schema_is_400_saying_why(client):

@@ -211,6 +211,8 @@ class LLMEngine:
         sched, handle = self._in_flight
         self._in_flight = None  # before wait: a failed step is not waited for again
         result = self.executor.wait(handle)
+        if result.prompt_logprobs:
+            self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
         return self.scheduler.update(sched, result.sampled_token_ids), result.logprobs
 
     def _process(self, updated: list[Request], logprobs: dict[str, Optional[dict[int, float]]]

@@ -38,10 +38,15 @@ from kiln.runtime.scheduler_output import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
+# (prompt position, {token id: logprob}) for the prompt's own token there and the top-N
+PromptLogprobs = list[tuple[int, dict[int, float]]]
+
+
 @dataclass
 class RunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, Optional[dict[int, float]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # requests that asked only
 
 
 @dataclass
@@ -50,6 +55,7 @@ class LaunchedStep:
 
     request_ids: list[str] = field(default_factory=list)  # one per sampled row, in row order
     samples: Optional[SampledTokens] = None  # None: nothing sampled here (no row, or rank > 0)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -120,8 +126,9 @@ class ModelRunner:
             return LaunchedStep()
         inputs, sample_rows = self.input_batch.prepare(sched)
         out = self.compiled.run(inputs)
+        prompt_logprobs = self._prompt_logprobs(sched, out.hidden)
         if not sample_rows:
-            return LaunchedStep()
+            return LaunchedStep(prompt_logprobs=prompt_logprobs)
         greedy_ids = None
         contiguous = len(sample_rows) == sample_rows[-1] + 1  # rows 0..n-1 (decode-only): a view
         rows = slice(0, len(sample_rows)) if contiguous else host_to_device(sample_rows, self.device)
@@ -136,20 +143,52 @@ class ModelRunner:
         # On a GPU the forward is still running: the grammar bitmask is filled on the CPU meanwhile.
         bitmask = self.bitmasks.fill(requests)
         return LaunchedStep([r.request_id for r in requests],
-                            self.sampler.launch(logits, requests, greedy_ids, bitmask))
+                            self.sampler.launch(logits, requests, greedy_ids, bitmask), prompt_logprobs)
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, hidden: Optional[torch.Tensor]) -> dict[str, PromptLogprobs]:
+        """Logprobs of the prompt tokens this step's prefill chunks predict, for requests that ask
+        (rare: computed and read back here, over the chunk's rows only). Every rank computes the
+        logits (they are gathered over the group); rank 0 returns them."""
+        found: dict[str, PromptLogprobs] = {}
+        row = 0
+        for s in sched.scheduled:
+            start, n, req = s.start, s.num_new_tokens, s.request
+            num_top = req.sampling_params.prompt_logprobs
+            # Row q predicts token q + 1; only prompt tokens after the first are scored.
+            end = min(start + n, req.num_prompt_tokens - 1)
+            if num_top is not None and hidden is not None and start < end:
+                logprobs = self.model.compute_logits(hidden[row:row + end - start]).float().log_softmax(-1)
+                found[req.request_id] = _prompt_entries(logprobs, req.prompt_token_ids, start, num_top)
+            row += n
+        return found if self.tp.rank == 0 else {}
 
     def collect(self, launched: LaunchedStep) -> RunnerOutput:
         """Wait for a launched step and read its tokens back to the host."""
         if launched.samples is None:
-            return RunnerOutput()
+            return RunnerOutput(prompt_logprobs=launched.prompt_logprobs)
         out = launched.samples.result()
         return RunnerOutput(dict(zip(launched.request_ids, out.token_ids)),
-                            dict(zip(launched.request_ids, out.logprobs)))
+                            dict(zip(launched.request_ids, out.logprobs)), launched.prompt_logprobs)
 
     def forget(self, request_id: str) -> None:
         """Drop per-request state (seeded generators, grammar matchers) once a request finishes."""
         self.sampler.forget(request_id)
         self.bitmasks.forget(request_id)
+
+
+def _prompt_entries(logprobs: torch.Tensor, prompt_ids: list[int], start: int, num_top: int) -> PromptLogprobs:
+    """logprobs: [rows, vocab], row k at prompt position start + k, scoring the token after it."""
+    targets = torch.tensor(prompt_ids[start + 1:start + 1 + logprobs.shape[0]], device=logprobs.device)
+    own = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    top_lp, top_ids = (logprobs.topk(num_top, dim=-1) if num_top > 0 else (None, None))
+    top_lp = top_lp.tolist() if top_lp is not None else [[] for _ in own]
+    top_ids = top_ids.tolist() if top_ids is not None else [[] for _ in own]
+    entries = []
+    for k, (token, lp) in enumerate(zip(targets.tolist(), own)):
+        entry = dict(zip(top_ids[k], top_lp[k]))
+        entry[token] = lp
+        entries.append((start + 1 + k, entry))
+    return entries
 
 
 def _stop_ids(eos) -> Optional[list[int]]:

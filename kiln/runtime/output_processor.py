@@ -51,6 +51,9 @@ class _UserRequest:
     prompt_token_ids: list[int]
     samples: list[_Sample] = field(default_factory=list)
     error: Optional[str] = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (the first None), by position,
+    # so a chunk recomputed after preemption overwrites instead of repeating.
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
 
     @property
     def finished(self) -> bool:
@@ -65,6 +68,7 @@ class _UserRequest:
             finished=self.finished,
             num_cached_tokens=self.samples[0].request.num_cached_tokens,
             error=self.error,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
         )
 
 
@@ -81,6 +85,8 @@ class OutputProcessor:
     def add(self, request_id: str, prompt: Optional[str], samples: list[Request]) -> None:
         """Track a user request's samples; all or nothing (a failure leaves nothing behind)."""
         user = _UserRequest(request_id, prompt, samples[0].prompt_token_ids)
+        if samples[0].sampling_params.prompt_logprobs is not None:
+            user.prompt_logprobs = [None] * len(user.prompt_token_ids)
         for i, req in enumerate(samples):
             params = req.sampling_params
             sample = _Sample(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params,
@@ -91,6 +97,15 @@ class OutputProcessor:
         for sample in user.samples:
             self._samples[sample.request.request_id] = (user, sample)
         self._users[request_id] = user
+
+    def add_prompt_logprobs(self, found: dict[str, list[tuple[int, dict[int, float]]]]) -> None:
+        """Prompt logprobs a step computed (any sample of a user request may carry them)."""
+        for sample_id, entries in found.items():
+            user = self._samples.get(sample_id, (None, None))[0]
+            if user is None or user.prompt_logprobs is None:
+                continue
+            for position, entry in entries:
+                user.prompt_logprobs[position] = entry
 
     def has(self, request_id: str) -> bool:
         return request_id in self._users

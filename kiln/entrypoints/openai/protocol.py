@@ -16,7 +16,7 @@ with a value it cannot run:
 
 kiln's extensions (vLLM's names) ride along as extra body fields: top_k, min_p,
 repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output, priority,
-return_token_ids, min_tokens, skip_special_tokens, structured_outputs (vLLM's current name:
+return_token_ids, min_tokens, skip_special_tokens, prompt_logprobs, structured_outputs (vLLM's current name:
 ``{"json" | "json_object" | "regex" | "choice" | "grammar": ...}``; its older guided_json,
 guided_regex, guided_choice and guided_grammar are accepted too), parse_special_tokens
 (completions). A schema error becomes a 400 whose
@@ -184,6 +184,7 @@ class _SamplingFields(_Request):
     return_token_ids: bool = False  # each choice (or chunk) also carries its generated token ids
     min_tokens: int = Field(0, ge=0, le=MAX_INT32)
     skip_special_tokens: bool = True
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # per prompt token: its own and the top-N
     structured_outputs: Optional[StructuredOutputsRequest] = None
     # vLLM's older names for structured_outputs (still what many clients send)
     guided_json: Union[None, dict[str, Any], Text] = None
@@ -240,7 +241,12 @@ class _SamplingFields(_Request):
             logit_bias=self.logit_bias or None,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=structured_outputs or self.structured_outputs_params(),
+            prompt_logprobs=self.num_prompt_logprobs,
         )
+
+    @property
+    def num_prompt_logprobs(self) -> Optional[int]:
+        return self.prompt_logprobs
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -295,6 +301,13 @@ class CompletionRequest(_SamplingFields):
                                       "(got best_of={best_of}, n={n}); it ranks no samples",
                                       {"best_of": best_of, "n": n})
         return best_of
+
+    @property
+    def num_prompt_logprobs(self) -> Optional[int]:
+        """``echo`` with ``logprobs`` scores the echoed prompt too (OpenAI's legacy behaviour)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """One entry per engine request: a string or a list of token ids."""
@@ -452,12 +465,17 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+# vLLM's prompt_logprobs: per prompt token (None for the first) {token id: {logprob, decoded_token}}
+PromptLogprobsOut = Optional[list[Optional[dict[str, dict[str, Any]]]]]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     token_ids: Optional[list[int]] = None  # with return_token_ids
+    prompt_logprobs: PromptLogprobsOut = None  # with prompt_logprobs
 
 
 class CompletionResponse(BaseModel):
@@ -504,6 +522,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsOut = None  # with prompt_logprobs
 
 
 class ChatStreamChoice(BaseModel):

@@ -180,6 +180,15 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def prompt_logprobs_out(tokenizer, out: RequestOutput) -> Optional[list]:
+    """vLLM's shape of ``RequestOutput.prompt_logprobs``: None, or per prompt token None (the
+    first) or {token id: {"logprob", "decoded_token"}}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if entry is None else {str(t): {"logprob": lp, "decoded_token": tokenizer.decode([t])}
+                                        for t, lp in entry.items()} for entry in out.prompt_logprobs]
+
+
 def sampling_params_or_400(make) -> SamplingParams:
     try:
         return make()

@@ -24,8 +24,8 @@ from kiln.entrypoints.openai.protocol import (
     ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, NamedToolChoice, TopLogprob, UsageInfo,
 )
 from kiln.entrypoints.openai.serving import (
-    SSE_DONE, ClientGone, ServingContext, TimedStream, api_error, new_id, sampling_params_or_400, sse,
-    until_disconnected,
+    SSE_DONE, ClientGone, ServingContext, TimedStream, api_error, new_id, prompt_logprobs_out,
+    sampling_params_or_400, sse, until_disconnected,
 )
 from kiln.entrypoints.openai.tool_calls import (
     ToolFormat, ToolStreamer, choose_format, template_renders_tools, tools_as_text,
@@ -149,7 +149,9 @@ def _response(ctx: ServingContext, body: ChatCompletionRequest, request_id: str,
             finish_reason="tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
             token_ids=list(c.token_ids) if body.return_token_ids else None,
         ))
-    return ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=_usage(final))
+    return ChatCompletionResponse(
+        id=request_id, model=ctx.model_name, choices=choices, usage=_usage(final),
+        prompt_logprobs=prompt_logprobs_out(tokenizer, final) if body.prompt_logprobs is not None else None)
 
 
 async def _stream(ctx: ServingContext, body: ChatCompletionRequest, request_id: str,
