@@ -38,3 +38,4 @@ class RequestOutput:
     error: Optional[str] = None
     # With SamplingParams.prompt_logprobs: per prompt token (None for the first) its logprob and the top-N.
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
+    embedding: Optional[list[float]] = None  # an embedding request's normalized vector

@@ -196,6 +196,15 @@ def test_unconstrained_greedy_is_hf_greedy_beside_constrained_requests(smol, cli
     assert echo.choices[0].text.startswith(prompt) and lp.token_logprobs[0] is None
     assert lp.token_logprobs[1:len(hf_prompt) + 1] == pytest.approx(hf_prompt, abs=2e-3)
     assert all(len(top) >= 2 for top in lp.top_logprobs[1:len(hf_prompt) + 1])
+    # Embeddings: HF's final (normed) hidden states, last token and mean, normalized.
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states[-1][0].float()  # [prompt, hidden]
+    got = client.embeddings.create(model=SMOL, input=[prompt, "Another input"])
+    want_last = torch.nn.functional.normalize(hidden[-1], dim=0)
+    assert len(got.data) == 2 and got.usage.prompt_tokens > ids.shape[1]
+    assert got.data[0].embedding == pytest.approx(want_last.tolist(), abs=2e-3)
+    mean = client.embeddings.create(model=SMOL, input=prompt, extra_body={"pooling": "mean"}).data[0].embedding
+    assert mean == pytest.approx(torch.nn.functional.normalize(hidden.mean(0), dim=0).tolist(), abs=2e-3)
     vllm_shape = echo.choices[0].model_extra["prompt_logprobs"]
     assert vllm_shape[0] is None and len(vllm_shape) == ids.shape[1]
     assert vllm_shape[1][str(ids[0, 1].item())]["logprob"] == pytest.approx(hf_prompt[0], abs=2e-3)

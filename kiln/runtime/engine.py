@@ -150,10 +150,16 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         add_special_tokens: bool = True,
+        pooling: Optional[str] = None,
     ) -> None:
-        """Queue a request (n samples); a refusal or failure leaves nothing behind."""
+        """Queue a request (n samples); a refusal or failure leaves nothing behind. ``pooling``
+        ("last" | "mean"): an embedding request, which runs its prompt and returns its vector."""
         if self.output_processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        if pooling not in (None, "last", "mean"):
+            raise ValueError(f"pooling must be last or mean, got {pooling!r}")
+        if pooling is not None and params.n != 1:
+            raise ValueError("n must be 1 for an embedding request")
         processed = self.inputs.process(prompt, params, add_special_tokens)
         samples = [
             Request(
@@ -163,6 +169,7 @@ class LLMEngine:
                 eos_token_id=self.executor.eos_token_id,
                 max_model_len=self.max_model_len,
                 priority=priority,
+                pooling=pooling,
             )
             for i in range(params.n)
         ]
@@ -213,6 +220,8 @@ class LLMEngine:
         result = self.executor.wait(handle)
         if result.prompt_logprobs:
             self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
+        if result.embeddings:
+            self.output_processor.add_embeddings(result.embeddings)
         return self.scheduler.update(sched, result.sampled_token_ids), result.logprobs
 
     def _process(self, updated: list[Request], logprobs: dict[str, Optional[dict[int, float]]]

@@ -47,6 +47,7 @@ class RunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, Optional[dict[int, float]]] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # requests that asked only
+    embeddings: dict[str, list[float]] = field(default_factory=dict)  # embedding requests that finished
 
 
 @dataclass
@@ -56,6 +57,7 @@ class LaunchedStep:
     request_ids: list[str] = field(default_factory=list)  # one per sampled row, in row order
     samples: Optional[SampledTokens] = None  # None: nothing sampled here (no row, or rank > 0)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -91,6 +93,7 @@ class ModelRunner:
         self.sampler = Sampler(seed=model_config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, _stop_ids(self.arch.eos_token_id))
         self.bitmasks = GrammarBitmasks(self.grammars)
+        self._pool_sums: dict[str, tuple[torch.Tensor, int]] = {}  # mean pooling across prefill chunks
         num_usable = self.num_blocks - 1  # block 0 is the pool's null block (kiln.runtime.block_pool)
         logger.info("KV cache: %d usable blocks of %d tokens (%d tokens of context; 1 more block is reserved) "
                     "in %.2f GiB", num_usable, self.block_size, num_usable * self.block_size,
@@ -127,8 +130,9 @@ class ModelRunner:
         inputs, sample_rows = self.input_batch.prepare(sched)
         out = self.compiled.run(inputs)
         prompt_logprobs = self._prompt_logprobs(sched, out.hidden)
+        embeddings = self._pool(sched, out.hidden)
         if not sample_rows:
-            return LaunchedStep(prompt_logprobs=prompt_logprobs)
+            return LaunchedStep(prompt_logprobs=prompt_logprobs, embeddings=embeddings)
         greedy_ids = None
         contiguous = len(sample_rows) == sample_rows[-1] + 1  # rows 0..n-1 (decode-only): a view
         rows = slice(0, len(sample_rows)) if contiguous else host_to_device(sample_rows, self.device)
@@ -143,7 +147,28 @@ class ModelRunner:
         # On a GPU the forward is still running: the grammar bitmask is filled on the CPU meanwhile.
         bitmask = self.bitmasks.fill(requests)
         return LaunchedStep([r.request_id for r in requests],
-                            self.sampler.launch(logits, requests, greedy_ids, bitmask), prompt_logprobs)
+                            self.sampler.launch(logits, requests, greedy_ids, bitmask), prompt_logprobs, embeddings)
+
+    def _pool(self, sched: SchedulerOutput, hidden: torch.Tensor) -> dict[str, list[float]]:
+        """Embeddings of the requests whose prompt ends in this step: the last token's final hidden
+        state, or the mean over the prompt (summed chunk by chunk), L2-normalized."""
+        done: dict[str, list[float]] = {}
+        row = 0
+        for s in sched.scheduled:
+            req, n = s.request, s.num_new_tokens
+            if req.pooling == "mean":
+                chunk_sum = hidden[row:row + n].float().sum(dim=0)
+                total, count = self._pool_sums.get(req.request_id, (0.0, 0)) if s.start > 0 else (0.0, 0)
+                self._pool_sums[req.request_id] = (chunk_sum + total, count + n)
+            if req.pooling is not None and s.samples:
+                if req.pooling == "mean":
+                    total, count = self._pool_sums.pop(req.request_id)
+                    vector = total / count
+                else:
+                    vector = hidden[row + n - 1].float()
+                done[req.request_id] = torch.nn.functional.normalize(vector, dim=0).tolist()
+            row += n
+        return done if self.tp.rank == 0 else {}
 
     def _prompt_logprobs(self, sched: SchedulerOutput, hidden: Optional[torch.Tensor]) -> dict[str, PromptLogprobs]:
         """Logprobs of the prompt tokens this step's prefill chunks predict, for requests that ask
@@ -165,15 +190,17 @@ class ModelRunner:
     def collect(self, launched: LaunchedStep) -> RunnerOutput:
         """Wait for a launched step and read its tokens back to the host."""
         if launched.samples is None:
-            return RunnerOutput(prompt_logprobs=launched.prompt_logprobs)
+            return RunnerOutput(prompt_logprobs=launched.prompt_logprobs, embeddings=launched.embeddings)
         out = launched.samples.result()
         return RunnerOutput(dict(zip(launched.request_ids, out.token_ids)),
-                            dict(zip(launched.request_ids, out.logprobs)), launched.prompt_logprobs)
+                            dict(zip(launched.request_ids, out.logprobs)), launched.prompt_logprobs,
+                            launched.embeddings)
 
     def forget(self, request_id: str) -> None:
         """Drop per-request state (seeded generators, grammar matchers) once a request finishes."""
         self.sampler.forget(request_id)
         self.bitmasks.forget(request_id)
+        self._pool_sums.pop(request_id, None)
 
 
 def _prompt_entries(logprobs: torch.Tensor, prompt_ids: list[int], start: int, num_top: int) -> PromptLogprobs:

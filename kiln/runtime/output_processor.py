@@ -54,6 +54,7 @@ class _UserRequest:
     # With SamplingParams.prompt_logprobs: one entry per prompt token (the first None), by position,
     # so a chunk recomputed after preemption overwrites instead of repeating.
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    embedding: Optional[list[float]] = None
 
     @property
     def finished(self) -> bool:
@@ -69,6 +70,7 @@ class _UserRequest:
             num_cached_tokens=self.samples[0].request.num_cached_tokens,
             error=self.error,
             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+            embedding=self.embedding,
         )
 
 
@@ -107,6 +109,12 @@ class OutputProcessor:
             for position, entry in entries:
                 user.prompt_logprobs[position] = entry
 
+    def add_embeddings(self, found: dict[str, list[float]]) -> None:
+        for sample_id, vector in found.items():
+            user = self._samples.get(sample_id, (None, None))[0]
+            if user is not None:
+                user.embedding = vector
+
     def has(self, request_id: str) -> bool:
         return request_id in self._users
 
@@ -140,6 +148,9 @@ class OutputProcessor:
 
     def _take_token(self, req: Request, sample: _Sample, lp: Optional[dict[int, float]]) -> bool:
         """Detokenize one sample's new token; True when it hit a stop string."""
+        if req.pooling is not None:  # an embedding ends with its prompt, without a token
+            sample.finish_reason = req.status.finish_reason
+            return False
         token = req.output_token_ids[-1]
         if not _ended_by_stop_token(req, token):  # like eos, a stop token's text is not output
             sample.detokenizer.add(token)

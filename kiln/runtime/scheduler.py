@@ -122,6 +122,10 @@ class Scheduler:
             request.num_computed_tokens += scheduled.num_new_tokens
             if not samples:
                 continue
+            if request.pooling is not None:  # an embedding: its prompt is done, the runner pooled it
+                received.append(request)
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                continue
             if request.request_id not in sampled_token_ids:
                 raise ValueError(f"request {request.request_id} reached its last token but has no sampled token")
             token_id = sampled_token_ids[request.request_id]

@@ -68,6 +68,7 @@ Stop = Annotated[Union[None, str, list[str]], BeforeValidator(_stop)]
 # with the values that, like null, ask for nothing and so pass; any other value is a 400 naming it.
 UNIMPLEMENTED_FIELDS: dict[str, tuple] = {
     "suffix": ("",),  # completions
+    "dimensions": (),  # embeddings
     "functions": ([],), "function_call": ("none",),  # OpenAI's deprecated names: use tools, tool_choice
     "modalities": (["text"],), "audio": (), "prediction": (),
     "web_search_options": (), "reasoning_effort": (), "verbosity": (),
@@ -553,6 +554,35 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---- /v1/embeddings ------------------------------------------------------------------------------
+class EmbeddingRequest(_Request):
+    model: Optional[Text] = None
+    input: CompletionPrompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Unimplemented = None
+    user: Optional[Text] = None
+    pooling: Literal["last", "mean"] = "last"  # kiln extension: last token's hidden state, or the mean
+
+    def inputs(self) -> list[Union[str, list[int]]]:
+        p = self.input
+        if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+            return [p]
+        return list(p)
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: Union[list[float], str]
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: UsageInfo
 
 
 # ---- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------------

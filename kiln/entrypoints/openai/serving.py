@@ -101,7 +101,7 @@ class ServingContext:
 
     async def start(
         self, request_id: str, prompts: list[Prompt], params: SamplingParams, priority: int = 0,
-        add_special_tokens: bool = True, *, prompt_param: str = "prompt",
+        add_special_tokens: bool = True, *, prompt_param: str = "prompt", pooling: Optional[str] = None,
     ) -> list[TimedStream]:
         """One engine request per prompt (ids ``<request_id>-<i>``); all or none are started.
 
@@ -118,7 +118,8 @@ class ServingContext:
         self._check_fits(processed, params.n)
         timers = [self.metrics.timer() for _ in prompts]
         results = await asyncio.gather(
-            *(self.engine.add_request(f"{request_id}-{i}", p, params, priority, add_special_tokens)
+            *(self.engine.add_request(f"{request_id}-{i}", p, params, priority, add_special_tokens,
+                                      **({"pooling": pooling} if pooling else {}))
               for i, p in enumerate(processed)),
             return_exceptions=True,
         )
