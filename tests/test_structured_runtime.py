@@ -89,3 +89,15 @@ def test_logits_processors_match_a_reference(tokenizer, compiler):
     assert torch.equal(got, want) and not torch.equal(got, logits)
     assert all(tokenizer.decode([t]).isdigit() for t in _allowed(bitmask, 2, vocab))
     assert apply_logits_processors(logits, [reqs[3]]) is logits  # nothing asked: untouched
+
+
+def test_batched_fill_equals_one_by_one(tokenizer, compiler):
+    vocab = len(tokenizer)
+    specs = [StructuredOutputsParams(regex="[0-9]+"), StructuredOutputsParams(json_object=True),
+             StructuredOutputsParams(choice=["yes", "no"])]
+    reqs = [Request(str(i), [1], SamplingParams(structured_outputs=s)) for i, s in enumerate(specs)]
+    reqs.insert(1, Request("plain", [1], SamplingParams()))
+    together = GrammarBitmasks(compiler).fill(reqs)
+    for row, req in enumerate(reqs):
+        alone = GrammarBitmasks(compiler).fill([req])
+        assert (alone is None and len(_allowed(together, row, vocab)) == vocab) or torch.equal(alone[0], together[row])

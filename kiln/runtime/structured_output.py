@@ -140,6 +140,7 @@ class GrammarBitmasks:
     def __init__(self, compiler: GrammarCompiler):
         self.compiler = compiler
         self._matchers: dict[str, _Matcher] = {}
+        self._batch = None  # xgrammar.BatchGrammarMatcher, made on first use
 
     def forget(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
@@ -153,13 +154,17 @@ class GrammarBitmasks:
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(len(requests), self.compiler.vocab_size)  # all allowed
-        for i in rows:
-            state = self._synced(requests[i])
-            if state is not None and not state.broken:
-                state.matcher.fill_next_token_bitmask(bitmask, i)
+        states = [(i, self._synced(requests[i])) for i in rows]
+        live = [(i, state.matcher) for i, state in states if not state.broken]
+        if len(live) == 1:
+            live[0][1].fill_next_token_bitmask(bitmask, live[0][0])
+        elif live:  # xgrammar fills the rows on its own threads
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher()
+            self._batch.batch_fill_next_token_bitmask([m for _, m in live], bitmask, [i for i, _ in live])
         return bitmask
 
-    def _synced(self, request: Request) -> Optional[_Matcher]:
+    def _synced(self, request: Request) -> _Matcher:
         """The request's matcher, having accepted exactly the request's output tokens."""
         import xgrammar as xgr
 
