@@ -135,6 +135,7 @@ def test_json_schema_streamed_with_n_samples(client):
         jsonschema.validate(json.loads(text), SCHEMAS[8])
 
 
+@pytest.mark.slow
 def test_json_object(client):
     out = client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": "Give a JSON object."}],
                                          max_tokens=80, temperature=0, response_format={"type": "json_object"})
