@@ -73,6 +73,7 @@ setup(
         "starlette",  # fastapi's own, whose HTTPException kiln's error handlers catch
         "uvicorn",
         "prometheus-client",
+        "xgrammar>=0.1.25",  # structured outputs: grammars, token bitmasks (what vLLM and SGLang use)
     ],
     extras_require={
         # `kiln bench`: its plots (without matplotlib a sweep writes only its table) and bench=serve's client.

@@ -1,6 +1,6 @@
 """kiln: an LLM serving engine whose core is a compiler."""
 
-from kiln.sampling_params import SamplingParams
+from kiln.sampling_params import SamplingParams, StructuredOutputsParams
 from kiln.outputs import CompletionOutput, RequestOutput
 from kiln.version import __version__
 
@@ -14,4 +14,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'kiln' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "CompletionOutput", "RequestOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "CompletionOutput", "RequestOutput", "__version__"]

@@ -159,8 +159,12 @@ class ServerConfig:
     header_read_timeout_s: float = 10.0
     body_read_timeout_s: float = 60.0
     keep_alive_timeout_s: float = 5.0
+    # How the model writes tool calls: auto (by its chat template) | hermes | llama3_json.
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser not in ("auto", "hermes", "llama3_json"):
+            raise ValueError(f"server.tool_call_parser must be auto, hermes or llama3_json, got {self.tool_call_parser!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins))

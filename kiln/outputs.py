@@ -36,3 +36,6 @@ class RequestOutput:
     # Set when kiln failed this request (a bug, logged with its traceback): it is finished, its
     # unfinished samples end with finish_reason "error", and the engine goes on with the others.
     error: Optional[str] = None
+    # With SamplingParams.prompt_logprobs: per prompt token (None for the first) its logprob and the top-N.
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
+    embedding: Optional[list[float]] = None  # an embedding request's normalized vector

@@ -209,7 +209,8 @@ def test_completions_logprobs_and_echo(client, tiny_llm):
     choice = echoed.choices[0]
     num_prompt = len(tiny_llm.tokenizer.encode(prompt))
     assert choice.text == prompt + r.choices[0].text
-    assert choice.logprobs.token_logprobs[:num_prompt] == [None] * num_prompt  # prompt tokens are not scored
+    head = choice.logprobs.token_logprobs[:num_prompt]  # the prompt is scored, but nothing predicts its first token
+    assert head[0] is None and all(lp <= 0 for lp in head[1:])
     assert choice.logprobs.token_logprobs[num_prompt:] == pytest.approx(lp.token_logprobs)
     assert choice.logprobs.text_offset[num_prompt] == len(prompt)
     chunks = list(client.completions.create(model=TINY, prompt=prompt, max_tokens=5, temperature=0, logprobs=1,

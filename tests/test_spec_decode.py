@@ -201,14 +201,14 @@ def test_lookahead_slots_are_budgeted_allocated_and_given_back():
 
 def test_lookahead_never_passes_max_tokens_and_update_stops_at_eos():
     scheduler, kv = _scheduler(k=4)
-    req = Request("a", [1, 2, 3], SamplingParams(max_tokens=3), eos_token_id=2)
+    req = Request("a", [1, 2, 3], SamplingParams(max_tokens=3), eos_token_ids=(2,))
     scheduler.add_request(req)
     scheduler.update(scheduler.schedule(), {"a": 9})
     out = scheduler.schedule()
     assert out.scheduled[0].num_lookahead_tokens == 1  # 2 more tokens at most: 1 + 1
     scheduler.update(out, {"a": [9, 9]})
     assert req.status is RequestStatus.FINISHED_LENGTH and req.output_token_ids == [9, 9, 9]
-    req = Request("b", [1, 2, 3], SamplingParams(max_tokens=10), eos_token_id=2)
+    req = Request("b", [1, 2, 3], SamplingParams(max_tokens=10), eos_token_ids=(2,))
     scheduler.add_request(req)
     scheduler.update(scheduler.schedule(), {"b": 9})
     scheduler.update(scheduler.schedule(), {"b": [9, 2, 9, 9]})  # eos second: the rest dropped

@@ -92,6 +92,7 @@ FIELD_HELP = {
     "server.max_request_bytes": "larger request bodies get HTTP 413",
     "server.max_prompts_per_request": "most prompts in one completion request; more: HTTP 400",
     "server.max_seqs_per_request": "most sequences (prompts x n) one request may start; more: HTTP 400",
+    "server.tool_call_parser": "how the model writes tool calls: auto (by its chat template), hermes or llama3_json",
     "server.max_queued_seqs": "most sequences admitted and unfinished, server-wide; more: HTTP 429",
     "server.max_queued_tokens": "most prompt tokens (each of n counts) admitted and unfinished; more: HTTP 429",
     "server.header_read_timeout_s": "a request's headers must arrive within this, else the connection closes",

@@ -72,6 +72,23 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def embed(self, prompts: Union[Prompt, Sequence[Prompt]], pooling: str = "last",
+              use_tqdm: bool = False) -> list[list[float]]:
+        """One L2-normalized embedding per prompt: the final hidden state of its last token
+        (``pooling="last"``) or their mean over the prompt (``"mean"``), batched like generation."""
+        prompts = _as_prompt_list(prompts)
+        ids = []
+        try:
+            for prompt in prompts:
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, SamplingParams(max_tokens=1), pooling=pooling)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return [out.embedding for out in self._run(ids, use_tqdm)]
+
     def chat(
         self,
         messages: Union[list[Message], list[list[Message]]],

@@ -81,11 +81,15 @@ class PromptEncoder:
         return self._checked(ids, self._tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
     # ---- chat ----------------------------------------------------------------------------------
-    def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to ``conversation`` with its strings marked (see the module
-        docstring); ``encode_chat`` turns the result into ids, ``plain`` into the text it stands for."""
+    def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
+                    tools: Optional[list[dict]] = None) -> str:
+        """The chat template applied to ``conversation`` (and ``tools``, OpenAI's function
+        definitions) with its strings marked (see the module docstring); ``encode_chat`` turns the
+        result into ids, ``plain`` into the text it stands for."""
         marked = self._mark(conversation)
-        return self._tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=add_generation_prompt)
+        marked_tools = [{"type": "function", "function": self._mark(t)} for t in tools] if tools else None
+        return self._tokenizer.apply_chat_template(marked, tools=marked_tools, tokenize=False,
+                                                   add_generation_prompt=add_generation_prompt)
 
     def encode_chat(self, rendered: str) -> list[int]:
         """The ids of a chat ``render_chat`` rendered: the template's control tokens as control

@@ -84,6 +84,7 @@ class _Add:
     priority: int
     add_special_tokens: bool
     sink: "_Sink"
+    pooling: Optional[str] = None
 
 
 @dataclass
@@ -208,13 +209,14 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int = 0,
         add_special_tokens: bool = True,
+        pooling: Optional[str] = None,
     ) -> RequestStream:
         """Hand a request to the engine. Raises ValueError for bad input (checked here, on the
         caller's thread, then on the engine's), QueueFullError when the queue is at a limit,
         RequestFailedError when kiln failed it, EngineDeadError when the engine has stopped."""
         prompt = self.process(prompt, params, add_special_tokens)
         sink = _Sink(asyncio.get_running_loop(), params.n, params.n * _num_tokens(prompt))
-        self._submit(_Add(request_id, prompt, params, priority, add_special_tokens, sink), reserve=sink)
+        self._submit(_Add(request_id, prompt, params, priority, add_special_tokens, sink, pooling), reserve=sink)
         try:
             first = await sink.queue.get()
         except BaseException:
@@ -223,6 +225,11 @@ class AsyncEngine:
         if isinstance(first, BaseException):
             raise first
         return RequestStream(self, request_id, sink)
+
+    @property
+    def grammars(self):
+        """The engine's ``GrammarCompiler`` (thread-safe), or None before the engine is built."""
+        return getattr(self._input_processor, "grammars", None)
 
     def process(self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool = True) -> Prompt:
         """Tokenize and check a prompt on the caller's thread (ValueError for bad input). Before the
@@ -348,7 +355,7 @@ class AsyncEngine:
         """Add one request; whatever it raises is its own answer (LLMEngine.add_request cleans up)."""
         try:
             engine.add_request(message.request_id, message.prompt, message.params, message.priority,
-                               message.add_special_tokens)
+                               message.add_special_tokens, **({"pooling": message.pooling} if message.pooling else {}))
         except Exception as e:  # noqa: BLE001 - one request must not stop the engine thread
             if not isinstance(e, ValueError):
                 logger.exception("request %s failed while it was added", message.request_id)

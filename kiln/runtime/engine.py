@@ -65,6 +65,7 @@ from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.scheduler import Scheduler
 from kiln.runtime.scheduler_output import SchedulerOutput
 from kiln.runtime.spec_stats import SpecDecodeStats
+from kiln.runtime.structured_output import GrammarCompiler
 from kiln.sampling_params import SEED_MIN, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -127,8 +128,12 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.speculative)
         self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.inputs = InputProcessor(self.tokenizer, self.executor.vocab_size, self.max_model_len)
         runner = getattr(self.executor, "runner", None)  # only the one-process executor holds one here
+        # One compiler (and so one grammar cache) where the runner is in this process.
+        self.grammars = runner.grammars if runner is not None else GrammarCompiler(
+            self.tokenizer, self.executor.vocab_size,
+            list(self.executor.eos_token_ids) or None)
+        self.inputs = InputProcessor(self.tokenizer, self.executor.vocab_size, self.max_model_len, self.grammars)
         phases = dict(runner.startup_seconds) if runner is not None else {}
         self.startup = StartupReport(self.kv_manager.num_usable_blocks, config.cache.block_size,
                                      time.perf_counter() - t_start, phases)
@@ -148,10 +153,16 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         add_special_tokens: bool = True,
+        pooling: Optional[str] = None,
     ) -> None:
-        """Queue a request (n samples); a refusal or failure leaves nothing behind."""
+        """Queue a request (n samples); a refusal or failure leaves nothing behind. ``pooling``
+        ("last" | "mean"): an embedding request, which runs its prompt and returns its vector."""
         if self.output_processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        if pooling not in (None, "last", "mean"):
+            raise ValueError(f"pooling must be last or mean, got {pooling!r}")
+        if pooling is not None and params.n != 1:
+            raise ValueError("n must be 1 for an embedding request")
         processed = self.inputs.process(prompt, params, add_special_tokens)
         samples = [
             Request(
@@ -161,6 +172,7 @@ class LLMEngine:
                 eos_token_ids=self.executor.eos_token_ids,
                 max_model_len=self.max_model_len,
                 priority=priority,
+                pooling=pooling,
             )
             for i in range(params.n)
         ]
@@ -210,6 +222,10 @@ class LLMEngine:
         self._in_flight = None  # before wait: a failed step is not waited for again
         result = self.executor.wait(handle)
         self.spec_stats.add(result.spec_counts)
+        if result.prompt_logprobs:
+            self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
+        if result.embeddings:
+            self.output_processor.add_embeddings(result.embeddings)
         return self.scheduler.update(sched, result.sampled_token_ids), result.logprobs
 
     def _process(self, updated: list[Request], logprobs: dict[str, Optional[dict[int, float]]]
@@ -238,6 +254,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        self.grammars.shutdown()
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

@@ -34,10 +34,12 @@ class InputProcessor:
     """Tokenizes and checks prompts. It holds only the tokenizer and constants, so any thread may
     call it (the server calls it on its event loop, while the engine thread steps)."""
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, grammars=None):
+        """``grammars``: a ``GrammarCompiler`` (thread-safe, cached) that checks structured outputs."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.grammars = grammars
 
     def process(self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool = True) -> TokenizedPrompt:
         """Raise ValueError (saying what to change) for a request that cannot run as asked."""
@@ -82,6 +84,13 @@ class InputProcessor:
                 f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's context "
                 f"of {self.max_model_len} tokens; lower max_tokens to at most {self.max_model_len - n}"
             )
+        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:5]}")
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs: this engine has no grammar compiler")
+            self.grammars.compile(params.structured_outputs)  # GrammarError (a ValueError) says why
         # SamplingParams checks on construction, but it is mutable: a step must never see a bad seed.
         if params.seed is not None and not (isinstance(params.seed, int) and SEED_MIN <= params.seed <= SEED_MAX):
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (signed 64-bit), "

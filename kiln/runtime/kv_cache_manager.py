@@ -70,8 +70,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """The longest cached run of the request's leading full blocks, and its length in tokens."""
-        if not self.enable_prefix_caching:
-            return [], 0
+        if (not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None
+                or request.pooling is not None):
+            return [], 0  # prompt logprobs and mean pooling need every prompt position computed
         max_num_blocks = (request.num_tokens - 1) // self.block_size
         computed_blocks = []
         for block_hash in self._hashes(request, max_num_blocks):

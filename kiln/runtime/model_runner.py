@@ -35,9 +35,14 @@ from kiln.runtime.kv_sizing import KVShape
 from kiln.runtime.ngram_proposer import NgramProposer
 from kiln.runtime.rejection_sampler import VerifiedTokens, verify
 from kiln.runtime.sampler import SampledTokens, Sampler, host_to_device
+from kiln.runtime.structured_output import GrammarBitmasks, GrammarCompiler
 from kiln.runtime.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+# (prompt position, {token id: logprob}) for the prompt's own token there and the top-N
+PromptLogprobs = list[tuple[int, dict[int, float]]]
 
 
 @dataclass
@@ -48,6 +53,8 @@ class RunnerOutput:
     logprobs: dict[str, Optional[dict[int, float]] | Optional[list[dict[int, float]]]] = field(default_factory=dict)
     # Speculative decoding, per request that had proposed tokens: (proposed, kept).
     spec_counts: dict[str, tuple[int, int]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # requests that asked only
+    embeddings: dict[str, list[float]] = field(default_factory=dict)  # embedding requests that finished
 
 
 @dataclass
@@ -57,6 +64,8 @@ class LaunchedStep:
     request_ids: list[str] = field(default_factory=list)  # one per sampled request, in row order
     samples: Optional[SampledTokens] = None  # None: nothing sampled here (no row, or rank > 0)
     verified: Optional[VerifiedTokens] = None  # instead of samples, when proposed tokens were verified
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -100,6 +109,9 @@ class ModelRunner:
         if isinstance(self.proposer, DraftProposer):
             self.proposer.bind_kv_caches(self.draft_kv_caches)
         self.sampler = Sampler(seed=model_config.seed)
+        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, _stop_ids(self.arch.eos_token_id))
+        self.bitmasks = GrammarBitmasks(self.grammars)
+        self._pool_sums: dict[str, tuple[torch.Tensor, int]] = {}  # mean pooling across prefill chunks
         num_usable = self.num_blocks - 1  # block 0 is the pool's null block (kiln.runtime.block_pool)
         logger.info("KV cache: %d usable blocks of %d tokens (%d tokens of context; 1 more block is reserved) "
                     "in %.2f GiB", num_usable, self.block_size, num_usable * self.block_size,
@@ -151,8 +163,10 @@ class ModelRunner:
         drafts = self.proposer.propose(sched) if self.proposer is not None else {}
         inputs, sample_rows = self.input_batch.prepare(sched, drafts)
         out = self.compiled.run(inputs)
+        prompt_logprobs = self._prompt_logprobs(sched, out.hidden)
+        embeddings = self._pool(sched, out.hidden)
         if not sample_rows:
-            return LaunchedStep()
+            return LaunchedStep(prompt_logprobs=prompt_logprobs, embeddings=embeddings)
         greedy_ids = None
         contiguous = len(sample_rows) == sample_rows[-1] + 1  # rows 0..n-1 (decode-only): a view
         rows = slice(0, len(sample_rows)) if contiguous else host_to_device(sample_rows, self.device)
@@ -167,8 +181,50 @@ class ModelRunner:
         request_ids = [r.request_id for r in requests]
         if drafts:
             draft_lists = [drafts.get(rid, []) for rid in request_ids]
-            return LaunchedStep(request_ids, verified=verify(self.sampler, logits, requests, draft_lists))
-        return LaunchedStep(request_ids, self.sampler.launch(logits, requests, greedy_ids))
+            return LaunchedStep(request_ids, verified=verify(self.sampler, logits, requests, draft_lists),
+                                prompt_logprobs=prompt_logprobs, embeddings=embeddings)
+        # On a GPU the forward is still running: the grammar bitmask is filled on the CPU meanwhile.
+        bitmask = self.bitmasks.fill(requests)
+        return LaunchedStep(request_ids, self.sampler.launch(logits, requests, greedy_ids, bitmask),
+                            prompt_logprobs=prompt_logprobs, embeddings=embeddings)
+
+    def _pool(self, sched: SchedulerOutput, hidden: torch.Tensor) -> dict[str, list[float]]:
+        """Embeddings of the requests whose prompt ends in this step: the last token's final hidden
+        state, or the mean over the prompt (summed chunk by chunk), L2-normalized."""
+        done: dict[str, list[float]] = {}
+        row = 0
+        for s in sched.scheduled:
+            req, n = s.request, s.num_new_tokens
+            if req.pooling == "mean":
+                chunk_sum = hidden[row:row + n].float().sum(dim=0)
+                total, count = self._pool_sums.get(req.request_id, (0.0, 0)) if s.start > 0 else (0.0, 0)
+                self._pool_sums[req.request_id] = (chunk_sum + total, count + n)
+            if req.pooling is not None and s.samples:
+                if req.pooling == "mean":
+                    total, count = self._pool_sums.pop(req.request_id)
+                    vector = total / count
+                else:
+                    vector = hidden[row + n - 1].float()
+                done[req.request_id] = torch.nn.functional.normalize(vector, dim=0).tolist()
+            row += n
+        return done if self.tp.rank == 0 else {}
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, hidden: Optional[torch.Tensor]) -> dict[str, PromptLogprobs]:
+        """Logprobs of the prompt tokens this step's prefill chunks predict, for requests that ask
+        (rare: computed and read back here, over the chunk's rows only). Every rank computes the
+        logits (they are gathered over the group); rank 0 returns them."""
+        found: dict[str, PromptLogprobs] = {}
+        row = 0
+        for s in sched.scheduled:
+            start, n, req = s.start, s.num_new_tokens, s.request
+            num_top = req.sampling_params.prompt_logprobs
+            # Row q predicts token q + 1; only prompt tokens after the first are scored.
+            end = min(start + n, req.num_prompt_tokens - 1)
+            if num_top is not None and hidden is not None and start < end:
+                logprobs = self.model.compute_logits(hidden[row:row + end - start]).float().log_softmax(-1)
+                found[req.request_id] = _prompt_entries(logprobs, req.prompt_token_ids, start, num_top)
+            row += n
+        return found if self.tp.rank == 0 else {}
 
     def collect(self, launched: LaunchedStep) -> RunnerOutput:
         """Wait for a launched step and read its tokens back to the host."""
@@ -176,16 +232,21 @@ class ModelRunner:
             v = launched.verified.result()
             ids = launched.request_ids
             counts = {rid: (len(d), a) for rid, d, a in zip(ids, launched.verified.drafts, v.num_accepted) if d}
-            return RunnerOutput(dict(zip(ids, v.token_ids)), dict(zip(ids, v.logprobs)), counts)
+            return RunnerOutput(dict(zip(ids, v.token_ids)), dict(zip(ids, v.logprobs)), counts,
+                                prompt_logprobs=launched.prompt_logprobs, embeddings=launched.embeddings)
         if launched.samples is None:
-            return RunnerOutput()
+            return RunnerOutput(prompt_logprobs=launched.prompt_logprobs, embeddings=launched.embeddings)
         out = launched.samples.result()
         return RunnerOutput(dict(zip(launched.request_ids, out.token_ids)),
-                            dict(zip(launched.request_ids, out.logprobs)))
+                            dict(zip(launched.request_ids, out.logprobs)),
+                            prompt_logprobs=launched.prompt_logprobs, embeddings=launched.embeddings)
 
     def forget(self, request_id: str) -> None:
-        """Drop per-request state (seeded generators, the draft's progress) once a request finishes."""
+        """Drop per-request state (seeded generators, grammar matchers, the draft's progress) once a
+        request finishes."""
         self.sampler.forget(request_id)
+        self.bitmasks.forget(request_id)
+        self._pool_sums.pop(request_id, None)
         if self.proposer is not None:
             self.proposer.forget(request_id)
 
@@ -212,3 +273,23 @@ class _SummedBlocks:
     @property
     def bytes_per_block(self) -> int:
         return self.target.bytes_per_block + self.draft.bytes_per_block
+
+
+def _prompt_entries(logprobs: torch.Tensor, prompt_ids: list[int], start: int, num_top: int) -> PromptLogprobs:
+    """logprobs: [rows, vocab], row k at prompt position start + k, scoring the token after it."""
+    targets = torch.tensor(prompt_ids[start + 1:start + 1 + logprobs.shape[0]], device=logprobs.device)
+    own = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    top_lp, top_ids = (logprobs.topk(num_top, dim=-1) if num_top > 0 else (None, None))
+    top_lp = top_lp.tolist() if top_lp is not None else [[] for _ in own]
+    top_ids = top_ids.tolist() if top_ids is not None else [[] for _ in own]
+    entries = []
+    for k, (token, lp) in enumerate(zip(targets.tolist(), own)):
+        entry = dict(zip(top_ids[k], top_lp[k]))
+        entry[token] = lp
+        entries.append((start + 1 + k, entry))
+    return entries
+
+
+def _stop_ids(eos: tuple[int, ...]) -> Optional[list[int]]:
+    """The ids a grammar may end on: every EOS id the scheduler stops at."""
+    return [int(e) for e in eos] or None

@@ -52,6 +52,10 @@ class _UserRequest:
     prompt_token_ids: list[int]
     samples: list[_Sample] = field(default_factory=list)
     error: Optional[str] = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (the first None), by position,
+    # so a chunk recomputed after preemption overwrites instead of repeating.
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    embedding: Optional[list[float]] = None
 
     @property
     def finished(self) -> bool:
@@ -66,6 +70,8 @@ class _UserRequest:
             finished=self.finished,
             num_cached_tokens=self.samples[0].request.num_cached_tokens,
             error=self.error,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+            embedding=self.embedding,
         )
 
 
@@ -82,15 +88,33 @@ class OutputProcessor:
     def add(self, request_id: str, prompt: Optional[str], samples: list[Request]) -> None:
         """Track a user request's samples; all or nothing (a failure leaves nothing behind)."""
         user = _UserRequest(request_id, prompt, samples[0].prompt_token_ids)
+        if samples[0].sampling_params.prompt_logprobs is not None:
+            user.prompt_logprobs = [None] * len(user.prompt_token_ids)
         for i, req in enumerate(samples):
             params = req.sampling_params
-            sample = _Sample(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params), i)
+            sample = _Sample(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params,
+                                                             params.skip_special_tokens), i)
             if params.logprobs is not None:
                 sample.logprobs = []
             user.samples.append(sample)
         for sample in user.samples:
             self._samples[sample.request.request_id] = (user, sample)
         self._users[request_id] = user
+
+    def add_prompt_logprobs(self, found: dict[str, list[tuple[int, dict[int, float]]]]) -> None:
+        """Prompt logprobs a step computed (any sample of a user request may carry them)."""
+        for sample_id, entries in found.items():
+            user = self._samples.get(sample_id, (None, None))[0]
+            if user is None or user.prompt_logprobs is None:
+                continue
+            for position, entry in entries:
+                user.prompt_logprobs[position] = entry
+
+    def add_embeddings(self, found: dict[str, list[float]]) -> None:
+        for sample_id, vector in found.items():
+            user = self._samples.get(sample_id, (None, None))[0]
+            if user is not None:
+                user.embedding = vector
 
     def has(self, request_id: str) -> bool:
         return request_id in self._users
@@ -126,6 +150,9 @@ class OutputProcessor:
     def _take_token(self, req: Request, sample: _Sample, lp: Optional[dict[int, float]] | list) -> bool:
         """Detokenize one sample's new tokens (several after a speculative step, with one logprobs
         entry each); True when it hit a stop string. Tokens after a stop string are not taken."""
+        if req.pooling is not None:  # an embedding ends with its prompt, without a token
+            sample.finish_reason = req.status.finish_reason
+            return False
         new_tokens = req.output_token_ids[sample.num_taken:]
         lps = lp if isinstance(lp, list) else [None] * (len(new_tokens) - 1) + [lp]
         for i, token in enumerate(new_tokens):

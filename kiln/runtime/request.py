@@ -46,6 +46,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule
     num_preemptions: int = 0
     stop_reason: Optional[object] = None
+    # An embedding request: "last" or "mean" pooling of the prompt's final hidden states, normalized;
+    # it runs its prefill only and ends without a token.
+    pooling: Optional[str] = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,7 +6,8 @@ shares its batch. Rules it keeps:
 
 - Per-row options (temperature, top-k, top-p, min-p) are applied as batched tensor ops; Python
   only loops over rows for seeded draws and penalty bookkeeping.
-- Order: penalties, then greedy rows take the argmax; the others divide by temperature, then
+- Order: logits processors (logit bias, min_tokens, the grammar bitmask:
+  ``kiln.runtime.logits_processors``), penalties, then greedy rows take the argmax; the others divide by temperature, then
   top-k, top-p, min-p, then draw.
 - Reported logprobs come from the log-softmax of the raw logits (before penalties and
   temperature), as vLLM reports them by default.
@@ -24,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from kiln.runtime.logits_processors import apply_logits_processors, needs_logits_processing
 from kiln.runtime.request import Request
 from kiln.sampling_params import SamplingParams
 
@@ -80,21 +82,21 @@ class Sampler:
         self._seeded.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request],
-                 greedy_ids: Optional[torch.Tensor] = None) -> SamplerOutput:
+                 greedy_ids: Optional[torch.Tensor] = None, bitmask: Optional[torch.Tensor] = None) -> SamplerOutput:
         """Sample and read back: ``launch(...).result()``."""
-        return self.launch(logits, requests, greedy_ids).result()
+        return self.launch(logits, requests, greedy_ids, bitmask).result()
 
     @torch.inference_mode()
     def launch(self, logits: torch.Tensor, requests: list[Request],
-               greedy_ids: Optional[torch.Tensor] = None) -> SampledTokens:
+               greedy_ids: Optional[torch.Tensor] = None, bitmask: Optional[torch.Tensor] = None) -> SampledTokens:
         """Enqueue the sampling; ``greedy_ids``: ``logits.argmax(-1)`` if the caller already has it
-        (a CUDA graph does)."""
+        (a CUDA graph does); ``bitmask``: the step's grammar bitmask (``GrammarBitmasks.fill``)."""
         params = [r.sampling_params for r in requests]
         if all(_is_plain_greedy(p) for p in params):  # fast path: one argmax, one read-back
             ids = greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)
             return SampledTokens(ids, len(params), [], [])
         raw = logits.float()  # [num_reqs, vocab]
-        penalized = apply_penalties(raw, requests)
+        penalized = apply_penalties(apply_logits_processors(raw, requests, bitmask), requests)
         is_greedy = [p.temperature < _MIN_TEMPERATURE for p in params]
         token_ids = penalized.argmax(dim=-1)  # [num_reqs]
         if not all(is_greedy):
@@ -146,9 +148,9 @@ class Sampler:
 
 
 def _is_plain_greedy(p: SamplingParams) -> bool:
-    """Greedy, no penalties, no logprobs: the token is the raw logits' argmax."""
+    """Greedy, no penalties, no logprobs, no logits processors: the token is the raw logits' argmax."""
     return (p.temperature < _MIN_TEMPERATURE and p.logprobs is None and p.repetition_penalty == 1.0
-            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
+            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0 and not needs_logits_processing(p))
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

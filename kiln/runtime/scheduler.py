@@ -136,6 +136,10 @@ class Scheduler:
             request.num_computed_tokens += scheduled.num_new_tokens - scheduled.num_lookahead_tokens
             if not samples:
                 continue
+            if request.pooling is not None:  # an embedding: its prompt is done, the runner pooled it
+                received.append(request)
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                continue
             if request.request_id not in sampled_token_ids:
                 raise ValueError(f"request {request.request_id} reached its last token but has no sampled token")
             received.append(request)
@@ -217,6 +221,8 @@ class Scheduler:
         if not spec.enabled or len(self.running) > spec.max_batch_size:
             return 0
         if num_new_tokens != 1 or request.num_computed_tokens != request.num_tokens - 1:
+            return 0
+        if request.sampling_params.edits_logits:  # verification does not apply bias, min_tokens or grammars
             return 0
         # Emitting 1 + lookahead tokens must not pass the request's cap.
         room = min(request.max_num_tokens, self.max_num_tokens_in_pool) - request.num_tokens - 1

@@ -23,6 +23,7 @@ Rules kept here:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from kiln.runtime.request import Request
 from kiln.sampling_params import SamplingParams
@@ -40,6 +41,8 @@ class NewRequest:
     block_ids: list[int]
     num_computed_tokens: int
     num_new_tokens: int
+    eos_token_ids: tuple[int, ...] = ()  # min_tokens masks them
+    pooling: Optional[str] = None
 
 
 # (request_id, output tokens appended, block ids appended, num_computed_tokens, num_new_tokens)
@@ -71,7 +74,7 @@ class StepEncoder:
             if sent is None or sent[1] > len(blocks):
                 delta.scheduled.append(NewRequest(req.request_id, req.prompt_token_ids, list(outputs),
                                                   req.sampling_params, list(blocks), req.num_computed_tokens,
-                                                  s.num_new_tokens))
+                                                  s.num_new_tokens, req.eos_token_ids, req.pooling))
             else:
                 n_out, n_blocks = sent
                 delta.scheduled.append((req.request_id, outputs[n_out:], blocks[n_blocks:],
@@ -100,7 +103,8 @@ class RequestMirror:
         for item in delta.scheduled:
             if isinstance(item, NewRequest):
                 req = Request(item.request_id, list(item.prompt_token_ids), item.sampling_params,
-                              output_token_ids=list(item.output_token_ids))
+                              eos_token_ids=tuple(item.eos_token_ids), output_token_ids=list(item.output_token_ids),
+                              pooling=item.pooling)
                 blocks = list(item.block_ids)
                 self._requests[item.request_id] = (req, blocks)
                 num_computed, num_new = item.num_computed_tokens, item.num_new_tokens

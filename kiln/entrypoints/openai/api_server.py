@@ -32,10 +32,15 @@ from kiln.config import EngineConfig, ServerConfig
 from kiln.version import __version__
 from kiln.entrypoints.openai.errors import error_response, install_error_handlers
 from kiln.entrypoints.openai.metrics import ServerMetrics
-from kiln.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from kiln.entrypoints.openai.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, ModelCard, ModelList,
+    TokenizeRequest,
+)
 from kiln.entrypoints.openai.serving import ServingContext
 from kiln.entrypoints.openai.serving_chat import create_chat_completion
 from kiln.entrypoints.openai.serving_completions import create_completion
+from kiln.entrypoints.openai.serving_embeddings import create_embeddings
+from kiln.entrypoints.openai.serving_tokens import detokenize, tokenize
 from kiln.entrypoints.openai.timeouts import BodyReadTimeoutMiddleware, uvicorn_options
 from kiln.runtime.async_engine import AsyncEngine, QueueLimits
 from kiln.runtime.engine import LLMEngine, StartupReport
@@ -100,6 +105,18 @@ def build_app(engine_client: AsyncEngine, server_config: ServerConfig) -> FastAP
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return _json(await create_chat_completion(ctx, body, raw))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
+        return _json(await create_embeddings(ctx, body, raw))
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> Response:
+        return _json(tokenize(ctx, body))
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> Response:
+        return _json(detokenize(ctx, body))
 
     return app
 

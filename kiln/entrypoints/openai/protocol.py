@@ -4,9 +4,8 @@ Requests keep OpenAI's field names. Rules kept here, so that no request body can
 with a value it cannot run:
 
 - Every field is declared; a field nobody defines gets a 400 (``extra="forbid"``). A field OpenAI
-  defines but kiln does not implement (``tools``, ``response_format``, ``logit_bias``, ...) gets
-  a 400 that names it, unless it is null or the value that asks for nothing (``tools: []``,
-  ``response_format: {"type": "text"}``). Fields that change nothing about the answer (``user``,
+  defines but kiln does not implement (``suffix``, ``audio``, ``prediction``, ...) gets a 400
+  that names it, unless it is null or the value that asks for nothing (``suffix: ""``). Fields that change nothing about the answer (``user``,
   ``metadata``, ``store``, ``service_tier``, ...: ``IGNORED_FIELDS``) are accepted and ignored.
 - Every number has a range the engine runs safely: NaN and infinity are refused, token ids are in
   [0, 2**31) (the engine then checks them against the vocabulary), seeds are signed 64-bit.
@@ -17,19 +16,23 @@ with a value it cannot run:
 
 kiln's extensions (vLLM's names) ride along as extra body fields: top_k, min_p,
 repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output, priority,
-return_token_ids, parse_special_tokens (completions). A schema error becomes a 400 whose
+return_token_ids, min_tokens, skip_special_tokens, prompt_logprobs, structured_outputs (vLLM's current name:
+``{"json" | "json_object" | "regex" | "choice" | "grammar": ...}``; its older guided_json,
+guided_regex, guided_choice and guided_grammar are accepted too), parse_special_tokens
+(completions). A schema error becomes a 400 whose
 ``param`` names the field (errors.py).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from kiln.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from kiln.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
 
 MAX_TOKEN_ID = (1 << 31) - 1  # the schema's bound; the engine refuses ids past the vocabulary
 MAX_INT32 = (1 << 31) - 1
@@ -64,11 +67,12 @@ Stop = Annotated[Union[None, str, list[str]], BeforeValidator(_stop)]
 # OpenAI fields kiln does not implement (declared as ``Unimplemented`` where OpenAI has them), each
 # with the values that, like null, ask for nothing and so pass; any other value is a 400 naming it.
 UNIMPLEMENTED_FIELDS: dict[str, tuple] = {
-    "logit_bias": ({},), "suffix": ("",),  # completions (logit_bias: chat too)
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "response_format": ({"type": "text"},), "modalities": (["text"],), "audio": (), "prediction": (),
+    "suffix": ("",),  # completions
+    "dimensions": (),  # embeddings
+    "functions": ([],), "function_call": ("none",),  # OpenAI's deprecated names: use tools, tool_choice
+    "modalities": (["text"],), "audio": (), "prediction": (),
     "web_search_options": (), "reasoning_effort": (), "verbosity": (),
-    "tool_calls": ([],), "refusal": (),  # on a message
+    "refusal": (),  # on a message
 }
 
 
@@ -93,7 +97,58 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
     include_obfuscation: Optional[bool] = None  # accepted, ignored: kiln pads no stream chunk
+
+
+class JsonSchemaFormat(_Request):
+    name: Text = "response"
+    description: Optional[Text] = None
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None  # the schema is enforced either way
+
+
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's ``structured_outputs`` extension: exactly one constraint."""
+
+    json_: Union[None, dict[str, Any], Text] = Field(None, alias="json")
+    json_object: Optional[bool] = None
+    regex: Optional[Text] = None
+    choice: Optional[list[Text]] = None
+    grammar: Optional[Text] = None
+    disable_any_whitespace: Optional[bool] = None  # accepted: kiln's JSON grammars are compact anyway
+
+
+def _logit_bias(value: Any) -> Optional[dict[int, float]]:
+    """OpenAI sends token ids as strings (JSON object keys); values in [-100, 100]."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise PydanticCustomError("logit_bias", "must be an object mapping token ids to numbers in [-100, 100]")
+    out = {}
+    for k, v in value.items():
+        try:
+            token = int(k)
+        except (TypeError, ValueError):
+            raise PydanticCustomError("logit_bias", "keys must be token ids (integers), got {key}",
+                                      {"key": ascii(k)[:40]}) from None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (-100 <= v <= 100) or v != v:
+            raise PydanticCustomError("logit_bias", "values must be numbers in [-100, 100], got {value}",
+                                      {"value": ascii(v)[:40]})
+        if not 0 <= token <= MAX_TOKEN_ID:
+            raise PydanticCustomError("logit_bias", "token ids must be in [0, {limit}]", {"limit": MAX_TOKEN_ID})
+        out[token] = float(v)
+    return out
+
+
+LogitBias = Annotated[Optional[dict[int, float]], BeforeValidator(_logit_bias)]
 
 
 class _SamplingFields(_Request):
@@ -109,7 +164,8 @@ class _SamplingFields(_Request):
     stream_options: Optional[StreamOptions] = None
     presence_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: Unimplemented = None
+    logit_bias: LogitBias = None
+    response_format: Optional[ResponseFormat] = None
     # accepted and ignored (IGNORED_FIELDS)
     user: Optional[Text] = None
     metadata: Optional[dict[str, Any]] = None
@@ -127,9 +183,45 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     priority: int = Field(0, ge=-MAX_INT32 - 1, le=MAX_INT32)
     return_token_ids: bool = False  # each choice (or chunk) also carries its generated token ids
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
+    skip_special_tokens: bool = True
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # per prompt token: its own and the top-N
+    structured_outputs: Optional[StructuredOutputsRequest] = None
+    # vLLM's older names for structured_outputs (still what many clients send)
+    guided_json: Union[None, dict[str, Any], Text] = None
+    guided_regex: Optional[Text] = None
+    guided_choice: Optional[list[Text]] = None
+    guided_grammar: Optional[Text] = None
 
-    def sampling_params(self, max_tokens: Optional[int], num_logprobs: Optional[int]) -> SamplingParams:
-        """The engine's SamplingParams; raises ValueError for combinations it refuses."""
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """The one output constraint asked for (response_format, structured_outputs or a guided_*
+        field); ValueError naming the fields when several are set."""
+        asked: list[tuple[str, StructuredOutputsParams]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise ValueError("response_format of type json_schema needs json_schema.schema")
+            asked.append(("response_format", StructuredOutputsParams(json=rf.json_schema.json_schema)))
+        so = self.structured_outputs
+        if so is not None:
+            asked.append(("structured_outputs", StructuredOutputsParams(
+                json=so.json_, json_object=bool(so.json_object), regex=so.regex, choice=so.choice,
+                grammar=so.grammar)))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                asked.append((name, StructuredOutputsParams(**{kind: value})))
+        if len(asked) > 1:
+            raise ValueError(f"structured_outputs: give one output constraint, got {[n for n, _ in asked]}")
+        return asked[0][1] if asked else None
+
+    def sampling_params(self, max_tokens: Optional[int], num_logprobs: Optional[int],
+                        structured_outputs: Optional[StructuredOutputsParams] = None) -> SamplingParams:
+        """The engine's SamplingParams; raises ValueError for combinations it refuses.
+        ``structured_outputs``: a constraint the handler adds (tool calling), else the request's own."""
         return SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
@@ -146,11 +238,26 @@ class _SamplingFields(_Request):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            min_tokens=self.min_tokens,
+            logit_bias=self.logit_bias or None,
+            skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=structured_outputs or self.structured_outputs_params(),
+            prompt_logprobs=self.num_prompt_logprobs,
         )
+
+    @property
+    def num_prompt_logprobs(self) -> Optional[int]:
+        return self.prompt_logprobs
 
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every stream chunk carries the usage so far (vLLM's stream_options.continuous_usage_stats)."""
+        return bool(self.stream_options and self.stream_options.include_usage
+                    and self.stream_options.continuous_usage_stats)
 
 
 def _prompt(value: Any) -> Union[str, list[int], list[str], list[list[int]]]:
@@ -196,6 +303,13 @@ class CompletionRequest(_SamplingFields):
                                       {"best_of": best_of, "n": n})
         return best_of
 
+    @property
+    def num_prompt_logprobs(self) -> Optional[int]:
+        """``echo`` with ``logprobs`` scores the echoed prompt too (OpenAI's legacy behaviour)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
     def prompts(self) -> list[Union[str, list[int]]]:
         """One entry per engine request: a string or a list of token ids."""
         p = self.prompt
@@ -225,15 +339,48 @@ def _content(value: Any) -> Optional[str]:
     return "".join(texts)
 
 
+class FunctionCall(_Request):
+    name: Text
+    arguments: Text = "{}"  # JSON text
+
+
+class ToolCall(_Request):
+    id: Optional[Text] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    # developer is OpenAI's newer name for system; tool and function messages need tool calling.
-    role: Literal["system", "developer", "user", "assistant"]
+    # developer is OpenAI's newer name for system; tool messages answer an assistant's tool_calls.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[Optional[str], BeforeValidator(_content)] = None
     name: Optional[Text] = None  # the template may use it
-    tool_calls: Unimplemented = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[Text] = None  # a tool message: the call it answers
     function_call: Unimplemented = None
     audio: Unimplemented = None
     refusal: Unimplemented = None
+
+
+class FunctionDefinition(_Request):
+    name: Annotated[str, AfterValidator(_utf8), Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: Optional[Text] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments
+    strict: Optional[bool] = None  # the schema is enforced when tool_choice requires a call
+
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: Text
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -242,29 +389,65 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT32)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[None, Literal["none", "auto", "required"], NamedToolChoice] = None
     # OpenAI fields kiln does not implement: refused unless null or asking for nothing.
-    tools: Unimplemented = None
-    tool_choice: Unimplemented = None
     functions: Unimplemented = None
     function_call: Unimplemented = None
-    response_format: Unimplemented = None
     modalities: Unimplemented = None
     audio: Unimplemented = None
     prediction: Unimplemented = None
     web_search_options: Unimplemented = None
     reasoning_effort: Unimplemented = None
     verbosity: Unimplemented = None
-    parallel_tool_calls: Optional[bool] = None  # accepted, ignored: no tools, so no tool calls
+    parallel_tool_calls: Optional[bool] = None  # accepted: a model may write several calls; a grammar asks one
+
+    @property
+    def effective_tool_choice(self) -> Union[str, NamedToolChoice]:
+        """OpenAI's default: ``auto`` with tools, ``none`` without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def tool_dicts(self) -> list[dict]:
+        """The functions, as templates and grammars read them (name, description, parameters)."""
+        return [t.function.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def check_tools(self) -> None:
+        """ValueError (naming the field) for a tool_choice the tools cannot satisfy."""
+        choice = self.effective_tool_choice
+        names = [t.function.name for t in self.tools or []]
+        if choice == "required" and not names:
+            raise ValueError("tool_choice: `required` needs at least one tool in `tools`")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: names the function {choice.function.name!r}, which `tools` does not define")
+        if choice not in ("none", "auto") and self.structured_outputs_params() is not None:
+            raise ValueError("tool_choice: a required or named tool call cannot be combined with response_format "
+                             "or structured_outputs")
 
     def conversation(self) -> list[dict]:
-        """Messages as the chat template expects them (developer as system)."""
+        """Messages as the chat template expects them (developer as system; a call's arguments as
+        an object, as templates write them with tojson)."""
         out = []
         for m in self.messages:
-            d = {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
+            d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
             if m.name is not None:
                 d["name"] = m.name
+            if m.tool_calls:
+                d["tool_calls"] = [{"id": c.id, "type": "function",
+                                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                   for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
             out.append(d)
         return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -283,12 +466,17 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+# vLLM's prompt_logprobs: per prompt token (None for the first) {token id: {logprob, decoded_token}}
+PromptLogprobsOut = Optional[list[Optional[dict[str, dict[str, Any]]]]]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     token_ids: Optional[list[int]] = None  # with return_token_ids
+    prompt_logprobs: PromptLogprobsOut = None  # with prompt_logprobs
 
 
 class CompletionResponse(BaseModel):
@@ -317,6 +505,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[dict]] = None  # OpenAI's shape: id, type, function {name, arguments}; index in deltas
 
 
 class ChatChoice(BaseModel):
@@ -334,6 +523,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsOut = None  # with prompt_logprobs
 
 
 class ChatStreamChoice(BaseModel):
@@ -364,3 +554,61 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---- /v1/embeddings ------------------------------------------------------------------------------
+class EmbeddingRequest(_Request):
+    model: Optional[Text] = None
+    input: CompletionPrompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Unimplemented = None
+    user: Optional[Text] = None
+    pooling: Literal["last", "mean"] = "last"  # kiln extension: last token's hidden state, or the mean
+
+    def inputs(self) -> list[Union[str, list[int]]]:
+        p = self.input
+        if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+            return [p]
+        return list(p)
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: Union[list[float], str]
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: UsageInfo
+
+
+# ---- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------------
+class TokenizeRequest(_Request):
+    """Either ``prompt`` (text) or ``messages`` (rendered by the chat template first)."""
+
+    model: Optional[Text] = None
+    prompt: Optional[Text] = None
+    messages: Optional[list[ChatMessage]] = None
+    tools: Optional[list[Tool]] = None
+    add_special_tokens: Optional[bool] = None  # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: Optional[int] = None
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeRequest(_Request):
+    model: Optional[Text] = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

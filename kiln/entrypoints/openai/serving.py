@@ -34,6 +34,7 @@ from kiln.runtime.async_engine import (
     AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestStream,
 )
 from kiln.runtime.input_processor import TokenizedPrompt
+from kiln.runtime.structured_output import GrammarError
 from kiln.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -100,13 +101,14 @@ class ServingContext:
 
     async def start(
         self, request_id: str, prompts: list[Prompt], params: SamplingParams, priority: int = 0,
-        add_special_tokens: bool = True, *, prompt_param: str = "prompt",
+        add_special_tokens: bool = True, *, prompt_param: str = "prompt", pooling: Optional[str] = None,
     ) -> list[TimedStream]:
         """One engine request per prompt (ids ``<request_id>-<i>``); all or none are started.
 
         All are submitted before any acceptance is awaited, so n prompts cost one engine turn.
         ``prompt_param``: the field a bad prompt is blamed on."""
         self._check_size(len(prompts), params.n)
+        await self._compile_grammar(params)
         try:
             processed = [self.engine.process(p, params, add_special_tokens) for p in prompts]
         except ValueError as e:
@@ -116,7 +118,8 @@ class ServingContext:
         self._check_fits(processed, params.n)
         timers = [self.metrics.timer() for _ in prompts]
         results = await asyncio.gather(
-            *(self.engine.add_request(f"{request_id}-{i}", p, params, priority, add_special_tokens)
+            *(self.engine.add_request(f"{request_id}-{i}", p, params, priority, add_special_tokens,
+                                      **({"pooling": pooling} if pooling else {}))
               for i, p in enumerate(processed)),
             return_exceptions=True,
         )
@@ -130,6 +133,17 @@ class ServingContext:
         if isinstance(error, ValueError):
             raise bad_request(str(error), _param_of(str(error), prompt_param)) from error
         raise api_error(error, request_id) from error
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """Compile a structured-output constraint in the grammar thread pool, off the event loop and
+        the engine thread (which then finds it cached); one xgrammar cannot compile is a 400."""
+        grammars = getattr(self.engine, "grammars", None)
+        if params.structured_outputs is None or grammars is None:
+            return
+        try:
+            await asyncio.wrap_future(grammars.submit(params.structured_outputs))
+        except GrammarError as e:
+            raise bad_request(str(e), "structured_outputs") from e
 
     def _check_size(self, num_prompts: int, n: int) -> None:
         """The server's per-request limits (400)."""
@@ -167,6 +181,15 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def prompt_logprobs_out(tokenizer, out: RequestOutput) -> Optional[list]:
+    """vLLM's shape of ``RequestOutput.prompt_logprobs``: None, or per prompt token None (the
+    first) or {token id: {"logprob", "decoded_token"}}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if entry is None else {str(t): {"logprob": lp, "decoded_token": tokenizer.decode([t])}
+                                        for t, lp in entry.items()} for entry in out.prompt_logprobs]
+
+
 def sampling_params_or_400(make) -> SamplingParams:
     try:
         return make()
@@ -176,9 +199,10 @@ def sampling_params_or_400(make) -> SamplingParams:
 
 def _param_of(message: str, prompt_param: str = "prompt") -> Optional[str]:
     # SamplingParams and the engine start their messages with the field they refuse.
-    first = message.split(" ", 1)[0]
-    known = {"n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs", "presence_penalty",
-             "frequency_penalty", "repetition_penalty", "stop", "seed"}
+    first = message.split(" ", 1)[0].rstrip(":")
+    known = {"structured_outputs", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs", "presence_penalty",
+             "frequency_penalty", "repetition_penalty", "stop", "seed", "min_tokens", "logit_bias",
+             "prompt_logprobs"}
     if first in known:
         return first
     if "max_tokens" in message:

@@ -4,6 +4,11 @@ The prompt is rendered (``add_generation_prompt=True``) and tokenized by the ``P
 control tokens the template writes are control tokens, those typed in a message are text, so no
 message can forge a turn. A stream opens with one chunk per choice that carries
 ``role: "assistant"``; content deltas follow, the last carrying the finish reason.
+
+With ``tools`` the template renders them (or, for a template without tools, a system message does:
+``tool_calls.py``); calls the model writes come back as ``tool_calls`` (finish reason
+``tool_calls``), and ``tool_choice`` ``required`` or a named function constrains the output to one
+call with a grammar.
 """
 
 from __future__ import annotations
@@ -16,46 +21,87 @@ from fastapi.responses import Response, StreamingResponse
 from kiln.entrypoints.openai.errors import bad_request
 from kiln.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
-    ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, TopLogprob, UsageInfo,
+    ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, NamedToolChoice, TopLogprob, UsageInfo,
 )
 from kiln.entrypoints.openai.serving import (
-    SSE_DONE, ClientGone, ServingContext, TimedStream, api_error, new_id, sampling_params_or_400, sse,
-    until_disconnected,
+    SSE_DONE, ClientGone, ServingContext, TimedStream, api_error, new_id, prompt_logprobs_out,
+    sampling_params_or_400, sse, until_disconnected,
+)
+from kiln.entrypoints.openai.tool_calls import (
+    ToolFormat, ToolStreamer, choose_format, template_renders_tools, tools_as_text,
 )
 from kiln.outputs import RequestOutput
+from kiln.sampling_params import StructuredOutputsParams
 from kiln.runtime.input_processor import TokenizedPrompt
 
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw: Request) -> Response:
     ctx.check(body.model)
-    prompt = _render(ctx, body)
+    try:
+        body.check_tools()
+    except ValueError as e:
+        raise bad_request(str(e), "tool_choice") from e
+    fmt = _tool_format(ctx, body)
+    prompt = _render(ctx, body, fmt)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = sampling_params_or_400(lambda: body.sampling_params(max_tokens, num_logprobs))
+    call_grammar = _call_grammar(body, fmt)
+    params = sampling_params_or_400(lambda: body.sampling_params(max_tokens, num_logprobs, call_grammar))
     request_id = new_id("chatcmpl")
     streams = await ctx.start(request_id, [prompt], params, body.priority, add_special_tokens=False,
                               prompt_param="messages")
     if body.stream:
-        return StreamingResponse(_stream(ctx, body, request_id, streams[0]), media_type="text/event-stream")
+        return StreamingResponse(_stream(ctx, body, request_id, streams[0], fmt), media_type="text/event-stream")
     try:
         final = await until_disconnected(raw, _collect(streams[0]))
-        return _response(ctx, body, request_id, final)
+        return _response(ctx, body, request_id, final, fmt)
     except ClientGone:
         return Response(status_code=499)
     except Exception as e:  # noqa: BLE001 - a kiln bug or a stopped engine: an answer in OpenAI's schema
         raise api_error(e, request_id) from e
 
 
-def _render(ctx: ServingContext, body: ChatCompletionRequest) -> TokenizedPrompt:
-    if getattr(ctx.engine.tokenizer, "chat_template", None) is None:
+def _tool_format(ctx: ServingContext, body: ChatCompletionRequest) -> Optional[ToolFormat]:
+    """The format tool calls are written in, or None when this request calls no tools."""
+    if body.effective_tool_choice == "none":
+        return None
+    return choose_format(ctx.server.tool_call_parser, getattr(ctx.engine.tokenizer, "chat_template", None))
+
+
+def _call_grammar(body: ChatCompletionRequest, fmt: Optional[ToolFormat]) -> Optional[StructuredOutputsParams]:
+    """``required`` or a named function: the output is one call, its arguments matching the schema."""
+    choice = body.effective_tool_choice
+    if fmt is None or choice == "auto":
+        return None
+    name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    try:
+        return StructuredOutputsParams(grammar=fmt.call_grammar(body.tool_dicts(), name))
+    except Exception as e:  # noqa: BLE001 - xgrammar refuses a parameters schema it cannot convert
+        raise bad_request(f"tools: a function's parameters cannot be enforced: {e}", "tools") from e
+
+
+def render_chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> TokenizedPrompt:
+    """The prompt a chat request runs: its messages (and tools) through the chat template."""
+    return _render(ctx, body, _tool_format(ctx, body))
+
+
+def _render(ctx: ServingContext, body: ChatCompletionRequest, fmt: Optional[ToolFormat]) -> TokenizedPrompt:
+    template = getattr(ctx.engine.tokenizer, "chat_template", None)
+    if template is None:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
     conversation = body.conversation()
+    tools = body.tool_dicts() if fmt is not None else None
+    if not template_renders_tools(template) and (tools or any(m["role"] == "tool" or m.get("tool_calls")
+                                                             for m in conversation)):
+        conversation = tools_as_text(fmt or choose_format(ctx.server.tool_call_parser, template), tools or [],
+                                     conversation)
+        tools = None
     _check_text(conversation)
     encoder = ctx.prompt_encoder()
     try:
-        rendered = encoder.render_chat(conversation)
+        rendered = encoder.render_chat(conversation, tools=tools)
     except Exception as e:  # noqa: BLE001 - templates raise their own errors for bad conversations
         raise bad_request(f"the chat template refused these messages: {e}", "messages") from e
     try:
@@ -88,28 +134,34 @@ async def _collect(stream: TimedStream) -> RequestOutput:
 
 
 def _response(ctx: ServingContext, body: ChatCompletionRequest, request_id: str,
-              final: RequestOutput) -> ChatCompletionResponse:
+              final: RequestOutput, fmt: Optional[ToolFormat]) -> ChatCompletionResponse:
     tokenizer = ctx.engine.tokenizer
     choices = []
     for c in final.outputs:
         logprobs = None
         if body.logprobs:
             logprobs = _chat_logprobs(tokenizer, c.token_ids, c.logprobs, body.top_logprobs or 0)
+        content, calls = fmt.parse(c.text) if fmt is not None else (c.text, [])
+        message = ChatResponseMessage(role="assistant", content=content,
+                                      tool_calls=[call.to_openai() for call in calls] if calls else None)
         choices.append(ChatChoice(
-            index=c.index, message=ChatResponseMessage(role="assistant", content=c.text),
-            logprobs=logprobs, finish_reason=c.finish_reason,
+            index=c.index, message=message, logprobs=logprobs,
+            finish_reason="tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
             token_ids=list(c.token_ids) if body.return_token_ids else None,
         ))
-    return ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=_usage(final))
+    return ChatCompletionResponse(
+        id=request_id, model=ctx.model_name, choices=choices, usage=_usage(final),
+        prompt_logprobs=prompt_logprobs_out(tokenizer, final) if body.prompt_logprobs is not None else None)
 
 
 async def _stream(ctx: ServingContext, body: ChatCompletionRequest, request_id: str,
-                  stream: TimedStream) -> AsyncIterator[str]:
+                  stream: TimedStream, fmt: Optional[ToolFormat]) -> AsyncIterator[str]:
     tokenizer = ctx.engine.tokenizer
 
     def chunk(choices: list[ChatStreamChoice], usage: Optional[UsageInfo] = None) -> str:
         return sse(ChatCompletionChunk(id=request_id, model=ctx.model_name, choices=choices, usage=usage))
 
+    streamers = [ToolStreamer(fmt) for _ in range(body.n)] if fmt is not None else []
     sent_chars = [0] * body.n
     sent_tokens = [0] * body.n
     finished: set[int] = set()
@@ -122,8 +174,14 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, request_id: 
             for c in out.outputs:
                 if c.index in finished:
                     continue  # a finished sample of n keeps appearing in later outputs
-                text = c.text[sent_chars[c.index]:]
                 new_ids = c.token_ids[sent_tokens[c.index]:]
+                calls = None
+                if fmt is None:
+                    text = c.text[sent_chars[c.index]:]
+                elif c.finished:
+                    text, calls = streamers[c.index].finish(c.text)
+                else:
+                    text = streamers[c.index].content_delta(c.text)
                 if not (text or c.finished or ((body.logprobs or body.return_token_ids) and new_ids)):
                     continue
                 logprobs = None
@@ -134,10 +192,12 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, request_id: 
                 sent_chars[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
                 if c.finished:
                     finished.add(c.index)
+                finish_reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
                 yield chunk([ChatStreamChoice(
-                    index=c.index, delta=ChatResponseMessage(content=text), logprobs=logprobs,
-                    finish_reason=c.finish_reason, token_ids=list(new_ids) if body.return_token_ids else None,
-                )])
+                    index=c.index, delta=ChatResponseMessage(content=text, tool_calls=calls or None),
+                    logprobs=logprobs, finish_reason=finish_reason,
+                    token_ids=list(new_ids) if body.return_token_ids else None,
+                )], _usage(out) if body.continuous_usage else None)
         if body.include_usage_in_stream and final is not None:
             yield chunk([], _usage(final))
     except Exception as e:  # noqa: BLE001 - the 200 is already sent; report in-band

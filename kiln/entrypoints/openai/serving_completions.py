@@ -1,8 +1,8 @@
 """POST /v1/completions: one engine request per prompt, choices numbered ``prompt * n + sample``.
 
 Logprobs use OpenAI's legacy format (tokens, token_logprobs, top_logprobs, text_offset). With
-``echo`` the prompt's tokens lead the list with null logprobs: the engine scores generated tokens
-only.
+``echo`` the prompt's tokens lead the list, scored by the engine (the first token's logprob is null:
+nothing predicts it).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kiln.entrypoints.openai.protocol import (
 )
 from kiln.entrypoints.openai.serving import (
     SSE_DONE, ClientGone, ServingContext, TimedStream, api_error, close_all, merge_streams, new_id,
-    sampling_params_or_400, sse, until_disconnected,
+    prompt_logprobs_out, sampling_params_or_400, sse, until_disconnected,
 )
 from kiln.outputs import CompletionOutput, RequestOutput
 from kiln.runtime.input_processor import TokenizedPrompt
@@ -79,11 +79,12 @@ def _response(ctx: ServingContext, body: CompletionRequest, request_id: str,
             if body.logprobs is not None:
                 logprobs = _legacy_logprobs(tokenizer, c.token_ids, c.logprobs, body.logprobs, len(prompt_text))
                 if body.echo:
-                    logprobs = _with_echo(tokenizer, out.prompt_token_ids, logprobs)
+                    logprobs = _with_echo(tokenizer, out, logprobs, body.logprobs)
             text = prompt_text + c.text
             choices.append(CompletionChoice(
                 index=i * body.n + c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
                 token_ids=list(c.token_ids) if body.return_token_ids else None,
+                prompt_logprobs=prompt_logprobs_out(tokenizer, out) if body.prompt_logprobs is not None else None,
             ))
     return CompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=_usage(finals))
 
@@ -103,15 +104,18 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, request_id: str,
     tokenizer = ctx.engine.tokenizer
     sent: dict[int, _Sent] = {}  # by choice index
     finals: list[Optional[RequestOutput]] = [None] * len(streams)
+    latest: list[Optional[RequestOutput]] = [None] * len(streams)  # for continuous usage stats
     try:
         async for i, out in merge_streams(streams):
+            latest[i] = out
             if out.finished:
                 finals[i] = out
             for c in out.outputs:
                 index = i * body.n + c.index
                 choice = _delta(tokenizer, body, out, c, index, sent.setdefault(index, _Sent()))
                 if choice is not None:
-                    yield sse(CompletionResponse(id=request_id, model=ctx.model_name, choices=[choice]))
+                    yield sse(CompletionResponse(id=request_id, model=ctx.model_name, choices=[choice],
+                                                 usage=_usage(latest) if body.continuous_usage else None))
         if body.include_usage_in_stream:
             yield sse(CompletionResponse(id=request_id, model=ctx.model_name, choices=[], usage=_usage(finals)))
     except Exception as e:  # noqa: BLE001 - the 200 is already sent; report in-band
@@ -136,7 +140,7 @@ def _delta(tokenizer, body: CompletionRequest, out: RequestOutput, c: Completion
         start = len(prefix) if first else sent.next_offset
         logprobs = _legacy_logprobs(tokenizer, new_ids, entries, body.logprobs, start)
         if prefix:
-            logprobs = _with_echo(tokenizer, out.prompt_token_ids, logprobs)
+            logprobs = _with_echo(tokenizer, out, logprobs, body.logprobs)
     if not (text or prefix or c.finished or ((logprobs is not None or body.return_token_ids) and new_ids)):
         return None
     sent.chars, sent.tokens, sent.finished = len(c.text), len(c.token_ids), c.finished
@@ -170,9 +174,9 @@ def _legacy_logprobs(tokenizer, token_ids: list[int], entries: Optional[list[dic
     return out
 
 
-def _with_echo(tokenizer, prompt_ids: list[int], logprobs: CompletionLogprobs) -> CompletionLogprobs:
-    """Prepend the prompt's tokens (offsets from 0, null logprobs) to the generated ones'."""
-    head = _legacy_logprobs(tokenizer, prompt_ids, None, 0, 0)
+def _with_echo(tokenizer, out: RequestOutput, logprobs: CompletionLogprobs, num_top: int) -> CompletionLogprobs:
+    """Prepend the prompt's tokens (offsets from 0; the first token's logprob null) to the generated ones'."""
+    head = _legacy_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs, num_top, 0)
     return CompletionLogprobs(
         tokens=head.tokens + logprobs.tokens,
         token_logprobs=head.token_logprobs + logprobs.token_logprobs,

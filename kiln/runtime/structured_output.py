@@ -1,0 +1,191 @@
+"""Structured outputs: grammars (xgrammar) that constrain which tokens a request may sample next.
+
+Two parts, each with its rules:
+
+``GrammarCompiler`` turns a ``StructuredOutputsParams`` into a compiled grammar.
+- Compiling runs in a thread pool (``submit`` returns a future), never on the engine's step loop:
+  the server awaits the future before the request enters the engine, so a schema xgrammar cannot
+  compile is a 400 whose message is xgrammar's reason, and the engine finds it compiled.
+- Results are cached by the constraint's ``key`` (the canonical schema text), so every request
+  (and every sample of n) with the same schema shares one compiled grammar.
+- It is safe from any thread; the xgrammar objects (tokenizer info, its compiler) are built on
+  first use, so an engine that never sees a constraint never pays for them.
+
+``GrammarBitmasks`` (rank 0's model runner) keeps one matcher per constrained request and fills
+one step's token bitmask: a row of 32-bit words per sampled request, bit t set when token t may
+come next.
+- A matcher is reconciled with its request before every fill: tokens sampled since are accepted,
+  and if the request holds fewer tokens than the matcher has accepted it rolls back (or is rebuilt
+  from the request's tokens). So preemption, n > 1 (one matcher per sample), prefix caching (which
+  touches only prompt blocks) and a step whose token was dropped all keep matcher and request in
+  step, whatever the executor.
+- A request whose grammar is complete may only stop (its stop tokens); a sampled token the matcher
+  refuses (which masking rules out) ends constraining for that request, with a warning, instead of
+  failing the step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kiln.runtime.request import Request
+from kiln.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+_MAX_CACHED_GRAMMARS = 1024
+
+
+class GrammarError(ValueError):
+    """A constraint xgrammar cannot compile; the message says why."""
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary, off the caller's thread, cached."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Optional[list[int]] = None,
+                 max_threads: int = 2):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="kiln-grammar")
+        self._futures: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._xgr_compiler = None  # built on first use (xgrammar scans the whole vocabulary once)
+        self.compile_seconds: dict[tuple[str, str], float] = {}
+
+    def submit(self, spec: StructuredOutputsParams) -> Future:
+        """A future of the compiled grammar; its exception is a GrammarError naming the reason."""
+        key = spec.key
+        with self._lock:
+            future = self._futures.get(key)
+            if future is not None:
+                self._futures.move_to_end(key)
+                return future
+            future = self._pool.submit(self._compile, spec)
+            self._futures[key] = future
+            while len(self._futures) > _MAX_CACHED_GRAMMARS:
+                self._futures.popitem(last=False)
+        return future
+
+    def compile(self, spec: StructuredOutputsParams):
+        """Block until the grammar is compiled (at once when it is cached); GrammarError if it cannot be."""
+        return self.submit(spec).result()
+
+    def _compiler(self):
+        with self._lock:
+            if self._xgr_compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=2)
+            return self._xgr_compiler
+
+    def _compile(self, spec: StructuredOutputsParams):
+        import time
+
+        kind, text = spec.key
+        compiler = self._compiler()
+        t0 = time.perf_counter()
+        try:
+            if kind == "json":
+                # Compact JSON (no free whitespace): a small model cannot pad its way past max_tokens.
+                grammar = compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+            elif kind == "json_object":  # any object, compact like the schemas
+                grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            elif kind == "regex":
+                grammar = compiler.compile_regex(text)
+            elif kind == "choice":
+                grammar = compiler.compile_grammar(choice_ebnf(spec.choice))
+            else:
+                grammar = compiler.compile_grammar(text)
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the reason
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", reason)  # xgrammar's "[time] file.cc:line: " prefix
+            with self._lock:
+                self._futures.pop(spec.key, None)  # a bad schema is not worth a cache slot
+            raise GrammarError(f"structured_outputs: xgrammar cannot compile this {kind} constraint: {reason}") from None
+        self.compile_seconds[spec.key] = time.perf_counter() - t0
+        return grammar
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """An EBNF grammar whose only sentences are ``choices``."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+@dataclass
+class _Matcher:
+    matcher: object  # xgrammar.GrammarMatcher
+    num_accepted: int = 0  # output tokens of the request this matcher has accepted
+    broken: bool = False  # a refused token ended constraining
+
+
+class GrammarBitmasks:
+    """Per-request matchers and one step's bitmask; lives with the sampler (rank 0)."""
+
+    def __init__(self, compiler: GrammarCompiler):
+        self.compiler = compiler
+        self._matchers: dict[str, _Matcher] = {}
+        self._batch = None  # xgrammar.BatchGrammarMatcher, made on first use
+
+    def forget(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def fill(self, requests: list[Request]) -> Optional[torch.Tensor]:
+        """The bitmask of one step's sampled rows ([num_rows, ceil(vocab / 32)] int32 on the CPU),
+        or None when no row is constrained. Rows without a constraint allow every token."""
+        rows = [i for i, r in enumerate(requests) if r.sampling_params.structured_outputs is not None]
+        if not rows:
+            return None
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(requests), self.compiler.vocab_size)  # all allowed
+        states = [(i, self._synced(requests[i])) for i in rows]
+        live = [(i, state.matcher) for i, state in states if not state.broken]
+        if len(live) == 1:
+            live[0][1].fill_next_token_bitmask(bitmask, live[0][0])
+        elif live:  # xgrammar fills the rows on its own threads
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher()
+            self._batch.batch_fill_next_token_bitmask([m for _, m in live], bitmask, [i for i, _ in live])
+        return bitmask
+
+    def _synced(self, request: Request) -> _Matcher:
+        """The request's matcher, having accepted exactly the request's output tokens."""
+        import xgrammar as xgr
+
+        state = self._matchers.get(request.request_id)
+        output = request.output_token_ids
+        if state is not None and state.num_accepted > len(output):
+            rewind = state.num_accepted - len(output)
+            if not state.broken:  # xgrammar keeps every step, so any rewind is a rollback
+                state.matcher.rollback(rewind)
+                state.num_accepted = len(output)
+            else:
+                state = None
+        if state is None:
+            grammar = self.compiler.compile(request.sampling_params.structured_outputs)
+            state = _Matcher(xgr.GrammarMatcher(grammar, override_stop_tokens=self.compiler.stop_token_ids))
+            self._matchers[request.request_id] = state
+        while state.num_accepted < len(output) and not state.broken:
+            token = output[state.num_accepted]
+            if state.matcher.is_terminated() or not state.matcher.accept_token(token):
+                logger.warning("request %s: its grammar refused token %d; the rest of its output is "
+                               "unconstrained", request.request_id, token)
+                state.broken = True
+            state.num_accepted += 1
+        return state
