@@ -242,7 +242,9 @@ class KilnForward:
         with self.backend.compiler.progress():
             self.backend.dry_run = True
             try:
-                with fx_config.patch(backed_size_oblivious=True), (self._depyf_context or _null)():
+                # A model may capture in a form of its own (the generic path: attention as SDPA).
+                capture_scope = getattr(self.model, "capture_scope", None) or _null
+                with fx_config.patch(backed_size_oblivious=True), (self._depyf_context or _null)(), capture_scope():
                     fn(self.model, dummy_ids, dummy_pos)
             finally:
                 self.backend.dry_run = False
