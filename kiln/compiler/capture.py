@@ -18,6 +18,9 @@ the split graph, its compiled pieces and the argument plan from disk: a hit runs
 Inductor, and binds the plan to this model's parameters and buffers by qualified name. A miss
 captures as above and stores what it built.
 
+A model may shape its own capture: ``model.capture_scope()``, when it has one, is entered around
+Dynamo's trace (the generic path captures its attention as SDPA there, for the attention pass).
+
 Call it under ``torch.inference_mode()`` or ``torch.no_grad()`` (the model runner does); the
 compiled pieces are inference graphs.
 """

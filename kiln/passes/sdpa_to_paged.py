@@ -112,7 +112,9 @@ class SDPAToPagedAttentionPass(KilnPass):
         where = f"{node.name} (layer {layer})"
         if a.get("dropout_p", 0.0) not in (0, 0.0):
             raise ValueError(f"{where}: attention dropout {a['dropout_p']} (kiln runs inference only)")
-        if a.get("attn_mask") is None and a.get("is_causal") is not True:
+        # is_causal may be a traced condition (transformers: q_len > 1 and no mask), true wherever it matters.
+        if a.get("attn_mask") is None and not (a.get("is_causal") is True or isinstance(a.get("is_causal"),
+                                                                                         torch.fx.Node)):
             raise ValueError(f"{where}: attention without a mask and not causal (kiln's paged attention is causal)")
         module_layer = _module_layer(node)
         if module_layer is not None and module_layer != layer:
