@@ -127,6 +127,7 @@ GREEDY_CASES = [pytest.param(f, "eager", marks=() if f in ("qwen3", "granite", "
                 for f in sorted(CONFIGS)]
 # kiln mode compiles ~10 s per graph on a CPU: one family in the default suite, the rest slow.
 GREEDY_CASES += [pytest.param(f, "kiln", marks=() if f == "qwen3" else pytest.mark.slow) for f in sorted(CONFIGS)]
+GREEDY_CASES += [pytest.param("qwen3", "stock", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("family,mode", GREEDY_CASES)
@@ -138,6 +139,11 @@ def test_generic_greedy_matches_transformers_generate(checkpoints, family, mode)
     assert got == _hf_greedy(hf, prompts)
     stats = llm.engine.stats()
     assert stats["num_free_blocks"] == llm.engine.kv_manager.num_usable_blocks  # nothing leaked
+    if mode == "kiln" and family == "qwen3":
+        # A second start loads the compiled forward from the artifact cache, bound to the
+        # transformers model's parameters by name, and gives the same tokens.
+        again, llm2 = _kiln_greedy(path, prompts, mode)
+        assert llm2.engine.executor.runner.compiled.forward.cache_hit and again == got
 
 
 # ---- the pass -------------------------------------------------------------------------------------
