@@ -2,6 +2,8 @@
 
 - ``arch``: ``ArchConfig`` (read from / written to ``config.json``) and the random-weight presets.
 - ``llama``: the one model implementation (Llama 2/3, Qwen2, Mistral, SmolLM2).
+- ``hf_generic``: the generic path (``model.impl=transformers``): transformers' own modeling code over
+  kiln's flat batch and paged attention.
 - ``gguf``: one-time GGUF -> Hugging Face directory conversion into the cache dir.
 - ``registry``: registered model names and the packages that ship them.
 - ``loader``: ``load_model(ModelConfig, ...) -> LoadedModel``.

@@ -92,8 +92,6 @@ def unsupported_reason(config: Any) -> Optional[str]:
     if getattr(config, "is_encoder_decoder", False):
         return "it is an encoder-decoder model (kiln runs decoder-only causal LMs)"
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "is_decoder", True) is False and getattr(config, "model_type", "") in ("bert", "roberta"):
-        return "it is not a causal decoder"
     layer_types = getattr(text, "layer_types", None)
     if layer_types and any(t != "full_attention" for t in layer_types):
         kinds = sorted(set(layer_types) - {"full_attention"})
@@ -101,9 +99,9 @@ def unsupported_reason(config: Any) -> Optional[str]:
     window = getattr(text, "sliding_window", None)
     if window and getattr(text, "use_sliding_window", True) and not layer_types:
         return f"it uses sliding-window attention (sliding_window={window}), which kiln's attention lacks"
-    for key in ("attn_logit_softcapping", "final_logit_softcapping_attn"):
-        if getattr(text, key, None):
-            return f"it soft-caps attention logits ({key}={getattr(text, key)}), which kiln's attention lacks"
+    if getattr(text, "attn_logit_softcapping", None):
+        return (f"it soft-caps attention logits (attn_logit_softcapping={text.attn_logit_softcapping}), "
+                "which kiln's attention lacks")
     if getattr(text, "alibi", False) or getattr(text, "position_embedding_type", "rope") == "alibi":
         return "it uses ALiBi position biases, which kiln's attention lacks"
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
@@ -138,7 +136,10 @@ def kiln_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
         raise ValueError(f"{type(module).__name__} asks for a sliding window, which kiln's attention lacks")
     if kwargs.get("softcap") is not None:
         raise ValueError(f"{type(module).__name__} asks for soft-capping, which kiln's attention lacks")
-    if not getattr(module, "is_causal", True):
+    for key in ("s_aux", "sinks", "position_bias"):
+        if kwargs.get(key) is not None:
+            raise ValueError(f"{type(module).__name__} passes {key!r} to its attention, which kiln's attention lacks")
+    if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
         raise ValueError(f"{type(module).__name__} is not causal; kiln's paged attention is causal only")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1)  # [T, H, D]

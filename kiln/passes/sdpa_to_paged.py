@@ -7,7 +7,7 @@ step's own tokens under a mask it builds from the positions. Each call becomes::
 
     before:  k = k_rot[:, :, None].expand(1, KVH, G, T, D).reshape(1, H, T, D)     (GQA repeat, if any)
              o = scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s)   q: [1, H, T, D]
-    after:   o = kiln.attend_paged(q[0].transpose(0, 1), k_rot[0].transpose(0, 1),
+    after:   o = kiln.attend_paged(q[0].transpose(0, 1).contiguous(), k_rot[0].transpose(0, 1),
                                    v[0].transpose(0, 1), layer, s).transpose(0, 1).unsqueeze(0)
 
 so k/v (after rotary, before the GQA repeat) are written into the paged cache and each request
@@ -134,6 +134,9 @@ class SDPAToPagedAttentionPass(KilnPass):
         with graph.inserting_before(node):
             flat = [graph.call_function(torch.transpose, (graph.call_function(torch.select, (x, 0, 0)), 0, 1))
                     for x in (q, k, v)]  # [T, heads, D]
+            # q in token-major layout: the kernels' output (contiguous) then matches their fake
+            # (shaped like q), and Inductor writes the rotary result in that layout at no cost.
+            flat[0] = graph.call_method("contiguous", (flat[0],))
             o = graph.call_function(torch.ops.kiln.attend_paged.default, (*flat, layer, scale))  # [T, H, D]
             out = graph.call_function(torch.unsqueeze, (graph.call_function(torch.transpose, (o, 0, 1)), 0))
         out.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
