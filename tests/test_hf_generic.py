@@ -123,7 +123,7 @@ def _kiln_greedy(path: str, prompts, mode: str) -> tuple[list[list[int]], LLM]:
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-GREEDY_CASES = [pytest.param(f, "eager", marks=() if f in ("qwen3", "granite", "llama") else pytest.mark.slow)
+GREEDY_CASES = [pytest.param(f, "eager", marks=() if f == "qwen3" else pytest.mark.slow)
                 for f in sorted(CONFIGS)]
 # kiln mode compiles ~10 s per graph on a CPU: one family in the default suite, the rest slow.
 GREEDY_CASES += [pytest.param(f, "kiln", marks=() if f == "qwen3" else pytest.mark.slow) for f in sorted(CONFIGS)]

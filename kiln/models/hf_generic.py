@@ -142,7 +142,7 @@ def kiln_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
     if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
         raise ValueError(f"{type(module).__name__} is not causal; kiln's paged attention is causal only")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q = query[0].transpose(0, 1)  # [T, H, D]
+    q = query[0].transpose(0, 1).contiguous()  # [T, H, D]; the kernels' output then has q's layout
     k = key[0].transpose(0, 1)  # [T, KVH, D]
     v = value[0].transpose(0, 1)
     o = torch.ops.kiln.attend_paged(q, k, v, module.layer_idx, float(scale))  # [T, H, D]

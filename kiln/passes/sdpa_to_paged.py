@@ -131,14 +131,25 @@ class SDPAToPagedAttentionPass(KilnPass):
             raise ValueError(f"{where}: {q_shape[1]} query heads are not a multiple of {k_shape[1]} kv heads")
         scale = a.get("scale")
         scale = float(scale) if scale is not None else float(q_shape[-1]) ** -0.5
+        fake_mode = getattr(q.meta.get("example_value"), "fake_mode", None)
+
+        def call(kind: str, target: Any, args: tuple) -> torch.fx.Node:
+            new = graph.create_node(kind, target, args)
+            if fake_mode is not None:  # Dynamo's nodes carry their fake value; Inductor's caches check it
+                vals = [a.meta["example_value"] if isinstance(a, torch.fx.Node) else a for a in args]
+                with fake_mode:
+                    new.meta["example_value"] = (getattr(vals[0], target)(*vals[1:]) if kind == "call_method"
+                                                 else target(*vals))
+            return new
+
         with graph.inserting_before(node):
-            flat = [graph.call_function(torch.transpose, (graph.call_function(torch.select, (x, 0, 0)), 0, 1))
+            flat = [call("call_function", torch.transpose, (call("call_function", torch.select, (x, 0, 0)), 0, 1))
                     for x in (q, k, v)]  # [T, heads, D]
             # q in token-major layout: the kernels' output (contiguous) then matches their fake
             # (shaped like q), and Inductor writes the rotary result in that layout at no cost.
-            flat[0] = graph.call_method("contiguous", (flat[0],))
-            o = graph.call_function(torch.ops.kiln.attend_paged.default, (*flat, layer, scale))  # [T, H, D]
-            out = graph.call_function(torch.unsqueeze, (graph.call_function(torch.transpose, (o, 0, 1)), 0))
+            flat[0] = call("call_method", "contiguous", (flat[0],))
+            o = call("call_function", torch.ops.kiln.attend_paged.default, (*flat, layer, scale))  # [T, H, D]
+            out = call("call_function", torch.unsqueeze, (call("call_function", torch.transpose, (o, 0, 1)), 0))
         out.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
         node.replace_all_uses_with(out)
         graph.erase_node(node)
