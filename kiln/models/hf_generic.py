@@ -136,9 +136,9 @@ def kiln_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
         raise ValueError(f"{type(module).__name__} asks for a sliding window, which kiln's attention lacks")
     if kwargs.get("softcap") is not None:
         raise ValueError(f"{type(module).__name__} asks for soft-capping, which kiln's attention lacks")
-    for key in ("s_aux", "sinks", "position_bias"):
-        if kwargs.get(key) is not None:
-            raise ValueError(f"{type(module).__name__} passes {key!r} to its attention, which kiln's attention lacks")
+    for name in ("s_aux", "sinks", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{type(module).__name__} passes {name!r} to its attention, which kiln's attention lacks")
     if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
         raise ValueError(f"{type(module).__name__} is not causal; kiln's paged attention is causal only")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
