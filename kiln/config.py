@@ -63,9 +63,13 @@ class ModelConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: Optional[int] = None  # None: the model's own context length
     seed: int = 0  # seed of random weights and of unseeded sampling
+    # auto: kiln's own implementation when it has the family, else transformers' modeling code
+    # (native | transformers force one; see kiln.models.hf_generic).
+    impl: str = "auto"
 
     def __post_init__(self) -> None:
         _check_choice("model", "dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        _check_choice("model", "impl", self.impl, ("auto", "native", "transformers"))
         _check_choice("model", "device", self.device, ("auto", "cpu", "cuda"))
         _check_positive("model", "max_model_len", self.max_model_len, allow_none=True)
 

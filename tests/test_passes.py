@@ -266,7 +266,8 @@ def test_uuid_tracks_source_and_options():
 
 def test_pass_list_order_and_auto_fusion():
     names = [p.name for p in build_passes(PassConfig())]
-    assert names == ["AttentionBackendPass", "MoEBackendPass", "NoOpEliminationPass", "SiluMulFusionPass",
+    assert names == ["SDPAToPagedAttentionPass", "AttentionBackendPass", "MoEBackendPass", "NoOpEliminationPass",
+                     "SiluMulFusionPass",
                      "AddRMSNormFusionPass"]
     cpu = {p.name: p.options() for p in build_passes(PassConfig(kernels=select_kernels("cpu")))}
     cuda = {p.name: p.options() for p in build_passes(PassConfig(kernels=select_kernels("cuda")))}

@@ -8,7 +8,7 @@ One entry per key, a directory under ``<cache.dir>/compile/``::
       plan.json, graph.pkl, graph.py, pieces/, inductor/
                             the compiled forward (``kiln.compiler.saved_forward``)
 
-The key is a hash of ``key_factors``: the model (name, architecture, dtype, tensor shapes), the
+The key is a hash of ``key_factors``: the model (name, impl, architecture, dtype, tensor shapes), the
 compile config, every pass's uuid, kiln's own source, torch/triton/Python versions and the device
 (name and capability). A miss names the factors that differ from the nearest existing entry.
 
@@ -73,6 +73,7 @@ def key_factors(model: torch.nn.Module, model_name: str, config: CompileConfig, 
         "format": FORMAT_VERSION,
         "model": {
             "name": model_name,
+            "impl": getattr(model, "impl", "native"),  # model.impl: kiln's code or transformers'
             "class": f"{type(model).__module__}.{type(model).__qualname__}",
             "arch": dataclasses.asdict(arch) if dataclasses.is_dataclass(arch) else None,
             "tensors": _tensors_hash(model),

@@ -33,6 +33,7 @@ from kiln.compiler.piece import PieceCompiler
 from kiln.compiler.split import split_graph
 from kiln.ops.registry import GENERIC_ATTENTION_OP
 from kiln.passes.manager import PassManager
+from kiln.passes.sdpa_to_paged import check_no_sdpa_left
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class KilnBackend:
         sources = [_source_name(n) for n in gm.graph.find_nodes(op="placeholder")]
         self.passes.label = "dynamo_graph"
         self.passes.run_dynamo(gm)
+        check_no_sdpa_left(gm.graph)  # an SDPA the attention pass could not rewrite: never run it
         if self.dump:
             self.dump.write("dynamo_graph.py", gm.code)
         split_gm, pieces = split_graph(gm, self.split_op_names)

@@ -18,6 +18,9 @@ the split graph, its compiled pieces and the argument plan from disk: a hit runs
 Inductor, and binds the plan to this model's parameters and buffers by qualified name. A miss
 captures as above and stores what it built.
 
+A model may shape its own capture: ``model.capture_scope()``, when it has one, is entered around
+Dynamo's trace (the generic path captures its attention as SDPA there, for the attention pass).
+
 Call it under ``torch.inference_mode()`` or ``torch.no_grad()`` (the model runner does); the
 compiled pieces are inference graphs.
 """
@@ -242,7 +245,9 @@ class KilnForward:
         with self.backend.compiler.progress():
             self.backend.dry_run = True
             try:
-                with fx_config.patch(backed_size_oblivious=True), (self._depyf_context or _null)():
+                # A model may capture in a form of its own (the generic path: attention as SDPA).
+                capture_scope = getattr(self.model, "capture_scope", None) or _null
+                with fx_config.patch(backed_size_oblivious=True), (self._depyf_context or _null)(), capture_scope():
                     fn(self.model, dummy_ids, dummy_pos)
             finally:
                 self.backend.dry_run = False

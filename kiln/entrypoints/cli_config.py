@@ -64,6 +64,9 @@ FIELD_HELP = {
     "model.device": "auto: cuda when available, else cpu",
     "model.max_model_len": "longest prompt plus output in tokens; null: the model's own context length",
     "model.seed": "seed of random weights and of unseeded sampling",
+    "model.impl": "auto: kiln's own model code when it has the family (llama, qwen2, mistral), else the "
+                  "generic path (transformers' modeling code, captured and given kiln's paged attention); "
+                  "native or transformers: force one",
     "cache.block_size": "tokens per KV cache block",
     "cache.enable_prefix_caching": "reuse the KV blocks of a prompt prefix computed before",
     "cache.kv_cache_memory_gib": "KV cache budget; null: 1 GiB on CPU, from gpu_memory_fraction on GPU",
@@ -131,6 +134,7 @@ FIELD_HELP = {
 CHOICES: dict[str, tuple] = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.device": ("auto", "cpu", "cuda"),
+    "model.impl": ("auto", "native", "transformers"),
     "scheduler.policy": ("fcfs", "priority"),
     "compile.mode": COMPILE_MODES,
     "compile.cudagraph": CUDAGRAPH_MODES,

@@ -31,7 +31,7 @@ class LLM:
     """
 
     def __init__(self, model: Union[str, dict, ModelConfig] = "smollm2-135m-instruct", **kwargs: Any):
-        model_fields = {"dtype", "device", "max_model_len", "seed"}
+        model_fields = {"dtype", "device", "max_model_len", "seed", "impl"}
         model_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in model_fields}
         if isinstance(model, str):
             model = ModelConfig(model=model, **model_kwargs)

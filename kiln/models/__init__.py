@@ -4,6 +4,8 @@
 - ``llama``: the one model implementation (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, OLMo-2, Granite).
 - ``rope``: RoPE frequency tables of every supported scaling type.
 - ``moe``: the mixture-of-experts block of Mixtral, Qwen2-MoE and Qwen3-MoE.
+- ``hf_generic``: the generic path (``model.impl=transformers``): transformers' own modeling code over
+  kiln's flat batch and paged attention.
 - ``gguf``: one-time GGUF -> Hugging Face directory conversion into the cache dir.
 - ``registry``: registered model names and the packages that ship them.
 - ``loader``: ``load_model(ModelConfig, ...) -> LoadedModel``.

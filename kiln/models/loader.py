@@ -8,6 +8,10 @@
 3. a local Hugging Face directory: config.json, *.safetensors (sharded or not) and tokenizer files.
 4. a local ``.gguf`` file of a Llama-family model: converted once into the cache dir, as in 2.
 
+``model_config.impl`` then picks the model code (``use_generic``): kiln's own (``kiln.models.llama``)
+or, for ``transformers`` and for families kiln lacks under ``auto``, the generic path
+(``kiln.models.hf_generic``: transformers' own modeling code, the same weights and random seeds).
+
 Rules kept here: the model is built on the meta device and materialized directly on the target
 device in the target dtype, so a big random preset never exists as a float32 CPU copy; random
 weights are drawn one full tensor at a time on the target device, each from a generator seeded by
@@ -28,8 +32,9 @@ from typing import Any, Iterator, Optional
 import torch
 
 from kiln.config import ModelConfig
-from kiln.models.arch import PRESETS, ArchConfig
+from kiln.models.arch import FAMILIES, PRESETS, ArchConfig
 from kiln.models.gguf import convert_gguf, convert_gguf_tokenizer
+from kiln.models.hf_generic import HFGenericForCausalLM, build_generic, hf_config_from_dict
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.parallel import SINGLE, TensorParallel
 from kiln.models.registry import REGISTERED_MODELS, TOKENIZER_DIR_ENV, TOKENIZER_DONOR
@@ -41,8 +46,8 @@ RANDOM_INIT_STD = 0.02
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
-    arch: ArchConfig
+    model: LlamaForCausalLM | HFGenericForCausalLM  # HFGenericForCausalLM: model.impl=transformers
+    arch: ArchConfig  # a GenericArch (the fields the runtime reads) on the generic path
     tokenizer: Any  # a transformers tokenizer
     name: str
     hf_dir: Optional[str]  # None for random weights
@@ -88,7 +93,10 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
         raise ValueError(f"model directory {hf_dir!r} has no config.json; point model= at a Hugging Face "
                          f"checkpoint directory (config.json, *.safetensors, tokenizer files). {_choices()}")
     with open(os.path.join(hf_dir, "config.json")) as f:
-        arch = ArchConfig.from_hf_config(json.load(f))
+        hf_config = json.load(f)
+    if use_generic(model_config.impl, hf_config.get("model_type")):
+        return _load_generic(hf_config, hf_dir, name, model_config, device, dtype, tp)
+    arch = ArchConfig.from_hf_config(hf_config)
     arch = dataclasses.replace(arch, eos_token_id=stop_token_ids(hf_dir, arch))
     max_model_len = _max_model_len(model_config, arch)
     tokenizer = _load_tokenizer(hf_dir)
@@ -96,6 +104,31 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     model.load_weights(progress_bar(iter_safetensors(hf_dir), desc=f"loading {name}", total=_num_tensors(hf_dir),
                                     unit="tensor"))
     return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len)
+
+
+def use_generic(impl: str, model_type: Optional[str]) -> bool:
+    """``model.impl``: transformers' modeling code (the generic path) or kiln's own? ``auto`` takes
+    kiln's own where it implements the family (``arch.FAMILIES``)."""
+    if impl == "transformers":
+        return True
+    if impl == "native":
+        if model_type not in FAMILIES:
+            raise ValueError(f"model.impl=native: kiln has no native implementation of model_type {model_type!r} "
+                             f"(it has {list(FAMILIES)}); use model.impl=auto or transformers for the generic path")
+        return False
+    return model_type not in FAMILIES
+
+
+def _load_generic(hf_config: dict, hf_dir: str, name: str, model_config: ModelConfig, device, dtype,
+                  tp: TensorParallel) -> LoadedModel:
+    """The generic path: transformers' model of ``config.json``, weights from the directory."""
+    model = build_generic(hf_config_from_dict(hf_config), device, dtype, tp.size)
+    model.arch = dataclasses.replace(model.arch, eos_token_id=stop_token_ids(hf_dir, model.arch))
+    max_model_len = _max_model_len(model_config, model.arch)
+    tokenizer = _load_tokenizer(hf_dir)
+    model.load_weights(progress_bar(iter_safetensors(hf_dir), desc=f"loading {name}", total=_num_tensors(hf_dir),
+                                    unit="tensor"))
+    return LoadedModel(model, model.arch, tokenizer, name, hf_dir, max_model_len)
 
 
 def build_empty_model(arch: ArchConfig, device: torch.device, dtype: torch.dtype,
@@ -183,9 +216,15 @@ def _load_random(preset: str, model_config: ModelConfig, cache_dir: str, device,
     # Stop tokens must be ids the borrowed tokenizer knows.
     arch = dataclasses.replace(PRESETS[preset], bos_token_id=tokenizer.bos_token_id,
                                eos_token_id=(tokenizer.eos_token_id,))
+    if use_generic(model_config.impl, arch.family):
+        # The same random weights (same names, same seeds) in transformers' model of the preset.
+        model = build_generic(hf_config_from_dict(arch.to_hf_config()), device, dtype, tp.size)
+        model.load_weights(progress_bar(iter_random_weights(arch, model_config.seed, device, dtype),
+                                        desc="drawing random weights", unit="tensor"))
+    else:
+        model = build_empty_model(arch, device, dtype, tp)
+        init_random_weights(model, model_config.seed)
     max_model_len = _max_model_len(model_config, arch)
-    model = build_empty_model(arch, device, dtype, tp)
-    init_random_weights(model, model_config.seed)
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()  # else the KV cache sizing counts the freed full tensors as in use
     return LoadedModel(model, arch, tokenizer, RANDOM_PREFIX + preset, None, max_model_len)

@@ -2,11 +2,13 @@
 
 The list (``build_passes``) runs in order; each pass says where it runs (``KilnPass.stage``):
 
-1. ``AttentionBackendPass`` (dynamo): the generic attention call becomes the KernelSet's kernel op.
+1. ``SDPAToPagedAttentionPass`` (dynamo): a captured transformers model's
+   ``scaled_dot_product_attention`` becomes ``kiln.attend_paged``; its dead mask construction goes.
+2. ``AttentionBackendPass`` (dynamo): the generic attention call becomes the KernelSet's kernel op.
    ``MoEBackendPass`` (dynamo): likewise the generic ``kiln.fused_moe`` (mixture-of-experts models).
-2. ``NoOpEliminationPass`` (post_grad): views, slices and casts that return their input.
-3. ``SiluMulFusionPass`` (post_grad): ``silu(gate) * up`` -> ``kiln.silu_and_mul``.
-4. ``AddRMSNormFusionPass`` (post_grad): residual add + RMSNorm -> ``kiln.add_rms_norm``.
+3. ``NoOpEliminationPass`` (post_grad): views, slices and casts that return their input.
+4. ``SiluMulFusionPass`` (post_grad): ``silu(gate) * up`` -> ``kiln.silu_and_mul``.
+5. ``AddRMSNormFusionPass`` (post_grad): residual add + RMSNorm -> ``kiln.add_rms_norm``.
 
 ``run_dynamo(gm)`` applies the dynamo-stage passes to the captured graph before it is split;
 the manager itself is Inductor's ``post_grad_custom_pre_pass`` (a ``CustomGraphPass``) and applies
@@ -49,6 +51,7 @@ from kiln.passes.attention_backend import AttentionBackendPass
 from kiln.passes.base import STAGES, KilnPass, source_hash
 from kiln.passes.moe_backend import MoEBackendPass
 from kiln.passes.noop_elimination import NoOpEliminationPass
+from kiln.passes.sdpa_to_paged import SDPAToPagedAttentionPass
 from kiln.passes.silu_mul_fusion import SiluMulFusionPass
 
 logger = logging.getLogger(__name__)
@@ -76,6 +79,7 @@ def build_passes(config: PassConfig) -> list[KilnPass]:
     """The one ordered list."""
     k = config.kernels
     return [
+        SDPAToPagedAttentionPass(),
         AttentionBackendPass(k),
         MoEBackendPass(k),
         NoOpEliminationPass(),

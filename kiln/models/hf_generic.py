@@ -1,0 +1,354 @@
+"""The generic path (``model.impl=transformers``): any decoder-only ``*ForCausalLM`` of transformers,
+its own modeling code unmodified, over kiln's flat batch and paged KV cache.
+
+``HFGenericForCausalLM`` wraps the transformers model and keeps kiln's model contract
+(``forward(input_ids [T], positions [T]) -> hidden [T, hidden]``, ``compute_logits``): the flat
+batch runs as one sequence of batch 1 with ``position_ids``, without a transformers cache. Each
+attention layer reaches ``torch.ops.kiln.attend_paged``, which writes k/v into the paged cache and
+attends each request over its own context, in one of two ways:
+
+- ``compile.mode=eager`` and ``stock``: the model runs with attention implementation ``"kiln"``,
+  registered in transformers' ``AttentionInterface`` (``kiln_attention_forward``): it hands the
+  layer's q, k, v (after rotary) to the kiln op. transformers builds no mask for an attention
+  implementation it has no mask function for, so none is computed.
+- ``compile.mode=kiln``: the model is captured with ``"sdpa"`` (``capture_scope``), so the Dynamo
+  graph holds the model's own ``scaled_dot_product_attention`` calls and its mask construction;
+  ``kiln.passes.sdpa_to_paged.SDPAToPagedAttentionPass`` swaps each call for the paged op and removes
+  the mask construction left dead.
+
+Rules kept here:
+- The model is built with its parameters on the meta device and its buffers (rotary tables)
+  computed as transformers computes them; parameters are then allocated once on the target
+  device in the target dtype and filled one checkpoint tensor at a time.
+- What kiln's attention cannot compute is refused before anything is built, with the reason
+  (``unsupported_reason``): sliding windows, soft-capping, encoder-decoder and non-causal models,
+  RoPE whose frequencies depend on the batch (dynamic NTK, long-rope), ALiBi and other position
+  biases. Never wrong tokens.
+- Tensor parallelism is refused: the generic model holds whole weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+from torch import nn
+
+import kiln.ops  # noqa: F401  (registers torch.ops.kiln.attend_paged)
+
+IMPLS = ("auto", "native", "transformers")
+ATTENTION_NAME = "kiln"  # the attention implementation registered in transformers' AttentionInterface
+CAPTURE_ATTENTION = "sdpa"  # what compile.mode=kiln captures, for the attention pass to rewrite
+
+
+@dataclass(frozen=True)
+class GenericArch:
+    """What kiln's runtime reads of a model (KV cache shape, vocabulary, stop tokens), for the
+    generic path. The model itself is described by its transformers config."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    bos_token_id: Optional[int] = None
+    eos_token_id: tuple[int, ...] = ()
+    family: str = ""  # the config's model_type
+    architecture: str = ""  # the *ForCausalLM class
+    impl: str = "transformers"
+
+    @property
+    def context_limit(self) -> int:
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> "GenericArch":
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        num_heads = text.num_attention_heads
+        eos = getattr(text, "eos_token_id", None)
+        eos = () if eos is None else (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
+        archs = getattr(config, "architectures", None) or [""]
+        return cls(
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            num_layers=text.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // num_heads,
+            max_position_embeddings=getattr(text, "max_position_embeddings", None) or 2048,
+            bos_token_id=getattr(text, "bos_token_id", None),
+            eos_token_id=eos,
+            family=getattr(config, "model_type", ""),
+            architecture=archs[0],
+        )
+
+
+# ---- what the generic path refuses --------------------------------------------------------------
+_DYNAMIC_ROPE = ("dynamic", "longrope")  # frequencies chosen from the batch's largest position
+
+
+def unsupported_reason(config: Any) -> Optional[str]:
+    """Why kiln's paged attention cannot run this transformers config, or None when it can."""
+    if getattr(config, "is_encoder_decoder", False):
+        return "it is an encoder-decoder model (kiln runs decoder-only causal LMs)"
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        kinds = sorted(set(layer_types) - {"full_attention"})
+        return f"it has {kinds} layers (kiln's attention has no sliding window or other layer kinds yet)"
+    window = getattr(text, "sliding_window", None)
+    if window and getattr(text, "use_sliding_window", True) and not layer_types:
+        return f"it uses sliding-window attention (sliding_window={window}), which kiln's attention lacks"
+    if getattr(text, "attn_logit_softcapping", None):
+        return (f"it soft-caps attention logits (attn_logit_softcapping={text.attn_logit_softcapping}), "
+                "which kiln's attention lacks")
+    if getattr(text, "alibi", False) or getattr(text, "position_embedding_type", "rope") == "alibi":
+        return "it uses ALiBi position biases, which kiln's attention lacks"
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if isinstance(rope, dict):
+        # transformers 5 may nest per-layer-kind parameters: {"full_attention": {...}}.
+        params = [rope] + [v for v in rope.values() if isinstance(v, dict)]
+        for p in params:
+            rope_type = p.get("rope_type", p.get("type"))
+            if rope_type in _DYNAMIC_ROPE:
+                return (f"its RoPE type {rope_type!r} picks frequencies from the batch's longest sequence, "
+                        "which a flat batch of many requests cannot reproduce")
+    return None
+
+
+def check_supported(config: Any, tp_size: int = 1) -> None:
+    reason = unsupported_reason(config)
+    if reason is not None:
+        raise ValueError(f"model.impl=transformers cannot run {getattr(config, 'model_type', '?')!r}: {reason}")
+    if tp_size != 1:
+        raise ValueError("model.impl=transformers does not support tensor parallelism "
+                         f"(parallel.tensor_parallel_size={tp_size}); use parallel.tensor_parallel_size=1, "
+                         "or model.impl=native for a family kiln implements")
+
+
+# ---- attention ------------------------------------------------------------------------------------
+def kiln_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
+                           dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention function: q [1, H, T, D], k/v [1, KVH, T, D] (after rotary) ->
+    ([1, T, H, D], None), through ``torch.ops.kiln.attend_paged`` on the layer's paged cache."""
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(f"{type(module).__name__} asks for a sliding window, which kiln's attention lacks")
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"{type(module).__name__} asks for soft-capping, which kiln's attention lacks")
+    for name in ("s_aux", "sinks", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{type(module).__name__} passes {name!r} to its attention, which kiln's attention lacks")
+    if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
+        raise ValueError(f"{type(module).__name__} is not causal; kiln's paged attention is causal only")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q = query[0].transpose(0, 1).contiguous()  # [T, H, D]; the kernels' output then has q's layout
+    k = key[0].transpose(0, 1)  # [T, KVH, D]
+    v = value[0].transpose(0, 1)
+    o = torch.ops.kiln.attend_paged(q, k, v, module.layer_idx, float(scale))  # [T, H, D]
+    return o.unsqueeze(0), None
+
+
+def register_attention() -> None:
+    """Make ``attn_implementation="kiln"`` known to transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, kiln_attention_forward)
+
+
+# ---- the model ------------------------------------------------------------------------------------
+class HFGenericForCausalLM(nn.Module):
+    """kiln's model contract around an unmodified transformers ``*ForCausalLM``."""
+
+    impl = "transformers"
+
+    def __init__(self, hf_model: nn.Module, arch: GenericArch) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.arch = arch
+        text = hf_model.config.get_text_config()
+        # Logit post-processing some families configure (and transformers applies in their forward).
+        self.logit_divisor = float(getattr(text, "logits_scaling", 1.0) or 1.0)  # Granite
+        self.logit_scale = float(getattr(text, "logit_scale", 1.0) or 1.0)  # Cohere
+        self.final_softcap = getattr(text, "final_logit_softcapping", None)  # Gemma 2
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] int64 -> final hidden states [num_tokens, hidden]."""
+        out = self.hf.base_model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
+                                 use_cache=False)
+        return out[0][0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> [N, vocab] float32, as the transformers model's head computes them."""
+        logits = self.hf.get_output_embeddings()(hidden)
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
+        if self.logit_divisor != 1.0:
+            logits = logits / self.logit_divisor
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits.float()
+
+    @contextlib.contextmanager
+    def capture_scope(self) -> Iterator[None]:
+        """Entered around Dynamo's capture (compile.mode=kiln): attention runs as SDPA, for the
+        attention pass to find and replace; back to ``"kiln"`` afterwards."""
+        _set_attention(self.hf, CAPTURE_ATTENTION)
+        try:
+            yield
+        finally:
+            _set_attention(self.hf, ATTENTION_NAME)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (transformers names) in; every parameter must be given, except
+        those tied to another."""
+        load_into(self.hf, weights)
+
+
+def _set_attention(hf_model: nn.Module, name: str) -> None:
+    for config in {id(c): c for c in _configs(hf_model)}.values():
+        config._attn_implementation = name
+
+
+def _configs(hf_model: nn.Module) -> Iterator[Any]:
+    for m in hf_model.modules():
+        c = getattr(m, "config", None)
+        if c is not None and hasattr(c, "_attn_implementation"):
+            yield c
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Parameters created inside go to the meta device; buffers (rotary tables) are computed for real."""
+    original = nn.Module.register_parameter
+
+    def register_parameter(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            kwargs = {"requires_grad": param.requires_grad}
+            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
+
+    nn.Module.register_parameter = register_parameter
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def build_hf_model(config: Any, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The transformers model of ``config`` with uninitialized parameters allocated once on
+    ``device`` in ``dtype``, buffers as transformers computes them, tied weights tied."""
+    from transformers import AutoModelForCausalLM
+
+    register_attention()
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
+    buffers = {name: b for name, b in model.named_buffers()}
+    for name, b in buffers.items():
+        if b.device.type == "meta":
+            raise ValueError(f"buffer {name!r} of {type(model).__name__} was not computed at construction")
+    model.to_empty(device=device)  # parameters: allocated, not initialized; buffers: garbage
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name].to(b.dtype))
+    model.tie_weights()
+    return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    persistent = {n: b for n, b in model.named_buffers() if _is_persistent(model, n)}
+    targets = {**params, **persistent}
+    loaded: set[int] = set()
+    for name, tensor in weights:
+        dest = targets.get(name)
+        if dest is None:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # older checkpoints saved the rotary table; it is computed, not loaded
+            raise ValueError(f"unexpected weight {name!r} for {type(model).__name__}")
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        del tensor
+        loaded.add(id(dest))
+    missing = sorted(n for n, p in params.items() if id(p) not in loaded)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint lacks {len(missing)} weight(s): {missing[:5]}{more}")
+
+
+def _is_persistent(model: nn.Module, name: str) -> bool:
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    return leaf not in module._non_persistent_buffers_set
+
+
+def _check_causal(model: nn.Module) -> None:
+    for name, m in model.named_modules():
+        if hasattr(m, "layer_idx") and getattr(m, "is_causal", True) is False:
+            raise ValueError(f"model.impl=transformers cannot run {type(model).__name__}: attention {name!r} "
+                             "is not causal; kiln's paged attention is causal only")
+
+
+def build_generic(config: Any, device: torch.device, dtype: torch.dtype, tp_size: int = 1) -> HFGenericForCausalLM:
+    """The generic model of a transformers config with uninitialized weights (``load_weights`` next)."""
+    check_supported(config, tp_size)
+    hf_model = build_hf_model(config, device, dtype)
+    _check_causal(hf_model)
+    model = HFGenericForCausalLM(hf_model, GenericArch.from_hf_config(hf_model.config))
+    _probe_attention_layers(model)
+    return model
+
+
+_PROBE_NAME = "kiln_probe"
+
+
+@torch.no_grad()
+def _probe_attention_layers(model: HFGenericForCausalLM) -> None:
+    """Run one token through the model with a recording attention function: every layer must
+    reach transformers' attention interface exactly once, in order, with its own ``layer_idx``.
+    A model that computes attention in code of its own would bypass kiln's paged cache."""
+    from transformers import AttentionInterface
+
+    seen: list[int] = []
+
+    def record(module, query, key, value, attention_mask, **kwargs):
+        seen.append(getattr(module, "layer_idx", -1))
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+    AttentionInterface.register(_PROBE_NAME, record)
+    device = next(model.parameters()).device
+    one = torch.zeros(1, dtype=torch.int64, device=device)
+    _set_attention(model.hf, _PROBE_NAME)
+    try:
+        model(one, one)
+    finally:
+        _set_attention(model.hf, ATTENTION_NAME)
+    if seen != list(range(model.arch.num_layers)):
+        raise ValueError(f"model.impl=transformers cannot run {type(model.hf).__name__}: its attention does not go "
+                         f"through transformers' attention interface once per layer in order (saw layers {seen[:8]}, "
+                         f"expected 0..{model.arch.num_layers - 1}), so kiln cannot give it a paged cache")
+
+
+def hf_config_from_dict(d: dict[str, Any]) -> Any:
+    """A transformers config object from a ``config.json`` dict."""
+    from transformers import AutoConfig
+
+    d = dict(d)
+    model_type = d.pop("model_type", None)
+    if model_type is None:
+        raise ValueError("config.json has no model_type; cannot pick a transformers model class")
+    try:
+        return AutoConfig.for_model(model_type, **d)
+    except ValueError as e:
+        raise ValueError(f"transformers does not know model_type {model_type!r}: {e}") from e
+
+
+__all__ = ["GenericArch", "HFGenericForCausalLM", "IMPLS", "build_generic", "check_supported", "hf_config_from_dict",
+           "kiln_attention_forward", "register_attention", "unsupported_reason"]
