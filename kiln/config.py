@@ -50,6 +50,9 @@ def default_cache_dir() -> str:
     return os.environ.get("KILN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kiln")
 
 
+QUANTIZATIONS = ("none", "auto", "int8", "int4", "fp8")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model to load and how.
@@ -63,9 +66,13 @@ class ModelConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: Optional[int] = None  # None: the model's own context length
     seed: int = 0  # seed of random weights and of unseeded sampling
+    # none | int8 | int4 (weight-only) | fp8 (weights and activations) | auto: the checkpoint's own
+    # (its quantization_config; a GGUF keeps its 4-bit blocks). Random presets take any of them.
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         _check_choice("model", "dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        _check_choice("model", "quantization", self.quantization, QUANTIZATIONS)
         _check_choice("model", "device", self.device, ("auto", "cpu", "cuda"))
         _check_positive("model", "max_model_len", self.max_model_len, allow_none=True)
 

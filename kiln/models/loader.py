@@ -32,7 +32,9 @@ from kiln.models.arch import PRESETS, ArchConfig
 from kiln.models.gguf import convert_gguf, convert_gguf_tokenizer
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.parallel import SINGLE, TensorParallel
+from kiln.models.quantize import apply_quantization, resolve_quantization
 from kiln.models.registry import REGISTERED_MODELS, TOKENIZER_DIR_ENV, TOKENIZER_DONOR
+from kiln.ops.registry import KernelSet, select_kernels
 from kiln.progress import progress_bar
 
 RANDOM_PREFIX = "random:"
@@ -69,18 +71,25 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, dtype: torch.dtype,
-               tp: TensorParallel = SINGLE) -> LoadedModel:
-    """The model (this rank's shard under tensor parallelism), its tokenizer and limits."""
+               tp: TensorParallel = SINGLE, kernels: Optional[KernelSet] = None) -> LoadedModel:
+    """The model (this rank's shard under tensor parallelism), its tokenizer and limits; quantized
+    (``model_config.quantization``) into the layouts of ``kernels`` (default: the device's)."""
+    kernels = kernels or select_kernels(torch.device(device).type)
     spec = model_config.model
+    gguf_path = None
     if spec.startswith(RANDOM_PREFIX):
-        return _load_random(spec[len(RANDOM_PREFIX):], model_config, cache_dir, device, dtype, tp)
+        loaded = _load_random(spec[len(RANDOM_PREFIX):], model_config, cache_dir, device, dtype, tp)
+        apply_quantization(loaded.model, resolve_quantization(model_config.quantization, None, None), kernels)
+        return loaded
     if spec in REGISTERED_MODELS:
         hf_dir, name = _registered_dir(spec, cache_dir), spec
+        gguf_path = REGISTERED_MODELS[spec].find()
     elif os.path.isdir(spec):
         hf_dir, name = spec, os.path.basename(os.path.normpath(spec))
     elif spec.endswith(".gguf") and os.path.isfile(spec):
         name = os.path.basename(spec)[: -len(".gguf")]
-        hf_dir = convert_gguf(os.path.abspath(spec), cache_dir, name)
+        gguf_path = os.path.abspath(spec)
+        hf_dir = convert_gguf(gguf_path, cache_dir, name)
     else:
         raise ValueError(f"model={spec!r} is neither a registered model, an existing directory nor a .gguf file. "
                          f"{_choices()}")
@@ -94,6 +103,8 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     model = build_empty_model(arch, device, dtype, tp)
     model.load_weights(progress_bar(iter_safetensors(hf_dir), desc=f"loading {name}", total=_num_tensors(hf_dir),
                                     unit="tensor"))
+    scheme = resolve_quantization(model_config.quantization, hf_dir, gguf_path)
+    apply_quantization(model, scheme, kernels, gguf_path if tp.size == 1 else None)
     return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len)
 
 

@@ -3,9 +3,10 @@
 The list (``build_passes``) runs in order; each pass says where it runs (``KilnPass.stage``):
 
 1. ``AttentionBackendPass`` (dynamo): the generic attention call becomes the KernelSet's kernel op.
-2. ``NoOpEliminationPass`` (post_grad): views, slices and casts that return their input.
-3. ``SiluMulFusionPass`` (post_grad): ``silu(gate) * up`` -> ``kiln.silu_and_mul``.
-4. ``AddRMSNormFusionPass`` (post_grad): residual add + RMSNorm -> ``kiln.add_rms_norm``.
+2. ``QuantLinearPass`` (dynamo): a linear on a dequantized weight -> the KernelSet's quantized GEMM.
+3. ``NoOpEliminationPass`` (post_grad): views, slices and casts that return their input.
+4. ``SiluMulFusionPass`` (post_grad): ``silu(gate) * up`` -> ``kiln.silu_and_mul``.
+5. ``AddRMSNormFusionPass`` (post_grad): residual add + RMSNorm -> ``kiln.add_rms_norm``.
 
 ``run_dynamo(gm)`` applies the dynamo-stage passes to the captured graph before it is split;
 the manager itself is Inductor's ``post_grad_custom_pre_pass`` (a ``CustomGraphPass``) and applies
@@ -47,6 +48,7 @@ from kiln.passes.add_rms_norm_fusion import AddRMSNormFusionPass
 from kiln.passes.attention_backend import AttentionBackendPass
 from kiln.passes.base import STAGES, KilnPass, source_hash
 from kiln.passes.noop_elimination import NoOpEliminationPass
+from kiln.passes.quant_linear import QuantLinearPass
 from kiln.passes.silu_mul_fusion import SiluMulFusionPass
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,7 @@ def build_passes(config: PassConfig) -> list[KilnPass]:
     k = config.kernels
     return [
         AttentionBackendPass(k),
+        QuantLinearPass(k),
         NoOpEliminationPass(),
         SiluMulFusionPass(enabled=config.fusion_enabled(k.silu_and_mul), op=k.silu_and_mul.op),
         AddRMSNormFusionPass(enabled=config.fusion_enabled(k.add_rms_norm), op=k.add_rms_norm.op),

@@ -61,7 +61,8 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.kernels = select_kernels(self.device.type)
         t0 = time.perf_counter()
-        self.loaded: LoadedModel = load_model(model_config, cache_config.resolved_dir, self.device, self.dtype, tp)
+        self.loaded: LoadedModel = load_model(model_config, cache_config.resolved_dir, self.device, self.dtype, tp,
+                                             self.kernels)
         load_seconds = time.perf_counter() - t0
         self.model, self.arch, self.tokenizer = self.loaded.model, self.loaded.arch, self.loaded.tokenizer
         self.max_model_len = self.loaded.max_model_len
