@@ -88,11 +88,12 @@ def test_cpu_kernel_matches_reference(scheme, rows, dtype):
     got = kernel.op(x, pq, ps, _group(scheme))
     want = ref.op(x, q, s, _group(scheme))
     assert got.dtype == dtype and got.shape == (rows, n)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    # The CPU kernels compute in bfloat16 (scales and activations), accumulating in float32.
+    tol = 2e-2 if kernel.name == "cpu" or dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=tol)
     # The kernel's own dequant reads its layout back to the reference's weight.
     torch.testing.assert_close(kernel.dequant(pq, ps, _group(scheme), torch.float32),
-                               ref.dequant(q, s, _group(scheme), torch.float32), atol=1e-5, rtol=1e-5)
+                               ref.dequant(q, s, _group(scheme), torch.float32), atol=tol, rtol=tol)
 
 
 def test_cpu_kernels_are_the_packed_aten_ops():

@@ -200,29 +200,40 @@ def cpu_int4_fits(n: int, k: int, group_size: int) -> bool:
     return n % 16 == 0 and k % group_size == 0 and group_size in (32, 64, 128, 256)
 
 
+# torch's packed CPU GEMMs are fast only with bfloat16 activations and scales (their float32 and
+# float16 paths are scalar loops, 10-50x slower): the CPU kernels keep scales in bfloat16 and run a
+# float32 model's activations through them in bfloat16, accumulating in float32.
+CPU_COMPUTE_DTYPE = torch.bfloat16
+
+
+def pack_int8_cpu(w: torch.Tensor, scales: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return w, scales.to(CPU_COMPUTE_DTYPE)
+
+
 def pack_int4_cpu(w: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Canonical int4 -> the blocked layout of ``aten._weight_int4pack_mm_for_cpu``."""
     q = unpack_int4(w).to(torch.int32)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1), scales_zeros
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+    return packed, scales_zeros.to(CPU_COMPUTE_DTYPE)
 
 
 def _linear_int8_cpu(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1])
-    y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), w, scales.to(x.dtype))
-    return y.reshape(*x.shape[:-1], w.shape[0])
+    x2 = x.reshape(-1, x.shape[-1]).to(scales.dtype).contiguous()
+    y = torch.ops.aten._weight_int8pack_mm(x2, w, scales)
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
 def _linear_int4_cpu(x: torch.Tensor, w: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1])
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), w, group_size, scales_zeros.to(x.dtype))
-    return y.reshape(*x.shape[:-1], w.shape[0])
+    x2 = x.reshape(-1, x.shape[-1]).to(scales_zeros.dtype).contiguous()
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w, group_size, scales_zeros)
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
 def _dequant_int4_cpu(w: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
     # The blocked layout is torch's own: read it back through the kernel (identity @ W.T).
     k = w.shape[1] * 2
-    eye = torch.eye(k, dtype=torch.float32, device=w.device)
-    return _linear_int4_cpu(eye, w, scales_zeros.float(), group_size).t().contiguous().to(dtype)
+    eye = torch.eye(k, dtype=scales_zeros.dtype, device=w.device)  # one product per output, rounded once
+    return _linear_int4_cpu(eye, w, scales_zeros, group_size).t().contiguous().to(dtype)
 
 
 def _cpu_int4_rows(w: torch.Tensor) -> int:

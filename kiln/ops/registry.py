@@ -196,7 +196,8 @@ def _cpu_int8() -> Optional[QuantLinearKernel]:
 
     if not quant.cpu_int8_supported():
         return None
-    return QuantLinearKernel("cpu", torch.ops.kiln_cpu.linear_int8, fast=True, dequant=torch.ops.kiln.dequant_int8)
+    return QuantLinearKernel("cpu", torch.ops.kiln_cpu.linear_int8, fast=True, dequant=torch.ops.kiln.dequant_int8,
+                             pack=quant.pack_int8_cpu)
 
 
 def _cpu_int4() -> Optional[QuantLinearKernel]:
