@@ -95,7 +95,7 @@ def run_system(quantization: str, args, bandwidth: float) -> dict:
     t_start = time.perf_counter()
     max_seqs = max(args.num_requests, 1)
     llm = LLM(model={"model": f"random:{args.model}", "dtype": "bfloat16", "quantization": quantization,
-                     "max_model_len": max(args.prompt_len + args.output_len, args.tp_prompt_len + args.tp_output_len)},
+                     "max_model_len": max(args.prompt_len, args.tp_prompt_len) + max(args.output_len, args.tp_output_len, 8)},
               compile={"mode": args.mode, "cudagraph": args.cudagraph,
                        "capture_sizes": tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if s <= max_seqs)},
               cache={"gpu_memory_fraction": 0.85},
