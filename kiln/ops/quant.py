@@ -251,3 +251,73 @@ def dequant_reference(scheme: str) -> DequantImpl:
 
 def linear_reference(scheme: str) -> LinearImpl:
     return {"int8": linear_int8_reference, "int4": linear_int4_reference, "fp8": linear_fp8_reference}[scheme]
+
+
+# ---- FP8 activation quantization fused into the op that produces the activation --------------------
+# The fusion pass (``kiln.passes.fp8_quant_fusion``) turns ``linear_fp8(rms_norm(...))`` and
+# ``linear_fp8(silu_and_mul(...))`` into one op that normalizes (or gates) and quantizes each row,
+# and a GEMM on the already-quantized rows. The references compute exactly what the unfused ops do.
+
+def add_rms_norm_quant_fp8_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp8 rows of weight * rms_norm(residual + x), their float32 scales [T, 1], residual + x)."""
+    from kiln.ops.layernorm import add_rms_norm_reference
+
+    normed, new_residual = add_rms_norm_reference(x, residual, weight, eps)
+    xq, xs = quantize_fp8_per_token(normed)
+    return xq, xs, new_residual
+
+
+def silu_and_mul_quant_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 rows of silu(x[:, :d]) * x[:, d:] and their float32 scales [T, 1]."""
+    from kiln.ops.activation import silu_and_mul_reference
+
+    return quantize_fp8_per_token(silu_and_mul_reference(x))
+
+
+def linear_fp8_prequant_reference(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
+                                  out_dtype: torch.dtype) -> torch.Tensor:
+    """``linear_fp8`` on rows already quantized: (xq * xs) @ (w * scales).T in ``out_dtype``."""
+    return ((xq.float() @ w.float().t()) * xs * scales.float()[None, :]).to(out_dtype)
+
+
+def define_fp8_fusion_ops(namespace: str, add_rms_norm_quant, silu_and_mul_quant, linear_prequant) -> tuple:
+    """The three ops of the FP8 activation fusion in ``namespace`` (``kiln``: the references)."""
+
+    def add_rms_norm_quant_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                               eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        xq, xs, new_residual = add_rms_norm_quant(x, residual, weight, eps)
+        return xq, xs, new_residual
+
+    def silu_and_mul_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        xq, xs = silu_and_mul_quant(x)
+        return xq, xs
+
+    def linear_fp8_prequant(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
+                            out_dtype: torch.dtype) -> torch.Tensor:
+        return linear_prequant(xq, xs, w, scales, out_dtype)
+
+    norm_op = torch.library.custom_op(f"{namespace}::add_rms_norm_quant_fp8", add_rms_norm_quant_fp8, mutates_args=())
+    silu_op = torch.library.custom_op(f"{namespace}::silu_and_mul_quant_fp8", silu_and_mul_quant_fp8, mutates_args=())
+    gemm_op = torch.library.custom_op(f"{namespace}::linear_fp8_prequant", linear_fp8_prequant, mutates_args=())
+
+    @norm_op.register_fake
+    def _(x, residual, weight, eps):
+        rows = x.shape[0]
+        return (x.new_empty(x.shape, dtype=FP8_DTYPE), x.new_empty((rows, 1), dtype=torch.float32),
+                x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype)))
+
+    @silu_op.register_fake
+    def _(x):
+        d = x.shape[-1] // 2
+        return x.new_empty((x.shape[0], d), dtype=FP8_DTYPE), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+    @gemm_op.register_fake
+    def _(xq, xs, w, scales, out_dtype):
+        return xq.new_empty((xq.shape[0], w.shape[0]), dtype=out_dtype)
+
+    return norm_op, silu_op, gemm_op
+
+
+add_rms_norm_quant_fp8, silu_and_mul_quant_fp8, linear_fp8_prequant = define_fp8_fusion_ops(
+    "kiln", add_rms_norm_quant_fp8_reference, silu_and_mul_quant_fp8_reference, linear_fp8_prequant_reference)
