@@ -323,3 +323,36 @@ def test_the_artifact_cache_keys_on_the_quantization():
     plain, int4, int8 = factors("none"), factors("int4"), factors("int8")
     assert len({cache_key(plain), cache_key(int4), cache_key(int8)}) == 3
     assert "model.quantization" in differing_factors(int4, int8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 100])
+def test_cuda_int4_kernel_matches_reference(rows):
+    kernels = select_kernels("cuda")
+    kernel, ref = kernels.linear_int4, reference_kernels("cuda").linear_int4
+    assert kernel.name == "tinygemm"
+    n, k = 4096, 1024
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    q, s = quant.quantize_int4(w, 32, torch.bfloat16)
+    pq, ps = kernel.pack(q, s, 32)
+    got, want = kernel.op(x, pq, ps, 32), ref.op(x, q, s, 32)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+    torch.testing.assert_close(kernel.dequant(pq, ps, 32, torch.float32), ref.dequant(q, s, 32, torch.float32),
+                               atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.slow
+def test_fp8_model_kiln_with_fusions_matches_eager():
+    """The GPU's FP8 pass chain on the CPU (references for every op): QuantLinearPass, then the norm and
+    activation fusions and Fp8QuantFusionPass on every piece, through Inductor."""
+    from kiln.passes.manager import PassConfig
+
+    model = _float_model()
+    quantize_model(model, "fp8", CPU)
+    eager = _logits(model, model)
+    forward = build_forward(model, CompileConfig(mode="kiln"), PassConfig(kernels=CPU, fusion="on"))
+    torch.testing.assert_close(_logits(forward, model), eager, atol=1e-4, rtol=1e-4)
+    rewrites = forward.backend.passes.num_rewrites
+    assert rewrites["QuantLinearPass"] == 4 * ARCH.num_layers and rewrites["Fp8QuantFusionPass"] > 0
+    assert not forward.backend.passes.failed

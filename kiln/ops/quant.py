@@ -134,8 +134,8 @@ LinearImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Ten
 DequantImpl = Callable[[torch.Tensor, torch.Tensor, int, torch.dtype], torch.Tensor]
 
 
-def define_linear_op(qualname: str, impl: LinearImpl, out_features: Callable[[torch.Tensor], int]):
-    """Op ``qualname(x, w, scales, group_size) -> y`` running ``impl``; ``out_features(w)`` is N."""
+def define_linear_op(qualname: str, impl: LinearImpl, out_features: Callable[[torch.Tensor, torch.Tensor], int]):
+    """Op ``qualname(x, w, scales, group_size) -> y`` running ``impl``; ``out_features(w, scales)`` is N."""
 
     def linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
         return impl(x, w, scales, group_size)
@@ -144,12 +144,12 @@ def define_linear_op(qualname: str, impl: LinearImpl, out_features: Callable[[to
 
     @op.register_fake
     def _(x, w, scales, group_size):
-        return x.new_empty((*x.shape[:-1], out_features(w)))
+        return x.new_empty((*x.shape[:-1], out_features(w, scales)))
 
     return op
 
 
-def define_dequant_op(qualname: str, impl: DequantImpl, shape: Callable[[torch.Tensor, torch.Tensor], tuple]):
+def define_dequant_op(qualname: str, impl: DequantImpl, shape: Callable[[torch.Tensor, torch.Tensor, int], tuple]):
     """Op ``qualname(w, scales, group_size, dtype) -> the full weight [N, K]``."""
 
     def dequant(w: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -159,25 +159,30 @@ def define_dequant_op(qualname: str, impl: DequantImpl, shape: Callable[[torch.T
 
     @op.register_fake
     def _(w, scales, group_size, dtype):
-        return w.new_empty(shape(w, scales), dtype=dtype)
+        return w.new_empty(shape(w, scales, group_size), dtype=dtype)
 
     return op
 
 
-def _rows(w: torch.Tensor) -> int:
+def _rows(w: torch.Tensor, scales: torch.Tensor) -> int:
     return w.shape[0]
 
 
-def _int4_sz_rows(w: torch.Tensor, scales_zeros: torch.Tensor) -> tuple:
-    return (scales_zeros.shape[1], w.shape[1] * 2)
+def _int4_sz_rows(w: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> tuple:
+    # Read from the scales: kernels' packed layouts may have any shape.
+    return (scales_zeros.shape[1], scales_zeros.shape[0] * group_size)
 
 
-def _same_shape(w: torch.Tensor, scales: torch.Tensor) -> tuple:
+def _int4_out_features(w: torch.Tensor, scales_zeros: torch.Tensor) -> int:
+    return scales_zeros.shape[1]
+
+
+def _same_shape(w: torch.Tensor, scales: torch.Tensor, group_size: int) -> tuple:
     return tuple(w.shape)
 
 
 linear_int8 = define_linear_op("kiln::linear_int8", linear_int8_reference, _rows)
-linear_int4 = define_linear_op("kiln::linear_int4", linear_int4_reference, _rows)
+linear_int4 = define_linear_op("kiln::linear_int4", linear_int4_reference, _int4_out_features)
 linear_fp8 = define_linear_op("kiln::linear_fp8", linear_fp8_reference, _rows)
 dequant_int8 = define_dequant_op("kiln::dequant_int8", dequant_int8_reference, _same_shape)
 dequant_int4 = define_dequant_op("kiln::dequant_int4", dequant_int4_reference, _int4_sz_rows)
@@ -236,12 +241,8 @@ def _dequant_int4_cpu(w: torch.Tensor, scales_zeros: torch.Tensor, group_size: i
     return _linear_int4_cpu(eye, w, scales_zeros, group_size).t().contiguous().to(dtype)
 
 
-def _cpu_int4_rows(w: torch.Tensor) -> int:
-    return w.shape[0]
-
-
 linear_int8_cpu = define_linear_op("kiln_cpu::linear_int8", _linear_int8_cpu, _rows)
-linear_int4_cpu = define_linear_op("kiln_cpu::linear_int4", _linear_int4_cpu, _cpu_int4_rows)
+linear_int4_cpu = define_linear_op("kiln_cpu::linear_int4", _linear_int4_cpu, _int4_out_features)
 dequant_int4_cpu = define_dequant_op("kiln_cpu::dequant_int4", _dequant_int4_cpu, _int4_sz_rows)
 
 

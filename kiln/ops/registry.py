@@ -9,7 +9,8 @@ the first candidate of an op whose device matches and whose loader returns a ker
     add_rms_norm  kiln_triton::add_rms_norm                                  kiln::add_rms_norm
     silu_and_mul  kiln_triton::silu_and_mul                                  kiln::silu_and_mul
     linear_int8                             kiln_cpu::linear_int8 (aten)     kiln::linear_int8
-    linear_int4                             kiln_cpu::linear_int4 (aten)     kiln::linear_int4
+    linear_int4   kiln_cuda::linear_int4    kiln_cpu::linear_int4 (aten)     kiln::linear_int4
+                  (aten tinygemm)
     linear_fp8    kiln_cuda::linear_fp8 (SM89+)                              kiln::linear_fp8
 
 ``select_kernels(device_type)`` returns the ``KernelSet`` a ``CompiledModel`` is built with. Nothing
@@ -218,6 +219,16 @@ def _cuda_fp8() -> Optional[QuantLinearKernel]:
                              fits=quant_cuda.fp8_fits)
 
 
+def _cuda_int4() -> Optional[QuantLinearKernel]:
+    from kiln.ops import quant_cuda
+
+    if not quant_cuda.int4_supported():
+        return None
+    return QuantLinearKernel("tinygemm", torch.ops.kiln_cuda.linear_int4, fast=True,
+                             dequant=torch.ops.kiln_cuda.dequant_int4, pack=quant_cuda.pack_int4_cuda,
+                             fits=quant_cuda.int4_fits)
+
+
 ANY_DEVICE = "*"
 # op -> ordered (device type, loader); a loader returns None when its kernel cannot run here.
 REGISTRY: dict[str, tuple[tuple[str, Callable[[], Optional[Kernel]]], ...]] = {
@@ -225,7 +236,7 @@ REGISTRY: dict[str, tuple[tuple[str, Callable[[], Optional[Kernel]]], ...]] = {
     "add_rms_norm": (("cuda", _triton_add_rms_norm), (ANY_DEVICE, _reference_add_rms_norm)),
     "silu_and_mul": (("cuda", _triton_silu_and_mul), (ANY_DEVICE, _reference_silu_and_mul)),
     "linear_int8": (("cpu", _cpu_int8), (ANY_DEVICE, _reference_int8)),
-    "linear_int4": (("cpu", _cpu_int4), (ANY_DEVICE, _reference_int4)),
+    "linear_int4": (("cuda", _cuda_int4), ("cpu", _cpu_int4), (ANY_DEVICE, _reference_int4)),
     "linear_fp8": (("cuda", _cuda_fp8), (ANY_DEVICE, _reference_fp8)),
 }
 _OPS = ("attention", "add_rms_norm", "silu_and_mul", "linear_int8", "linear_int4", "linear_fp8")
