@@ -87,9 +87,13 @@ class CacheConfig:
     gpu_memory_fraction: float = 0.9
     num_blocks: Optional[int] = None  # overrides the memory budget (tests use tiny pools)
     dir: Optional[str] = None  # None: $KILN_CACHE_DIR or ~/.cache/kiln
+    # KV cache element type: auto (the model dtype) | fp8 (float8_e4m3fn, per-tensor scale 1: twice
+    # the tokens of a bf16 cache in the same memory; GPUs of SM89+ or the CPU).
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check_positive("cache", "block_size", self.block_size)
+        _check_choice("cache", "dtype", self.dtype, ("auto", "fp8"))
         _check_positive("cache", "kv_cache_memory_gib", self.kv_cache_memory_gib, allow_none=True)
         _check_positive("cache", "num_blocks", self.num_blocks, allow_none=True)
         if not 0.0 < self.gpu_memory_fraction <= 1.0:

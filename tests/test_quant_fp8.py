@@ -143,3 +143,90 @@ def test_fp8_quant_fusion_pass_keeps_a_norm_with_other_users():
     assert Fp8QuantFusionPass()(gm.graph) == 0
     assert Fp8QuantFusionPass(enabled=False)(gm.graph) == 0
     assert operator.getitem in {n.target for n in gm.graph.nodes}
+
+
+# ---- FP8 KV cache ------------------------------------------------------------------------------------
+
+def _fp8_batch(device: str, dtype: torch.dtype = torch.float32):
+    from kiln.ops.paged_batch import PagedBatchSpec, random_paged_batch
+
+    spec = PagedBatchSpec(decode_seq_lens=(5, 33), prefill_chunks=((20, 20), (40, 7)), num_heads=4, num_kv_heads=2,
+                          head_dim=32, block_size=4, dtype=dtype)
+    batch = random_paged_batch(spec, device=device, seed=3)
+    batch.kv_cache = batch.kv_cache.to(torch.float8_e4m3fn)
+    return batch
+
+
+def test_fp8_kv_cache_round_trip():
+    from kiln.ops.attention import _gather_context, store_kv_reference
+
+    batch = _fp8_batch("cpu")
+    store_kv_reference(batch.k, batch.v, batch.kv_cache, batch.meta.slot_mapping)
+    slots = batch.meta.slot_mapping
+    stored_k = batch.kv_cache[0].view(torch.uint8).flatten(0, 1)[slots].view(torch.float8_e4m3fn)
+    assert torch.equal(stored_k.float(), batch.k.to(torch.float8_e4m3fn).float())  # what was written, exactly
+    rel = ((stored_k.float() - batch.k).abs() / (batch.k.abs() + 2 ** -6)).max().item()
+    assert rel <= 1 / 16 + 1e-6  # half an e4m3 step
+    ctx = _gather_context(batch.kv_cache[1], batch.meta.block_tables[2], 20)  # the first prefill's values
+    start = batch.meta.query_start_loc[2].item()
+    assert torch.equal(ctx.float(), batch.v[start:start + 20].to(torch.float8_e4m3fn).float())
+
+
+def test_fp8_kv_cache_model_logits_stay_close():
+    from tests.test_quant import _float_model
+    from tests.utils import PagedBatcher, make_kv_caches, run_step
+
+    model = _float_model()
+    g = torch.Generator().manual_seed(0)
+    schedule = [{"a": torch.randint(0, 512, (9,), generator=g).tolist(), "b": [5]}, {"a": [3], "b": [7]},
+                {"a": [4], "b": [8]}]
+    logits = {}
+    for dtype in (torch.float32, torch.float8_e4m3fn):
+        batcher, caches = PagedBatcher(64, 4, seed=1), make_kv_caches(model.arch, 64, 4, dtype=dtype)
+        with torch.no_grad():
+            logits[dtype] = torch.cat([model.compute_logits(run_step(model, caches, batcher.step(s))) for s in schedule])
+    full, fp8 = logits[torch.float32], logits[torch.float8_e4m3fn]
+    rel = ((fp8 - full).norm() / full.norm()).item()
+    assert 0 < rel < 0.06, rel
+
+
+def test_fp8_kv_cache_config_halves_block_bytes():
+    from kiln.config import CacheConfig
+    from kiln.models.loader import kv_cache_dtype
+    from kiln.runtime.kv_sizing import KVShape
+
+    assert kv_cache_dtype("fp8", torch.bfloat16, torch.device("cpu")) == torch.float8_e4m3fn
+    assert kv_cache_dtype("auto", torch.bfloat16, torch.device("cpu")) == torch.bfloat16
+    bf16, fp8 = (KVShape(32, 16, 8, 128, d).bytes_per_block for d in (torch.bfloat16, torch.float8_e4m3fn))
+    assert bf16 == 2 * fp8
+    with pytest.raises(ValueError, match=r"cache.dtype='int8' is not allowed"):
+        CacheConfig(dtype="int8")
+
+
+@pytest.mark.skipif(not RUN_KERNELS_HERE or DEVICE == "cuda", reason="CPU: runs in the Triton interpreter")
+def test_interpreted_triton_attention_reads_fp8_cache():
+    from kiln.ops.attention import attend_paged_reference, store_kv_reference
+    from kiln.ops.triton_attention import attend_paged_cached
+
+    batch = _fp8_batch("cpu")
+    scale = batch.q.shape[-1] ** -0.5
+    cache = batch.kv_cache.clone()
+    want = attend_paged_reference(batch.q, batch.k, batch.v, cache, batch.meta, scale)
+    out = torch.full_like(batch.q, float("nan"))
+    attend_paged_cached(batch.q, cache, batch.meta, scale, out)  # reads what the reference stored
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability() < (8, 9), reason="needs SM89+")
+def test_triton_attention_with_fp8_cache_matches_reference():
+    from kiln.ops.attention import attend_paged_reference
+    from kiln.ops.triton_attention import triton_attend_paged
+
+    batch = _fp8_batch("cuda", torch.bfloat16)
+    scale = batch.q.shape[-1] ** -0.5
+    ref_cache, cache = batch.kv_cache.clone(), batch.kv_cache.clone()
+    want = attend_paged_reference(batch.q, batch.k, batch.v, ref_cache, batch.meta, scale)
+    got = triton_attend_paged(batch.q, batch.k, batch.v, cache, batch.meta, scale)
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))  # the store casts as torch does
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

@@ -70,6 +70,19 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return choices[dtype]
 
 
+def kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """``cache.dtype``: auto is the model dtype; fp8 is float8_e4m3fn (stored with a per-tensor scale
+    of 1: K and V stay far inside its +-448 range), which CUDA needs SM89+ for."""
+    if cache_dtype == "auto":
+        return model_dtype
+    if cache_dtype == "fp8":
+        device = torch.device(device)
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError("cache.dtype=fp8 needs a GPU of compute capability 8.9 or newer; use cache.dtype=auto")
+        return torch.float8_e4m3fn
+    raise ValueError(f"cache.dtype={cache_dtype!r} is not allowed; choose one of ['auto', 'fp8']")
+
+
 def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, dtype: torch.dtype,
                tp: TensorParallel = SINGLE, kernels: Optional[KernelSet] = None) -> LoadedModel:
     """The model (this rank's shard under tensor parallelism), its tokenizer and limits; quantized

@@ -26,6 +26,7 @@ import torch
 from kiln.compiler import ArtifactCache, CompiledModel, InputLimits
 from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig
 from kiln.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from kiln.models.loader import kv_cache_dtype
 from kiln.models.parallel import SINGLE, TensorParallel, local_num_kv_heads, min_over_ranks
 from kiln.ops.registry import select_kernels
 from kiln.runtime import kv_sizing
@@ -72,7 +73,7 @@ class ModelRunner:
                                       ArtifactCache(cache_config.resolved_dir, self._artifact_name()))
         self.input_batch = InputBatch(self.compiled.inputs, self.block_size)
         self.kv_shape = KVShape(self.arch.num_layers, self.block_size, local_num_kv_heads(self.arch, tp),
-                                self.arch.head_dim, self.dtype)
+                                self.arch.head_dim, kv_cache_dtype(cache_config.dtype, self.dtype, self.device))
         activation_bytes = 0
         if self.device.type == "cuda":
             activation_bytes = kv_sizing.profile_activation_bytes(
