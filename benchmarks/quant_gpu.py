@@ -1,6 +1,6 @@
 """GPU decode speed by weight precision: bf16 vs FP8 (vs int4) for one random-weight model, one process.
 
-For each system (``model.quantization``, all bf16 models, ``compile.mode=kiln``,
+For each system (``model.quantization``, ``+kv``: with ``cache.dtype=fp8``; all bf16 models, ``compile.mode=kiln``,
 ``compile.cudagraph=full``), in this one process:
 
 - batch-1 decode: ``--prompt-len`` prompt, ``--output-len`` new tokens, greedy, ``ignore_eos``;
@@ -36,7 +36,8 @@ from common import console_table, device_name
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama3-8b", help="random preset")
-    p.add_argument("--systems", default="none,fp8", help="model.quantization values; none is the bf16 baseline")
+    p.add_argument("--systems", default="none,fp8+kv,int4",
+                   help="model.quantization values (none: the bf16 baseline), '+kv' adds cache.dtype=fp8")
     p.add_argument("--mode", default="kiln")
     p.add_argument("--cudagraph", default="full")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -89,16 +90,17 @@ def prompts(num: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(100, 40000, (num, length), generator=gen).tolist()
 
 
-def run_system(quantization: str, args, bandwidth: float) -> dict:
+def run_system(system: str, args, bandwidth: float) -> dict:
     from kiln import LLM, SamplingParams
 
+    quantization, _, kv = system.partition("+")
     t_start = time.perf_counter()
     max_seqs = max(args.num_requests, 1)
     llm = LLM(model={"model": f"random:{args.model}", "dtype": "bfloat16", "quantization": quantization,
                      "max_model_len": max(args.prompt_len, args.tp_prompt_len) + max(args.output_len, args.tp_output_len, 8)},
               compile={"mode": args.mode, "cudagraph": args.cudagraph,
                        "capture_sizes": tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if s <= max_seqs)},
-              cache={"gpu_memory_fraction": 0.85},
+              cache={"gpu_memory_fraction": 0.85, "dtype": "fp8" if kv == "kv" else "auto"},
               scheduler={"max_num_seqs": max_seqs, "max_num_batched_tokens": 4096})
     startup_s = time.perf_counter() - t_start
     model = llm.engine.executor.runner.model
@@ -121,7 +123,9 @@ def run_system(quantization: str, args, bandwidth: float) -> dict:
     tn, tokens = generate(one, args.output_len)
     step = (tn - t1) / (args.output_len - 1)
     weight_bytes = weight_bytes_per_step(model)
-    record = {"quantization": quantization, "startup_s": startup_s, "weight_gb_per_step": weight_bytes / 1e9,
+    record = {"system": system, "quantization": quantization, "kv_cache": "fp8" if kv == "kv" else "bf16",
+              "kv_cache_tokens": llm.engine.executor.runner.num_blocks * llm.engine.executor.runner.block_size,
+              "startup_s": startup_s, "weight_gb_per_step": weight_bytes / 1e9,
               "b1_step_ms": 1e3 * step, "b1_tok_s": 1 / step,
               "b1_roofline_pct": 100 * (1 / step) / (bandwidth / weight_bytes), "first_tokens": tokens[0][:16]}
     many = prompts(args.num_requests, args.tp_prompt_len, seed=1)
@@ -135,16 +139,17 @@ def run_system(quantization: str, args, bandwidth: float) -> dict:
 
 
 def write(out: Path, meta: dict, records: list[dict]) -> str:
-    base = next((r for r in records if r["quantization"] == "none"), None)
+    base = next((r for r in records if r["system"] == "none"), None)
     for r in records:
         if base is not None:
             r["b1_speedup"] = r["b1_tok_s"] / base["b1_tok_s"]
             r["offline_speedup"] = r["offline_tok_s"] / base["offline_tok_s"]
     (out / "quant_gpu.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
-    header = ["weights", "GB/step", "b1 step ms", "b1 tok/s", "b1 x bf16", "b1 % roofline",
+    header = ["weights", "KV tokens", "GB/step", "b1 step ms", "b1 tok/s", "b1 x bf16", "b1 % roofline",
               f"offline {meta['num_requests']}x{meta['tp_prompt_len']}/{meta['tp_output_len']} tok/s", "offline x bf16",
               "start-up s"]
-    rows = [["bf16" if r["quantization"] == "none" else r["quantization"], r["weight_gb_per_step"], r["b1_step_ms"],
+    rows = [[("bf16" if r["quantization"] == "none" else r["quantization"]) + (" + fp8 KV" if r["kv_cache"] == "fp8" else ""),
+             r["kv_cache_tokens"], r["weight_gb_per_step"], r["b1_step_ms"],
              r["b1_tok_s"], r.get("b1_speedup", ""), r["b1_roofline_pct"], r["offline_tok_s"],
              r.get("offline_speedup", ""), r["startup_s"]] for r in records]
     table = console_table(header, rows)
@@ -167,12 +172,12 @@ def main(argv=None) -> None:
             **{k: getattr(args, k) for k in ("prompt_len", "output_len", "num_requests", "tp_prompt_len",
                                              "tp_output_len")}}
     records = []
-    for quantization in args.systems.split(","):
+    for system in args.systems.split(","):
         if time.perf_counter() - t0 > args.deadline_s:
-            print(f"deadline: {quantization} not run", flush=True)
+            print(f"deadline: {system} not run", flush=True)
             continue
-        records.append(run_system(quantization, args, bandwidth))
-        print(f"{quantization}: {records[-1]} ({time.perf_counter() - t0:.0f} s in)", flush=True)
+        records.append(run_system(system, args, bandwidth))
+        print(f"{system}: {records[-1]} ({time.perf_counter() - t0:.0f} s in)", flush=True)
         table = write(out, meta, records)
     print(table)
 
