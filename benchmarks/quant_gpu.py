@@ -96,8 +96,9 @@ def run_system(system: str, args, bandwidth: float) -> dict:
     quantization, _, kv = system.partition("+")
     t_start = time.perf_counter()
     max_seqs = max(args.num_requests, 1)
+    max_len = max(args.prompt_len, args.tp_prompt_len) + max(args.output_len, args.tp_output_len, 8)
     llm = LLM(model={"model": f"random:{args.model}", "dtype": "bfloat16", "quantization": quantization,
-                     "max_model_len": max(args.prompt_len, args.tp_prompt_len) + max(args.output_len, args.tp_output_len, 8)},
+                     "max_model_len": max_len},
               compile={"mode": args.mode, "cudagraph": args.cudagraph,
                        "capture_sizes": tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if s <= max_seqs)},
               cache={"gpu_memory_fraction": 0.85, "dtype": "fp8" if kv == "kv" else "auto"},
@@ -148,7 +149,8 @@ def write(out: Path, meta: dict, records: list[dict]) -> str:
     header = ["weights", "KV tokens", "GB/step", "b1 step ms", "b1 tok/s", "b1 x bf16", "b1 % roofline",
               f"offline {meta['num_requests']}x{meta['tp_prompt_len']}/{meta['tp_output_len']} tok/s", "offline x bf16",
               "start-up s"]
-    rows = [[("bf16" if r["quantization"] == "none" else r["quantization"]) + (" + fp8 KV" if r["kv_cache"] == "fp8" else ""),
+    rows = [[("bf16" if r["quantization"] == "none" else r["quantization"])
+             + (" + fp8 KV" if r["kv_cache"] == "fp8" else ""),
              r["kv_cache_tokens"], r["weight_gb_per_step"], r["b1_step_ms"],
              r["b1_tok_s"], r.get("b1_speedup", ""), r["b1_roofline_pct"], r["offline_tok_s"],
              r.get("offline_speedup", ""), r["startup_s"]] for r in records]

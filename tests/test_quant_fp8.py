@@ -184,7 +184,8 @@ def test_fp8_kv_cache_model_logits_stay_close():
     for dtype in (torch.float32, torch.float8_e4m3fn):
         batcher, caches = PagedBatcher(64, 4, seed=1), make_kv_caches(model.arch, 64, 4, dtype=dtype)
         with torch.no_grad():
-            logits[dtype] = torch.cat([model.compute_logits(run_step(model, caches, batcher.step(s))) for s in schedule])
+            steps = [run_step(model, caches, batcher.step(s)) for s in schedule]
+            logits[dtype] = torch.cat([model.compute_logits(h) for h in steps])
     full, fp8 = logits[torch.float32], logits[torch.float8_e4m3fn]
     rel = ((fp8 - full).norm() / full.norm()).item()
     assert 0 < rel < 0.06, rel

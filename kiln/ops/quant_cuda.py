@@ -92,7 +92,8 @@ def _linear_int4_cuda(x: torch.Tensor, w: torch.Tensor, scales_zeros: torch.Tens
     return y.to(x.dtype).reshape(*x.shape[:-1], scales_zeros.shape[1])
 
 
-def _dequant_int4_cuda(w: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+def _dequant_int4_cuda(w: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
+                       dtype: torch.dtype) -> torch.Tensor:
     k = scales_zeros.shape[0] * group_size
     eye = torch.eye(k, dtype=torch.bfloat16, device=w.device)  # the tiled layout read back through the kernel
     return _linear_int4_cuda(eye, w, scales_zeros, group_size).t().contiguous().to(dtype)

@@ -141,7 +141,8 @@ class KernelSet:
     def describe(self) -> dict[str, str]:
         """op -> kernel name, for logs and the artifact cache key."""
         return {"attention": self.attention.name, "add_rms_norm": self.add_rms_norm.name,
-                "silu_and_mul": self.silu_and_mul.name, **{f"linear_{s}": self.quant_linear(s).name for s in QUANT_SCHEMES}}
+                "silu_and_mul": self.silu_and_mul.name,
+                **{f"linear_{s}": self.quant_linear(s).name for s in QUANT_SCHEMES}}
 
 
 # ---- the table ---------------------------------------------------------------------------------
