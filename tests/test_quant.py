@@ -356,3 +356,41 @@ def test_fp8_model_kiln_with_fusions_matches_eager():
     rewrites = forward.backend.passes.num_rewrites
     assert rewrites["QuantLinearPass"] == 4 * ARCH.num_layers and rewrites["Fp8QuantFusionPass"] > 0
     assert not forward.backend.passes.failed
+
+
+@pytest.mark.parametrize("layout", ["tensor", "channel", "block"])
+def test_fp8_checkpoint_tensors_load_dequantized(layout):
+    from kiln.models.quantize import dequantize_fp8_checkpoint
+
+    source = _float_model()
+    tensors = dict(source._weight_targets())
+    checkpoint = []
+    for name, t in tensors.items():
+        if not name.endswith("proj.weight"):
+            checkpoint.append((name, t.clone()))
+            continue
+        if layout == "tensor":
+            scale = t.abs().max() / quant.FP8_MAX
+            q = (t / scale).to(quant.FP8_DTYPE)
+        elif layout == "channel":
+            q, scale = quant.quantize_fp8(t)
+            scale = scale[:, None]
+        else:  # 32 x 32 blocks, DeepSeek's weight_scale_inv
+            n, k = t.shape
+            blocks = t.reshape(n // 32, 32, k // 32, 32).abs().amax(dim=(1, 3)) / quant.FP8_MAX
+            q = (t / blocks.repeat_interleave(32, 0).repeat_interleave(32, 1)).to(quant.FP8_DTYPE)
+            scale = blocks
+        suffix = "weight_scale_inv" if layout == "block" else "weight_scale"
+        checkpoint += [(name, q), (name.replace(".weight", f".{suffix}"), scale),
+                       (name.replace(".weight", ".input_scale"), torch.tensor(1.0))]
+    target = LlamaForCausalLM(ARCH).eval()
+    target.load_weights(dequantize_fp8_checkpoint(iter(checkpoint), torch.float32))
+    for name, t in target._weight_targets():
+        want = tensors[name]
+        if name.endswith("proj.weight"):
+            assert not torch.equal(t, want)  # went through fp8
+            assert ((t - want).abs() <= want.abs() / 16 + want.abs().max() * 2 ** -9).all(), name
+        else:
+            assert torch.equal(t, want)
+    with pytest.raises(ValueError, match="lack a weight or its weight_scale"):
+        list(dequantize_fp8_checkpoint(iter([("a.weight", torch.zeros(2, 2, dtype=quant.FP8_DTYPE))]), torch.float32))

@@ -32,7 +32,8 @@ from kiln.models.arch import PRESETS, ArchConfig
 from kiln.models.gguf import convert_gguf, convert_gguf_tokenizer
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.parallel import SINGLE, TensorParallel
-from kiln.models.quantize import apply_quantization, resolve_quantization
+from kiln.models.quantize import (apply_quantization, checkpoint_quantization, dequantize_fp8_checkpoint,
+                                  resolve_quantization)
 from kiln.models.registry import REGISTERED_MODELS, TOKENIZER_DIR_ENV, TOKENIZER_DONOR
 from kiln.ops.registry import KernelSet, select_kernels
 from kiln.progress import progress_bar
@@ -114,9 +115,11 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     max_model_len = _max_model_len(model_config, arch)
     tokenizer = _load_tokenizer(hf_dir)
     model = build_empty_model(arch, device, dtype, tp)
-    model.load_weights(progress_bar(iter_safetensors(hf_dir), desc=f"loading {name}", total=_num_tensors(hf_dir),
-                                    unit="tensor"))
     scheme = resolve_quantization(model_config.quantization, hf_dir, gguf_path)
+    weights = iter_safetensors(hf_dir)
+    if checkpoint_quantization(hf_dir) == "fp8":  # any scheme: FP8 tensors load dequantized first
+        weights = dequantize_fp8_checkpoint(weights, dtype)
+    model.load_weights(progress_bar(weights, desc=f"loading {name}", total=_num_tensors(hf_dir), unit="tensor"))
     apply_quantization(model, scheme, kernels, gguf_path if tp.size == 1 else None)
     return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len)
 

@@ -13,8 +13,9 @@ reference op.
 never saw the pass (``compile.mode=stock``) still computes the same result.
 
 Where the weights come from, ``quantization=auto`` resolves (``resolve_quantization``): the
-checkpoint's ``quantization_config`` (``fp8``, ``compressed-tensors`` FP8 -> fp8; ``awq``,
-``gptq`` -> refused with what to do), and a GGUF source keeps its Q4_1 blocks as int4 weights
+checkpoint's ``quantization_config`` (``fp8``, ``compressed-tensors`` FP8 -> fp8, whose tensors
+``dequantize_fp8_checkpoint`` reads per-tensor, per-channel or block-scaled; ``awq``, ``gptq`` ->
+refused with what to do), and a GGUF source keeps its Q4_1 blocks as int4 weights
 exactly (``read_gguf_int4``: ``q * d + m`` is ``(q - 8) * s + z`` with ``s = d``, ``z = m + 8d``),
 never expanded to float.
 """
@@ -24,7 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Optional
+from typing import Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -158,6 +159,51 @@ def resolve_quantization(requested: str, hf_dir: Optional[str], gguf_path: Optio
     if gguf_path is not None:
         return "int4" if gguf_has_int4(gguf_path) else "none"
     return checkpoint_quantization(hf_dir)
+
+
+# ---- FP8 checkpoints: fp8 weights with per-tensor, per-channel or block scales --------------------
+
+_STATIC_SCALES = ("input_scale", "k_scale", "v_scale", "output_scale")  # kiln scales activations dynamically
+
+
+def dequantize_fp8_checkpoint(weights: Iterable[tuple[str, torch.Tensor]],
+                              dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """An FP8 checkpoint's tensors (``fp8`` / ``compressed-tensors`` formats: float8 ``*.weight``
+    with ``*.weight_scale``, or block-wise ``*.weight_scale_inv``) as full weights in ``dtype``,
+    one at a time, for ``load_weights``; ``quantize_model`` then stores them per-channel FP8 again.
+    Static activation scales are dropped: kiln quantizes activations per token."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in weights:
+        base, _, leaf = name.rpartition(".")
+        if leaf in _STATIC_SCALES:
+            continue
+        if leaf in ("weight_scale", "weight_scale_inv"):
+            pending.setdefault(base, {})["scale"] = t
+        elif leaf == "weight" and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            pending.setdefault(base, {})["weight"] = t
+        else:
+            yield name, t
+            continue
+        entry = pending[base]
+        if "weight" in entry and "scale" in entry:
+            yield f"{base}.weight", _dequant_fp8_tensor(entry["weight"], entry["scale"]).to(dtype)
+            del pending[base]
+    if pending:
+        raise ValueError(f"FP8 checkpoint: {sorted(pending)[:3]} lack a weight or its weight_scale")
+
+
+def _dequant_fp8_tensor(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    n, k = w.shape
+    s = scale.float()
+    if s.numel() == 1:
+        return w.float() * s.reshape(())
+    if s.numel() == n:  # per output channel
+        return w.float() * s.reshape(n, 1)
+    if s.dim() == 2:  # blocks of [ceil(N / rows), ceil(K / cols)]
+        rows, cols = -(-n // s.shape[0]), -(-k // s.shape[1])
+        full = s.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+        return w.float() * full
+    raise ValueError(f"FP8 checkpoint: weight_scale of shape {tuple(scale.shape)} does not fit a weight of {(n, k)}")
 
 
 # ---- GGUF: Q4_1 blocks as int4 weights ------------------------------------------------------------
