@@ -53,6 +53,7 @@ def test_interpreted_kernels_match_reference(num_tokens, hidden, intermediate):
     assert e["norm_rows"] <= 0.51 and e["silu_rows"] <= 0.51, e
     assert e["norm_l2"] < 0.1 and e["silu_l2"] < 0.1, e  # a wrong row (no weight, no gate) is ~1
     assert e["norm_scales"] < 1e-6 and e["silu_scales"] < 1e-6 and e["residual"] == 0.0, e
+    assert e["quant_l2"] < 0.1 and e["quant_scales"] == 0.0, e
 
 
 @pytest.mark.gpu
@@ -66,6 +67,7 @@ def test_gpu_kernels_match_reference(num_tokens, hidden, intermediate):
     assert e["norm_rows"] <= 0.13 and e["silu_rows"] <= 0.13, e
     assert e["norm_l2"] < 0.01 and e["silu_l2"] < 0.01, e
     assert e["norm_scales"] < 1e-2 and e["silu_scales"] < 1e-2 and e["residual"] < 1e-2, e
+    assert e["quant_l2"] < 0.01 and e["quant_scales"] < 1e-6, e
 
 
 @pytest.mark.gpu

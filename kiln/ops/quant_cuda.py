@@ -24,11 +24,20 @@ def fp8_fits(n: int, k: int, group_size: int) -> bool:
     return n % 16 == 0 and k % 16 == 0
 
 
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token fp8 of the GEMM's input: one Triton launch where Triton is installed."""
+    try:
+        from kiln.ops.triton_quant import triton_quantize_fp8_per_token
+    except ImportError:
+        return quantize_fp8_per_token(x)
+    return triton_quantize_fp8_per_token(x)
+
+
 def _linear_fp8_scaled_mm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     if x.device.type != "cuda":
         return linear_fp8_reference(x, w, scales, group_size)
     x2 = x.reshape(-1, x.shape[-1])
-    xq, xs = quantize_fp8_per_token(x2)
+    xq, xs = _quantize_rows(x2)
     out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scales.float().reshape(1, -1), out_dtype=out_dtype)
     return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])

@@ -8,6 +8,7 @@ no separate quantization pass over the activations runs::
 
     add_rms_norm_quant_fp8  grid (num_tokens,)  the whole row in registers (hidden <= 16384)
     silu_and_mul_quant_fp8  grid (num_tokens,)  two sweeps over d in blocks: amax, then write
+    quantize_fp8_per_token  grid (num_tokens,)  the same two sweeps, for an FP8 GEMM's unfused input
 
 The ops ``kiln_triton::add_rms_norm_quant_fp8`` and ``kiln_triton::silu_and_mul_quant_fp8`` have the
 schemas of the references in ``kiln.ops.quant``; ``check_against_reference`` compares them.
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kiln.ops.quant import (FP8_DTYPE, FP8_MAX, add_rms_norm_quant_fp8_reference, define_fp8_fusion_ops,
-                            linear_fp8_prequant_reference, silu_and_mul_quant_fp8_reference)
+                            linear_fp8_prequant_reference, quantize_fp8_per_token, silu_and_mul_quant_fp8_reference)
 
 _SILU_BLOCK = 1024
 
@@ -72,6 +73,37 @@ def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, d, stride_x, stride_q, FP8_M
         y = _silu_row(x_ptr, row, stride_x, d, cols, ok, x_ptr.dtype.element_ty)
         q = tl.minimum(tl.maximum(y / scale, -FP8_MAX), FP8_MAX)
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, n_cols, stride_x, stride_q, FP8_MAX: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, 1e-12)
+    tl.store(s_ptr + row, scale)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+
+
+def triton_quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch for ``kiln.ops.quant.quantize_fp8_per_token`` of a [M, K] row-major tensor."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        return quantize_fp8_per_token(x)
+    xq = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    xs = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        _per_token_quant_kernel[(x.shape[0],)](x, xq, xs, x.shape[1], x.stride(0), xq.stride(0), FP8_MAX=FP8_MAX,
+                                               BLOCK=_SILU_BLOCK, num_warps=4)
+    return xq, xs
 
 
 def triton_add_rms_norm_quant_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -148,4 +180,13 @@ def check_against_reference(num_tokens: int, hidden: int, intermediate: int, dty
             "norm_scales": ((got_s - want_s).abs() / want_s).max().item(),
             "residual": (got_res.float() - want_res.float()).abs().max().item(),
             "silu_mismatch": silu[0], "silu_rows": silu[1], "silu_l2": silu[2],
-            "silu_scales": ((got_ss - want_ss).abs() / want_ss).max().item()}
+            "silu_scales": ((got_ss - want_ss).abs() / want_ss).max().item(),
+            **_check_per_token(randn(num_tokens, hidden))}
+
+
+def _check_per_token(x: torch.Tensor) -> dict[str, float]:
+    got_q, got_s = triton_quantize_fp8_per_token(x)
+    want_q, want_s = quantize_fp8_per_token(x)
+    a, b = got_q.float() * got_s, want_q.float() * want_s
+    return {"quant_l2": ((a - b).norm() / b.norm()).item(),
+            "quant_scales": ((got_s - want_s).abs() / want_s).max().item()}
