@@ -25,8 +25,7 @@ import torch
 
 from kiln.compiler import ArtifactCache, CompiledModel, InputLimits
 from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig
-from kiln.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
-from kiln.models.loader import kv_cache_dtype
+from kiln.models.loader import LoadedModel, kv_cache_dtype, load_model, resolve_device, resolve_dtype
 from kiln.models.parallel import SINGLE, TensorParallel, local_num_kv_heads, min_over_ranks
 from kiln.ops.registry import select_kernels
 from kiln.runtime import kv_sizing
