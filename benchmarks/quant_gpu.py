@@ -6,7 +6,7 @@ For each system (``model.quantization``, ``+kv``: with ``cache.dtype=fp8``; all 
 - batch-1 decode: ``--prompt-len`` prompt, ``--output-len`` new tokens, greedy, ``ignore_eos``;
   the step time is ``(t(output_len) - t(1)) / (output_len - 1)``;
 - offline throughput: ``--num-requests`` prompts of ``--tp-prompt-len`` tokens, ``--tp-output-len``
-  new tokens each, all submitted at once;
+  new tokens each, all submitted at once (``--num-requests 0``: skipped);
 - the bytes of weights one decode step reads at the stored (quantized) sizes, and the percent of the
   roofline ``copy bandwidth / bytes per step`` the batch-1 decode reaches (the device-to-device copy
   bandwidth is measured first, as ``benchmarks/gpu_decode.py`` does).
@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--tp-prompt-len", type=int, default=128)
     p.add_argument("--tp-output-len", type=int, default=128)
-    p.add_argument("--deadline-s", type=float, default=200.0)
+    p.add_argument("--deadline-s", type=float, default=150.0)
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     return p.parse_args(argv)
 
@@ -129,9 +129,11 @@ def run_system(system: str, args, bandwidth: float) -> dict:
               "startup_s": startup_s, "weight_gb_per_step": weight_bytes / 1e9,
               "b1_step_ms": 1e3 * step, "b1_tok_s": 1 / step,
               "b1_roofline_pct": 100 * (1 / step) / (bandwidth / weight_bytes), "first_tokens": tokens[0][:16]}
-    many = prompts(args.num_requests, args.tp_prompt_len, seed=1)
-    t, _ = generate(many, args.tp_output_len, repeats=1)
-    record.update(offline_tok_s=args.num_requests * args.tp_output_len / t, offline_s=t)
+    record.update(offline_tok_s=float("nan"), offline_s=float("nan"))
+    if args.num_requests > 0:  # 0: batch 1 only
+        many = prompts(args.num_requests, args.tp_prompt_len, seed=1)
+        t, _ = generate(many, args.tp_output_len, repeats=1)
+        record.update(offline_tok_s=args.num_requests * args.tp_output_len / t, offline_s=t)
     del llm, model
     gc.collect()
     if torch.cuda.is_available():
