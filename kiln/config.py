@@ -50,6 +50,9 @@ def default_cache_dir() -> str:
     return os.environ.get("KILN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kiln")
 
 
+QUANTIZATIONS = ("none", "auto", "int8", "int4", "fp8")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model to load and how.
@@ -67,9 +70,15 @@ class ModelConfig:
     # (native | transformers force one; see kiln.models.hf_generic).
     impl: str = "auto"
 
+    # none | int8 | int4 (weight-only) | fp8 (weights and activations) | auto: the checkpoint's own
+    # (its quantization_config; a GGUF keeps its 4-bit blocks). Random presets take any of them.
+    quantization: str = "none"
+
+
     def __post_init__(self) -> None:
         _check_choice("model", "dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
         _check_choice("model", "impl", self.impl, ("auto", "native", "transformers"))
+        _check_choice("model", "quantization", self.quantization, QUANTIZATIONS)
         _check_choice("model", "device", self.device, ("auto", "cpu", "cuda"))
         _check_positive("model", "max_model_len", self.max_model_len, allow_none=True)
 
@@ -84,9 +93,13 @@ class CacheConfig:
     gpu_memory_fraction: float = 0.9
     num_blocks: Optional[int] = None  # overrides the memory budget (tests use tiny pools)
     dir: Optional[str] = None  # None: $KILN_CACHE_DIR or ~/.cache/kiln
+    # KV cache element type: auto (the model dtype) | fp8 (float8_e4m3fn, per-tensor scale 1: twice
+    # the tokens of a bf16 cache in the same memory; GPUs of SM89+ or the CPU).
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check_positive("cache", "block_size", self.block_size)
+        _check_choice("cache", "dtype", self.dtype, ("auto", "fp8"))
         _check_positive("cache", "kv_cache_memory_gib", self.kv_cache_memory_gib, allow_none=True)
         _check_positive("cache", "num_blocks", self.num_blocks, allow_none=True)
         if not 0.0 < self.gpu_memory_fraction <= 1.0:

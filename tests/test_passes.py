@@ -266,9 +266,8 @@ def test_uuid_tracks_source_and_options():
 
 def test_pass_list_order_and_auto_fusion():
     names = [p.name for p in build_passes(PassConfig())]
-    assert names == ["SDPAToPagedAttentionPass", "AttentionBackendPass", "MoEBackendPass", "NoOpEliminationPass",
-                     "SiluMulFusionPass",
-                     "AddRMSNormFusionPass"]
+    assert names == ["SDPAToPagedAttentionPass", "AttentionBackendPass", "MoEBackendPass", "QuantLinearPass",
+                     "NoOpEliminationPass", "SiluMulFusionPass", "AddRMSNormFusionPass", "Fp8QuantFusionPass"]
     cpu = {p.name: p.options() for p in build_passes(PassConfig(kernels=select_kernels("cpu")))}
     cuda = {p.name: p.options() for p in build_passes(PassConfig(kernels=select_kernels("cuda")))}
     assert cpu["SiluMulFusionPass"] == {"enabled": False}  # no CPU kernel beats Inductor's loop

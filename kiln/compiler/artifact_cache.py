@@ -8,9 +8,9 @@ One entry per key, a directory under ``<cache.dir>/compile/``::
       plan.json, graph.pkl, graph.py, pieces/, inductor/
                             the compiled forward (``kiln.compiler.saved_forward``)
 
-The key is a hash of ``key_factors``: the model (name, impl, architecture, dtype, tensor shapes), the
-compile config, every pass's uuid, kiln's own source, torch/triton/Python versions and the device
-(name and capability). A miss names the factors that differ from the nearest existing entry.
+The key is a hash of ``key_factors``: the model (name, impl, architecture, dtype, tensor shapes,
+quantization), the compile config, every pass's uuid, kiln's own source, torch/triton/Python
+versions and the device (name and capability). A miss names the factors that differ from the nearest existing entry.
 
 Rules kept here:
 - Loading never writes into the cache dir: a read-only copy (an image layer) works. The C++
@@ -77,6 +77,7 @@ def key_factors(model: torch.nn.Module, model_name: str, config: CompileConfig, 
             "class": f"{type(model).__module__}.{type(model).__qualname__}",
             "arch": dataclasses.asdict(arch) if dataclasses.is_dataclass(arch) else None,
             "tensors": _tensors_hash(model),
+            "quantization": getattr(model, "quantization", "none"),
         },
         "dtype": str(param.dtype if param is not None else None),
         "compile": {k: v for k, v in dataclasses.asdict(config).items() if k != "debug_dump_dir"},

@@ -29,7 +29,7 @@ from typing import NoReturn
 from kiln.bench.sweep import BENCH_KINDS, BenchConfig
 from kiln.config import (
     API_KEY_ENV, COMPILE_MODES, CUDAGRAPH_MODES, REDACTED, CacheConfig, CompileConfig, EngineConfig, ModelConfig,
-    ParallelConfig, SchedulerConfig, ServerConfig, SPECULATIVE_METHODS, SpeculativeConfig,
+    QUANTIZATIONS, ParallelConfig, SchedulerConfig, ServerConfig, SPECULATIVE_METHODS, SpeculativeConfig,
 )
 
 # The Hydra YAML is package data (kiln/configs/), so a wheel install finds it as a checkout does.
@@ -64,15 +64,17 @@ FIELD_HELP = {
     "model.device": "auto: cuda when available, else cpu",
     "model.max_model_len": "longest prompt plus output in tokens; null: the model's own context length",
     "model.seed": "seed of random weights and of unseeded sampling",
-    "model.impl": "auto: kiln's own model code when it has the family (llama, qwen2, mistral), else the "
+    "model.impl": "auto: kiln's own model code when it has the family (see README: Supported models), else the "
                   "generic path (transformers' modeling code, captured and given kiln's paged attention); "
                   "native or transformers: force one",
+    "model.quantization": "linear weights: none, int8 / int4 (weight-only), fp8 (SM89+ GPUs), auto (the checkpoint)",
     "cache.block_size": "tokens per KV cache block",
     "cache.enable_prefix_caching": "reuse the KV blocks of a prompt prefix computed before",
     "cache.kv_cache_memory_gib": "KV cache budget; null: 1 GiB on CPU, from gpu_memory_fraction on GPU",
     "cache.gpu_memory_fraction": "share of the GPU's memory kiln may fill; the KV cache gets what is left",
     "cache.num_blocks": "exact number of KV blocks, overriding the memory budget; null: from the budget",
     "cache.dir": "converted models and compiled artifacts; null: $KILN_CACHE_DIR or ~/.cache/kiln",
+    "cache.dtype": "KV cache element type; auto: the model dtype, fp8: float8_e4m3fn (2x bf16's tokens)",
     "scheduler.max_num_seqs": "most requests in one step",
     "scheduler.max_num_batched_tokens": "most tokens in one step (decodes and prefill chunks)",
     "scheduler.enable_chunked_prefill": "split a long prompt over several steps",
@@ -135,6 +137,8 @@ CHOICES: dict[str, tuple] = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.device": ("auto", "cpu", "cuda"),
     "model.impl": ("auto", "native", "transformers"),
+    "model.quantization": QUANTIZATIONS,
+    "cache.dtype": ("auto", "fp8"),
     "scheduler.policy": ("fcfs", "priority"),
     "compile.mode": COMPILE_MODES,
     "compile.cudagraph": CUDAGRAPH_MODES,

@@ -37,7 +37,10 @@ from kiln.models.gguf import convert_gguf, convert_gguf_tokenizer
 from kiln.models.hf_generic import HFGenericForCausalLM, build_generic, hf_config_from_dict
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.parallel import SINGLE, TensorParallel
+from kiln.models.quantize import (apply_quantization, checkpoint_quantization, dequantize_fp8_checkpoint,
+                                  resolve_quantization)
 from kiln.models.registry import REGISTERED_MODELS, TOKENIZER_DIR_ENV, TOKENIZER_DONOR
+from kiln.ops.registry import KernelSet, select_kernels
 from kiln.progress import progress_bar
 
 RANDOM_PREFIX = "random:"
@@ -73,19 +76,39 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return choices[dtype]
 
 
+def kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """``cache.dtype``: auto is the model dtype; fp8 is float8_e4m3fn (stored with a per-tensor scale
+    of 1: K and V stay far inside its +-448 range), which CUDA needs SM89+ for."""
+    if cache_dtype == "auto":
+        return model_dtype
+    if cache_dtype == "fp8":
+        device = torch.device(device)
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError("cache.dtype=fp8 needs a GPU of compute capability 8.9 or newer; use cache.dtype=auto")
+        return torch.float8_e4m3fn
+    raise ValueError(f"cache.dtype={cache_dtype!r} is not allowed; choose one of ['auto', 'fp8']")
+
+
 def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, dtype: torch.dtype,
-               tp: TensorParallel = SINGLE) -> LoadedModel:
-    """The model (this rank's shard under tensor parallelism), its tokenizer and limits."""
+               tp: TensorParallel = SINGLE, kernels: Optional[KernelSet] = None) -> LoadedModel:
+    """The model (this rank's shard under tensor parallelism), its tokenizer and limits; quantized
+    (``model_config.quantization``) into the layouts of ``kernels`` (default: the device's)."""
+    kernels = kernels or select_kernels(torch.device(device).type)
     spec = model_config.model
+    gguf_path = None
     if spec.startswith(RANDOM_PREFIX):
-        return _load_random(spec[len(RANDOM_PREFIX):], model_config, cache_dir, device, dtype, tp)
+        loaded = _load_random(spec[len(RANDOM_PREFIX):], model_config, cache_dir, device, dtype, tp)
+        apply_quantization(loaded.model, resolve_quantization(model_config.quantization, None, None), kernels)
+        return loaded
     if spec in REGISTERED_MODELS:
         hf_dir, name = _registered_dir(spec, cache_dir), spec
+        gguf_path = REGISTERED_MODELS[spec].find()
     elif os.path.isdir(spec):
         hf_dir, name = spec, os.path.basename(os.path.normpath(spec))
     elif spec.endswith(".gguf") and os.path.isfile(spec):
         name = os.path.basename(spec)[: -len(".gguf")]
-        hf_dir = convert_gguf(os.path.abspath(spec), cache_dir, name)
+        gguf_path = os.path.abspath(spec)
+        hf_dir = convert_gguf(gguf_path, cache_dir, name)
     else:
         raise ValueError(f"model={spec!r} is neither a registered model, an existing directory nor a .gguf file. "
                          f"{_choices()}")
@@ -101,8 +124,12 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     max_model_len = _max_model_len(model_config, arch)
     tokenizer = _load_tokenizer(hf_dir)
     model = build_empty_model(arch, device, dtype, tp)
-    model.load_weights(progress_bar(iter_safetensors(hf_dir), desc=f"loading {name}", total=_num_tensors(hf_dir),
-                                    unit="tensor"))
+    scheme = resolve_quantization(model_config.quantization, hf_dir, gguf_path)
+    weights = iter_safetensors(hf_dir)
+    if checkpoint_quantization(hf_dir) == "fp8":  # any scheme: FP8 tensors load dequantized first
+        weights = dequantize_fp8_checkpoint(weights, dtype)
+    model.load_weights(progress_bar(weights, desc=f"loading {name}", total=_num_tensors(hf_dir), unit="tensor"))
+    apply_quantization(model, scheme, kernels, gguf_path if tp.size == 1 else None)
     return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len)
 
 

@@ -30,18 +30,29 @@ from kiln.forward_context import AttentionMetadata, get_forward_context
 AttentionImpl = Callable[..., torch.Tensor]
 
 
+_FP8_DTYPES = (torch.float8_e4m3fn,)  # cache.dtype=fp8: indexing ops lack it on the CPU, so bytes move
+
+
+def _rows(kv: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``kv[index]``, for float8 caches too."""
+    return kv.view(torch.uint8)[index].view(kv.dtype) if kv.dtype in _FP8_DTYPES else kv[index]
+
+
 def store_kv_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write new keys/values into their slots. k, v: [num_tokens, num_kv_heads, head_dim]."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+    if kv_cache.dtype in _FP8_DTYPES:
+        kv_cache, k, v = kv_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
 def _gather_context(kv: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """kv: [num_blocks, block_size, H, D] -> [seq_len, H, D] for one request."""
     block_size = kv.shape[1]
     num_blocks = -(-seq_len // block_size)
-    return kv[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
+    return _rows(kv, block_table[:num_blocks].long()).flatten(0, 1)[:seq_len]
 
 
 def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int) -> torch.Tensor:
@@ -106,8 +117,8 @@ def _attend_decodes(q, kv_cache, meta, scale, group, out, sliding_window, logit_
     block_size = kv_cache.shape[2]
     max_blocks = -(-max(meta.seq_lens_cpu[:nd]) // block_size)
     table = meta.block_tables[:nd, :max_blocks].long()  # [nd, max_blocks]
-    keys = kv_cache[0][table].flatten(1, 2)  # [nd, max_len, kvh, D]
-    vals = kv_cache[1][table].flatten(1, 2)
+    keys = _rows(kv_cache[0], table).flatten(1, 2)  # [nd, max_len, kvh, D]
+    vals = _rows(kv_cache[1], table).flatten(1, 2)
     max_len = keys.shape[1]
     kvh, head_dim = keys.shape[2], keys.shape[3]
     qg = q.view(nd, kvh, group, head_dim).to(torch.float32)  # [nd, kvh, group, D]

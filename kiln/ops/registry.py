@@ -9,6 +9,10 @@ the first candidate of an op whose device matches and whose loader returns a ker
     add_rms_norm  kiln_triton::add_rms_norm                                  kiln::add_rms_norm
     silu_and_mul  kiln_triton::silu_and_mul                                  kiln::silu_and_mul
     moe           kiln_triton::fused_moe                                     kiln::fused_moe
+    linear_int8                             kiln_cpu::linear_int8 (aten)     kiln::linear_int8
+    linear_int4   kiln_cuda::linear_int4    kiln_cpu::linear_int4 (aten)     kiln::linear_int4
+                  (aten tinygemm)
+    linear_fp8    kiln_cuda::linear_fp8 (SM89+)                              kiln::linear_fp8
 
 ``select_kernels(device_type)`` returns the ``KernelSet`` a ``CompiledModel`` is built with. Nothing
 here is process-global state: two models on two devices in one process hold two KernelSets, and
@@ -19,7 +23,7 @@ kernel modules lazily, so choosing CPU kernels never imports Triton.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
@@ -27,6 +31,7 @@ import torch
 from kiln.ops.attention import AttentionImpl
 
 GENERIC_ATTENTION_OP = "kiln::attend_paged"
+QUANT_SCHEMES = ("int8", "int4", "fp8")
 
 
 def op_name(target: Any) -> Optional[str]:
@@ -69,6 +74,51 @@ class AttentionKernel(Kernel):
     graph_capture: Callable[[int], ContextManager[None]] = _no_capture_context
 
 
+def _no_pack(w: torch.Tensor, scales: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return w, scales
+
+
+def _fits_any(n: int, k: int, group_size: int) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class QuantLinearKernel(Kernel):
+    """A quantized GEMM (``kiln.ops.quant``): ``op(x, w, scales, group_size)`` on the weight layout
+    ``pack`` makes from the canonical one, and ``dequant`` (same arguments plus a dtype) to read
+    that layout back. ``fits(N, K, group_size)`` says which shapes the kernel takes."""
+
+    dequant: Any = None
+    pack: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = _no_pack
+    fits: Callable[[int, int, int], bool] = _fits_any
+
+    @property
+    def dequant_name(self) -> str:
+        name = op_name(self.dequant)
+        if name is None:
+            raise TypeError(f"kernel {self.name}: {self.dequant!r} is not a torch.ops op")
+        return name
+
+
+def _reference_quant(scheme: str) -> QuantLinearKernel:
+    import kiln.ops.quant  # noqa: F401  (defines the ops)
+
+    return QuantLinearKernel("reference", getattr(torch.ops.kiln, f"linear_{scheme}"),
+                             dequant=getattr(torch.ops.kiln, f"dequant_{scheme}"))
+
+
+def _reference_int8() -> QuantLinearKernel:
+    return _reference_quant("int8")
+
+
+def _reference_int4() -> QuantLinearKernel:
+    return _reference_quant("int4")
+
+
+def _reference_fp8() -> QuantLinearKernel:
+    return _reference_quant("fp8")
+
+
 @dataclass(frozen=True)
 class KernelSet:
     """The kernels of one compiled model, chosen once from the device."""
@@ -78,6 +128,13 @@ class KernelSet:
     add_rms_norm: Kernel
     silu_and_mul: Kernel
     moe: Kernel
+    linear_int8: QuantLinearKernel = field(default_factory=_reference_int8)
+    linear_int4: QuantLinearKernel = field(default_factory=_reference_int4)
+    linear_fp8: QuantLinearKernel = field(default_factory=_reference_fp8)
+
+    def quant_linear(self, scheme: str) -> QuantLinearKernel:
+        """The GEMM of quantization ``scheme`` (int8 | int4 | fp8)."""
+        return getattr(self, f"linear_{scheme}")
 
     def split_op_names(self) -> tuple[str, ...]:
         """The ops the graph is split at: the generic attention op and this set's attention kernel."""
@@ -86,7 +143,8 @@ class KernelSet:
     def describe(self) -> dict[str, str]:
         """op -> kernel name, for logs and the artifact cache key."""
         return {"attention": self.attention.name, "add_rms_norm": self.add_rms_norm.name,
-                "silu_and_mul": self.silu_and_mul.name, "moe": self.moe.name}
+                "silu_and_mul": self.silu_and_mul.name, "moe": self.moe.name,
+                **{f"linear_{s}": self.quant_linear(s).name for s in QUANT_SCHEMES}}
 
 
 # ---- the table ---------------------------------------------------------------------------------
@@ -149,6 +207,43 @@ def _triton_moe() -> Kernel:
     return Kernel("triton", torch.ops.kiln_triton.fused_moe, fast=True)
 
 
+def _cpu_int8() -> Optional[QuantLinearKernel]:
+    from kiln.ops import quant
+
+    if not quant.cpu_int8_supported():
+        return None
+    return QuantLinearKernel("cpu", torch.ops.kiln_cpu.linear_int8, fast=True, dequant=torch.ops.kiln.dequant_int8,
+                             pack=quant.pack_int8_cpu)
+
+
+def _cpu_int4() -> Optional[QuantLinearKernel]:
+    from kiln.ops import quant
+
+    if not quant.cpu_int4_supported():
+        return None
+    return QuantLinearKernel("cpu", torch.ops.kiln_cpu.linear_int4, fast=True, dequant=torch.ops.kiln_cpu.dequant_int4,
+                             pack=quant.pack_int4_cpu, fits=quant.cpu_int4_fits)
+
+
+def _cuda_fp8() -> Optional[QuantLinearKernel]:
+    from kiln.ops import quant_cuda
+
+    if not quant_cuda.fp8_supported():
+        return None
+    return QuantLinearKernel("scaled_mm", torch.ops.kiln_cuda.linear_fp8, fast=True, dequant=torch.ops.kiln.dequant_fp8,
+                             fits=quant_cuda.fp8_fits)
+
+
+def _cuda_int4() -> Optional[QuantLinearKernel]:
+    from kiln.ops import quant_cuda
+
+    if not quant_cuda.int4_supported():
+        return None
+    return QuantLinearKernel("tinygemm", torch.ops.kiln_cuda.linear_int4, fast=True,
+                             dequant=torch.ops.kiln_cuda.dequant_int4, pack=quant_cuda.pack_int4_cuda,
+                             fits=quant_cuda.int4_fits)
+
+
 ANY_DEVICE = "*"
 # op -> ordered (device type, loader); a loader returns None when its kernel cannot run here.
 REGISTRY: dict[str, tuple[tuple[str, Callable[[], Optional[Kernel]]], ...]] = {
@@ -156,6 +251,9 @@ REGISTRY: dict[str, tuple[tuple[str, Callable[[], Optional[Kernel]]], ...]] = {
     "add_rms_norm": (("cuda", _triton_add_rms_norm), (ANY_DEVICE, _reference_add_rms_norm)),
     "silu_and_mul": (("cuda", _triton_silu_and_mul), (ANY_DEVICE, _reference_silu_and_mul)),
     "moe": (("cuda", _triton_moe), (ANY_DEVICE, _reference_moe)),
+    "linear_int8": (("cpu", _cpu_int8), (ANY_DEVICE, _reference_int8)),
+    "linear_int4": (("cuda", _cuda_int4), ("cpu", _cpu_int4), (ANY_DEVICE, _reference_int4)),
+    "linear_fp8": (("cuda", _cuda_fp8), (ANY_DEVICE, _reference_fp8)),
 }
 
 

@@ -6,9 +6,12 @@ The list (``build_passes``) runs in order; each pass says where it runs (``KilnP
    ``scaled_dot_product_attention`` becomes ``kiln.attend_paged``; its dead mask construction goes.
 2. ``AttentionBackendPass`` (dynamo): the generic attention call becomes the KernelSet's kernel op.
    ``MoEBackendPass`` (dynamo): likewise the generic ``kiln.fused_moe`` (mixture-of-experts models).
-3. ``NoOpEliminationPass`` (post_grad): views, slices and casts that return their input.
-4. ``SiluMulFusionPass`` (post_grad): ``silu(gate) * up`` -> ``kiln.silu_and_mul``.
-5. ``AddRMSNormFusionPass`` (post_grad): residual add + RMSNorm -> ``kiln.add_rms_norm``.
+3. ``QuantLinearPass`` (dynamo): a linear on a dequantized weight -> the KernelSet's quantized GEMM.
+4. ``NoOpEliminationPass`` (post_grad): views, slices and casts that return their input.
+5. ``SiluMulFusionPass`` (post_grad): ``silu(gate) * up`` -> ``kiln.silu_and_mul``.
+6. ``AddRMSNormFusionPass`` (post_grad): residual add + RMSNorm -> ``kiln.add_rms_norm``.
+7. ``Fp8QuantFusionPass`` (post_grad): add + RMSNorm or SiLU-and-mul feeding an FP8 GEMM also
+   quantizes the rows it writes.
 
 ``run_dynamo(gm)`` applies the dynamo-stage passes to the captured graph before it is split;
 the manager itself is Inductor's ``post_grad_custom_pre_pass`` (a ``CustomGraphPass``) and applies
@@ -49,8 +52,10 @@ from kiln.ops.registry import Kernel, KernelSet, reference_kernels
 from kiln.passes.add_rms_norm_fusion import AddRMSNormFusionPass
 from kiln.passes.attention_backend import AttentionBackendPass
 from kiln.passes.base import STAGES, KilnPass, source_hash
+from kiln.passes.fp8_quant_fusion import Fp8QuantFusionPass
 from kiln.passes.moe_backend import MoEBackendPass
 from kiln.passes.noop_elimination import NoOpEliminationPass
+from kiln.passes.quant_linear import QuantLinearPass
 from kiln.passes.sdpa_to_paged import SDPAToPagedAttentionPass
 from kiln.passes.silu_mul_fusion import SiluMulFusionPass
 
@@ -82,10 +87,23 @@ def build_passes(config: PassConfig) -> list[KilnPass]:
         SDPAToPagedAttentionPass(),
         AttentionBackendPass(k),
         MoEBackendPass(k),
+        QuantLinearPass(k),
         NoOpEliminationPass(),
         SiluMulFusionPass(enabled=config.fusion_enabled(k.silu_and_mul), op=k.silu_and_mul.op),
         AddRMSNormFusionPass(enabled=config.fusion_enabled(k.add_rms_norm), op=k.add_rms_norm.op),
+        Fp8QuantFusionPass(enabled=config.fusion_enabled(k.linear_fp8), ops=_fp8_fusion_ops(k)),
     ]
+
+
+def _fp8_fusion_ops(kernels: KernelSet) -> Optional[tuple]:
+    """The Triton norm/activation + quant kernels where the FP8 GEMM is ``_scaled_mm`` (CUDA);
+    None (the references) elsewhere."""
+    if kernels.linear_fp8.name != "scaled_mm":
+        return None
+    import kiln.ops.triton_quant  # noqa: F401  (defines the ops)
+
+    t = torch.ops.kiln_triton
+    return t.add_rms_norm_quant_fp8, t.silu_and_mul_quant_fp8, t.linear_fp8_prequant
 
 
 def _snapshot(graph: torch.fx.Graph) -> torch.fx.Graph:

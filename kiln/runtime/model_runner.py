@@ -25,7 +25,7 @@ import torch
 
 from kiln.compiler import ArtifactCache, CompiledModel, InputLimits
 from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from kiln.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from kiln.models.loader import LoadedModel, kv_cache_dtype, load_model, resolve_device, resolve_dtype
 from kiln.models.parallel import SINGLE, TensorParallel, local_num_kv_heads, min_over_ranks
 from kiln.ops.registry import select_kernels
 from kiln.runtime import kv_sizing
@@ -79,7 +79,8 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.kernels = select_kernels(self.device.type)
         t0 = time.perf_counter()
-        self.loaded: LoadedModel = load_model(model_config, cache_config.resolved_dir, self.device, self.dtype, tp)
+        self.loaded: LoadedModel = load_model(model_config, cache_config.resolved_dir, self.device, self.dtype, tp,
+                                             self.kernels)
         load_seconds = time.perf_counter() - t0
         self.model, self.arch, self.tokenizer = self.loaded.model, self.loaded.arch, self.loaded.tokenizer
         self.max_model_len = self.loaded.max_model_len
@@ -89,7 +90,7 @@ class ModelRunner:
                                       ArtifactCache(cache_config.resolved_dir, self._artifact_name()))
         self.input_batch = InputBatch(self.compiled.inputs, self.block_size)
         self.kv_shape = KVShape(self.arch.num_layers, self.block_size, local_num_kv_heads(self.arch, tp),
-                                self.arch.head_dim, self.dtype)
+                                self.arch.head_dim, kv_cache_dtype(cache_config.dtype, self.dtype, self.device))
         self.proposer = self._make_proposer(speculative, model_config, cache_config, sched)
         _check_verify_capture_sizes(speculative, sched, compile_config)
         activation_bytes = 0

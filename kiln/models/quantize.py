@@ -1,0 +1,288 @@
+"""Quantized weights at load time: ``QuantLinear`` and ``quantize_model``.
+
+After the weights are loaded in the model dtype, ``quantize_model`` replaces every ``nn.Linear``
+of the decoder layers (the fused q/k/v and gate/up projections, o_proj, down_proj; never the
+embedding or the LM head) with a ``QuantLinear`` holding the weight in the layout of the
+``KernelSet``'s kernel for the scheme (``kiln.ops.registry.QuantLinearKernel``); the float weight
+is dropped. A layer whose shape the kernel does not take keeps the canonical layout and the
+reference op.
+
+``QuantLinear.forward`` runs the kernel op in eager mode. Under compilation it writes
+``linear(x, dequant(w, scales))`` instead: the dequantized weight marks the linear as quantized,
+``kiln.passes.quant_linear.QuantLinearPass`` swaps the pair for the kernel op, and a graph that
+never saw the pass (``compile.mode=stock``) still computes the same result.
+
+Where the weights come from, ``quantization=auto`` resolves (``resolve_quantization``): the
+checkpoint's ``quantization_config`` (``fp8``, ``compressed-tensors`` FP8 -> fp8, whose tensors
+``dequantize_fp8_checkpoint`` reads per-tensor, per-channel or block-scaled; ``awq``, ``gptq`` ->
+refused with what to do), and a GGUF source keeps its Q4_1 blocks as int4 weights
+exactly (``read_gguf_int4``: ``q * d + m`` is ``(q - 8) * s + z`` with ``s = d``, ``z = m + 8d``),
+never expanded to float.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Iterable, Iterator, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.config import QUANTIZATIONS
+from kiln.ops import quant
+from kiln.ops.registry import QUANT_SCHEMES, KernelSet, QuantLinearKernel, reference_kernels
+
+logger = logging.getLogger(__name__)
+
+# Fused kiln linears and the checkpoint projections whose rows they stack, in order.
+FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ dequant(qweight, scales).T (+ bias)`` through one quantized GEMM op."""
+
+    def __init__(self, in_features: int, out_features: int, scheme: str, kernel: QuantLinearKernel,
+                 qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
+                 bias: Optional[torch.Tensor] = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.scheme, self.kernel, self.group_size = scheme, kernel, group_size
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # A linear on a weight marked quantized: QuantLinearPass turns it into the kernel op.
+            w = self.kernel.dequant(self.qweight, self.scales, self.group_size, x.dtype)
+            return F.linear(x, w, self.bias)
+        y = self.kernel.op(x, self.qweight, self.scales, self.group_size)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}, "
+                f"kernel={self.kernel.name}, group_size={self.group_size}")
+
+
+def quantize_weight(w: torch.Tensor, scheme: str, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The canonical (weight, scales) of ``kiln.ops.quant`` for float weight ``w`` [N, K]."""
+    if scheme == "int8":
+        return quant.quantize_int8(w)
+    if scheme == "int4":
+        return quant.quantize_int4(w, group_size)
+    if scheme == "fp8":
+        return quant.quantize_fp8(w)
+    raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {list(QUANT_SCHEMES)}")
+
+
+def make_quant_linear(linear: nn.Linear, scheme: str, kernels: KernelSet, group_size: int = quant.INT4_GROUP_SIZE,
+                      canonical: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> QuantLinear:
+    """``linear`` quantized to ``scheme`` (or given its canonical quantized weight) in the layout of
+    ``kernels``' kernel, falling back to the reference layout for shapes the kernel does not take."""
+    n, k = linear.out_features, linear.in_features
+    gs = group_size if scheme == "int4" else -1
+    kernel = kernels.quant_linear(scheme)
+    if not kernel.fits(n, k, gs):
+        kernel = reference_kernels(kernels.device_type).quant_linear(scheme)
+    w, scales = canonical if canonical is not None else quantize_weight(linear.weight.detach(), scheme, group_size)
+    if scheme != "fp8":
+        scales = scales.to(linear.weight.dtype)
+    w, scales = kernel.pack(w.to(linear.weight.device), scales.to(linear.weight.device), gs)
+    bias = None if linear.bias is None else linear.bias.detach()
+    return QuantLinear(k, n, scheme, kernel, w, scales, gs, bias)
+
+
+def quantizable_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """(qualified name, module) of every ``nn.Linear`` but the LM head."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] != "lm_head"]
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, scheme: str, kernels: KernelSet, group_size: int = quant.INT4_GROUP_SIZE,
+                   canonical: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None) -> int:
+    """Replace the linears in place; ``canonical`` maps a module name to its already-quantized
+    weight (a quantized checkpoint). Returns how many linears were quantized."""
+    canonical = canonical or {}
+    count = 0
+    for name, linear in quantizable_linears(model):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, make_quant_linear(linear, scheme, kernels, group_size, canonical.get(name)))
+        count += 1
+    model.quantization = scheme
+    return count
+
+
+# ---- which quantization a checkpoint asks for -----------------------------------------------------
+
+def checkpoint_quantization(hf_dir: Optional[str]) -> str:
+    """The scheme a checkpoint's ``quantization_config`` names, or "none"."""
+    if hf_dir is None:
+        return "none"
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        return "none"
+    with open(path) as f:
+        qc = json.load(f).get("quantization_config")
+    if not qc:
+        return "none"
+    method = qc.get("quant_method")
+    if method == "fp8":
+        return "fp8"
+    if method == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
+        for group in groups.values():
+            weights = group.get("weights") or {}
+            if weights.get("type") == "float" and weights.get("num_bits") == 8:
+                return "fp8"
+        raise ValueError("this compressed-tensors checkpoint is not FP8; kiln loads only its FP8 weights "
+                         "(model.quantization=none cannot load it either)")
+    if method in ("awq", "gptq"):
+        raise ValueError(f"{method.upper()} checkpoints are not loaded yet; use the unquantized checkpoint with "
+                         f"model.quantization=int4")
+    raise ValueError(f"quantization_config.quant_method={method!r} is not supported; kiln reads fp8 and "
+                     f"compressed-tensors (FP8) checkpoints")
+
+
+def resolve_quantization(requested: str, hf_dir: Optional[str], gguf_path: Optional[str]) -> str:
+    """``model.quantization`` with ``auto`` resolved: a GGUF source keeps its int4 blocks, a
+    checkpoint its ``quantization_config``, anything else is not quantized."""
+    if requested not in QUANTIZATIONS:
+        raise ValueError(f"model.quantization={requested!r} is not allowed; choose one of {list(QUANTIZATIONS)}")
+    if requested != "auto":
+        return requested
+    if gguf_path is not None:
+        return "int4" if gguf_has_int4(gguf_path) else "none"
+    return checkpoint_quantization(hf_dir)
+
+
+# ---- FP8 checkpoints: fp8 weights with per-tensor, per-channel or block scales --------------------
+
+_STATIC_SCALES = ("input_scale", "k_scale", "v_scale", "output_scale")  # kiln scales activations dynamically
+
+
+def dequantize_fp8_checkpoint(weights: Iterable[tuple[str, torch.Tensor]],
+                              dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """An FP8 checkpoint's tensors (``fp8`` / ``compressed-tensors`` formats: float8 ``*.weight``
+    with ``*.weight_scale``, or block-wise ``*.weight_scale_inv``) as full weights in ``dtype``,
+    one at a time, for ``load_weights``; ``quantize_model`` then stores them per-channel FP8 again.
+    Static activation scales are dropped: kiln quantizes activations per token."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in weights:
+        base, _, leaf = name.rpartition(".")
+        if leaf in _STATIC_SCALES:
+            continue
+        if leaf in ("weight_scale", "weight_scale_inv"):
+            pending.setdefault(base, {})["scale"] = t
+        elif leaf == "weight" and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            pending.setdefault(base, {})["weight"] = t
+        else:
+            yield name, t
+            continue
+        entry = pending[base]
+        if "weight" in entry and "scale" in entry:
+            yield f"{base}.weight", _dequant_fp8_tensor(entry["weight"], entry["scale"]).to(dtype)
+            del pending[base]
+    if pending:
+        raise ValueError(f"FP8 checkpoint: {sorted(pending)[:3]} lack a weight or its weight_scale")
+
+
+def _dequant_fp8_tensor(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    n, k = w.shape
+    s = scale.float()
+    if s.numel() == 1:
+        return w.float() * s.reshape(())
+    if s.numel() == n:  # per output channel
+        return w.float() * s.reshape(n, 1)
+    if s.dim() == 2:  # blocks of [ceil(N / rows), ceil(K / cols)]
+        rows, cols = -(-n // s.shape[0]), -(-k // s.shape[1])
+        full = s.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+        return w.float() * full
+    raise ValueError(f"FP8 checkpoint: weight_scale of shape {tuple(scale.shape)} does not fit a weight of {(n, k)}")
+
+
+# ---- GGUF: Q4_1 blocks as int4 weights ------------------------------------------------------------
+
+def gguf_has_int4(gguf_path: str) -> bool:
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    reader = GGUFReader(gguf_path)
+    return any(t.tensor_type == GGMLQuantizationType.Q4_1 for t in reader.tensors)
+
+
+def q4_1_blocks(data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A GGUF Q4_1 tensor's raw bytes -> (q uint8 [rows, cols], d float32 [rows, cols/32], m likewise).
+
+    A block is 32 weights in 20 bytes: d (fp16), m (fp16), 16 bytes whose low nibbles are weights
+    0..15 and high nibbles 16..31; weight = q * d + m."""
+    blocks = np.ascontiguousarray(data).reshape(rows, cols // 32, 20)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., 4:20]
+    q = np.concatenate((qs & 0xF, qs >> 4), axis=-1).reshape(rows, cols)
+    return q, d, m
+
+
+def read_gguf_int4(gguf_path: str, num_heads: int, num_kv_heads: int,
+                   family: str) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Hugging Face projection name (``model.layers.0.self_attn.q_proj``) -> its Q4_1 (q, d, m),
+    rows in Hugging Face order (llama.cpp's q/k permutation undone, as ``kiln.models.gguf`` does)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    from kiln.models.gguf import hf_tensor_name, unpermute_rotary_rows
+
+    out = {}
+    for t in GGUFReader(gguf_path).tensors:
+        if t.tensor_type != GGMLQuantizationType.Q4_1 or t.name.startswith("token_embd"):
+            continue
+        cols, rows = (int(s) for s in t.shape)  # GGUF lists the fastest dim first
+        q, d, m = q4_1_blocks(t.data, rows, cols)
+        heads = num_heads if ".attn_q." in t.name else num_kv_heads if ".attn_k." in t.name else None
+        if family == "llama" and heads is not None:
+            q, d, m = (unpermute_rotary_rows(a, heads) for a in (q, d, m))
+        out[hf_tensor_name(t.name).removesuffix(".weight")] = (q, d, m)
+    return out
+
+
+def gguf_canonical_int4(blocks: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
+                        dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """kiln module name (``layers.0.self_attn.qkv_proj``) -> canonical int4 (weight, scales_zeros),
+    fused projections stacked row-wise in kiln's order."""
+    out = {}
+    by_module: dict[str, list[str]] = {}
+    for hf in blocks:
+        parent, proj = hf.removeprefix("model.").rsplit(".", 1)
+        fused = next((f for f, parts in FUSED_PROJECTIONS.items() if proj in parts), proj)
+        by_module.setdefault(f"{parent}.{fused}", []).append(proj)
+    for module, projs in by_module.items():
+        parent, fused = module.rsplit(".", 1)
+        order = FUSED_PROJECTIONS.get(fused, (fused,))
+        if sorted(projs) != sorted(order):
+            continue  # a fused linear only partly Q4_1: quantize it from its float weights instead
+        parts = [blocks[f"model.{parent}.{p}"] for p in order]
+        q = torch.from_numpy(np.concatenate([p[0] for p in parts]))
+        d = torch.from_numpy(np.concatenate([p[1] for p in parts]))
+        m = torch.from_numpy(np.concatenate([p[2] for p in parts]))
+        out[module] = (quant.pack_int4(q), quant.int4_scales_zeros(d, m + 8.0 * d, dtype))
+    return out
+
+
+def apply_quantization(model: nn.Module, scheme: str, kernels: KernelSet, gguf_path: Optional[str] = None) -> None:
+    """Quantize ``model`` (already loaded) to ``scheme``; GGUF int4 keeps the file's own blocks."""
+    if scheme == "none":
+        model.quantization = "none"
+        return
+    canonical = None
+    if scheme == "int4" and gguf_path is not None and gguf_has_int4(gguf_path):
+        arch = model.arch
+        blocks = read_gguf_int4(gguf_path, arch.num_heads, arch.num_kv_heads, arch.family)
+        canonical = gguf_canonical_int4(blocks, next(model.parameters()).dtype)
+    count = quantize_model(model, scheme, kernels, canonical=canonical)
+    kinds = sorted({m.kernel.name for m in model.modules() if isinstance(m, QuantLinear)})
+    logger.info("quantized %d linear layers to %s (%s kernel%s%s)", count, scheme, ", ".join(kinds),
+                "s" if len(kinds) > 1 else "", ", weights from the GGUF's Q4_1 blocks" if canonical else "")

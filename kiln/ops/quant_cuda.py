@@ -1,0 +1,116 @@
+"""FP8 GEMM on CUDA (SM89+): ``kiln_cuda::linear_fp8`` through ``torch._scaled_mm``.
+
+Activations are quantized per token on the fly (one float32 scale per row), weights carry one
+float32 scale per output channel (``kiln.ops.quant.quantize_fp8``); ``_scaled_mm`` multiplies the
+fp8 operands on the tensor cores, applies both scales in its epilogue and writes ``x``'s dtype.
+Its shape rules: K and N multiples of 16, the weight column-major (``w.t()`` of the row-major
+[N, K] weight is).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.ops.quant import define_dequant_op, define_linear_op, linear_fp8_reference, quantize_fp8_per_token
+
+
+def fp8_supported() -> bool:
+    if not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability() >= (8, 9)
+
+
+def fp8_fits(n: int, k: int, group_size: int) -> bool:
+    return n % 16 == 0 and k % 16 == 0
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token fp8 of the GEMM's input: one Triton launch where Triton is installed."""
+    try:
+        from kiln.ops.triton_quant import triton_quantize_fp8_per_token
+    except ImportError:
+        return quantize_fp8_per_token(x)
+    return triton_quantize_fp8_per_token(x)
+
+
+def _linear_fp8_scaled_mm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    if x.device.type != "cuda":
+        return linear_fp8_reference(x, w, scales, group_size)
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = _quantize_rows(x2)
+    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scales.float().reshape(1, -1), out_dtype=out_dtype)
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+linear_fp8_cuda = define_linear_op("kiln_cuda::linear_fp8", _linear_fp8_scaled_mm, lambda w, scales: w.shape[0])
+
+
+# ---- int4 weight-only: torch's tinygemm kernel (``aten._weight_int4pack_mm``, bf16) -----------------
+INT4_INNER_K_TILES = 8
+_nibble_order: dict[str, bool] = {}  # device -> "even column in the high nibble" for the packer
+
+
+def int4_supported() -> bool:
+    return torch.cuda.is_available() and hasattr(torch.ops.aten, "_weight_int4pack_mm") and hasattr(
+        torch.ops.aten, "_convert_weight_to_int4pack")
+
+
+def int4_fits(n: int, k: int, group_size: int) -> bool:
+    return n % 8 == 0 and k % (INT4_INNER_K_TILES * 16) == 0 and group_size in (32, 64, 128, 256)
+
+
+def _pack_with(q: torch.Tensor, even_high: bool) -> torch.Tensor:
+    q = q.to(torch.uint8)
+    pairs = (q[:, 0::2] << 4) | q[:, 1::2] if even_high else q[:, 0::2] | (q[:, 1::2] << 4)
+    return torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), INT4_INNER_K_TILES)
+
+
+def _even_high(device: torch.device) -> bool:
+    """Which nibble order torch's packer reads, found once per device on a small weight (it has
+    changed across releases): the one whose GEMM reproduces the reference."""
+    key = str(device)
+    if key not in _nibble_order:
+        from kiln.ops.quant import dequant_int4_reference, quantize_int4, unpack_int4
+
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(64, 256, generator=gen).to(device)
+        packed, sz = quantize_int4(w, 32, torch.bfloat16)
+        x = torch.eye(256, dtype=torch.bfloat16, device=device)[:64]
+        want = x.float() @ dequant_int4_reference(packed, sz, 32, torch.float32).t()
+        for even_high in (True, False):
+            got = torch.ops.aten._weight_int4pack_mm(x, _pack_with(unpack_int4(packed), even_high), 32, sz)
+            if torch.allclose(got.float(), want, atol=1e-2, rtol=1e-2):
+                _nibble_order[key] = even_high
+                break
+        else:
+            raise RuntimeError("torch's int4 packer matches neither nibble order; use model.quantization=int8")
+    return _nibble_order[key]
+
+
+def pack_int4_cuda(w: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Canonical int4 -> the tiled layout of ``aten._weight_int4pack_mm`` (bf16 scales)."""
+    from kiln.ops.quant import unpack_int4
+
+    return _pack_with(unpack_int4(w), _even_high(w.device)), scales_zeros.to(torch.bfloat16).contiguous()
+
+
+def _linear_int4_cuda(x: torch.Tensor, w: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    y = torch.ops.aten._weight_int4pack_mm(x2, w, group_size, scales_zeros)
+    return y.to(x.dtype).reshape(*x.shape[:-1], scales_zeros.shape[1])
+
+
+def _dequant_int4_cuda(w: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    k = scales_zeros.shape[0] * group_size
+    eye = torch.eye(k, dtype=torch.bfloat16, device=w.device)  # the tiled layout read back through the kernel
+    return _linear_int4_cuda(eye, w, scales_zeros, group_size).t().contiguous().to(dtype)
+
+
+def _int4_shape(w: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> tuple:
+    return (scales_zeros.shape[1], scales_zeros.shape[0] * group_size)
+
+
+linear_int4_cuda = define_linear_op("kiln_cuda::linear_int4", _linear_int4_cuda, lambda w, sz: sz.shape[1])
+dequant_int4_cuda = define_dequant_op("kiln_cuda::dequant_int4", _dequant_int4_cuda, _int4_shape)
