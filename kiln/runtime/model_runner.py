@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from kiln.compiler import ArtifactCache, CompiledModel, InputLimits
-from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig
+from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig, resolve_for_device
 from kiln.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from kiln.models.parallel import SINGLE, TensorParallel, local_num_kv_heads, min_over_ranks
 from kiln.ops.registry import select_kernels
@@ -60,12 +60,16 @@ class ModelRunner:
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         self.block_size = cache_config.block_size
         self.kernels = select_kernels(self.device.type)
+        # The engine resolved these already; a runner built on its own resolves its `auto`s the same way.
+        compile_config, scheduler_config = resolve_for_device(compile_config, scheduler_config or SchedulerConfig(),
+                                                              self.device.type)
+        self.compile_config = compile_config
         t0 = time.perf_counter()
         self.loaded: LoadedModel = load_model(model_config, cache_config.resolved_dir, self.device, self.dtype, tp)
         load_seconds = time.perf_counter() - t0
         self.model, self.arch, self.tokenizer = self.loaded.model, self.loaded.arch, self.loaded.tokenizer
         self.max_model_len = self.loaded.max_model_len
-        sched = scheduler_config or SchedulerConfig()
+        sched = scheduler_config
         limits = InputLimits(sched.max_num_batched_tokens, sched.max_num_seqs, -(-self.max_model_len // self.block_size))
         self.compiled = CompiledModel(self.model, compile_config, self.kernels, limits, self.max_model_len,
                                       ArtifactCache(cache_config.resolved_dir, self._artifact_name()))
