@@ -76,31 +76,41 @@ class ModelRunner:
         self.input_batch = InputBatch(self.compiled.inputs, self.block_size)
         self.kv_shape = KVShape(self.arch.num_layers, self.block_size, local_num_kv_heads(self.arch, tp),
                                 self.arch.head_dim, self.dtype)
-        activation_bytes = 0
+        activation_bytes, self.graph_estimate = 0, None
         if self.device.type == "cuda":
             activation_bytes = kv_sizing.profile_activation_bytes(
                 self.compiled, self.kv_shape, self.max_model_len, sched.max_num_batched_tokens, sched.max_num_seqs)
+            if cache_config.num_blocks is None and cache_config.kv_cache_memory_gib is None:
+                self.graph_estimate = self.compiled.profile_graph_memory(
+                    kv_sizing.allocate_kv_caches(self.kv_shape, 2, self.device))
         t_kv = time.perf_counter()
-        self.num_blocks, self.kv_caches = self._make_kv_caches(cache_config, compile_config, activation_bytes)
+        self.num_blocks, self.kv_caches = self._make_kv_caches(cache_config, activation_bytes)
         kv_seconds = time.perf_counter() - t_kv
         self.compiled.bind_kv_caches(self.kv_caches)
-        self.compiled.capture_graphs()
+        try:
+            self.compiled.capture_graphs()
+        except torch.OutOfMemoryError as e:
+            raise ValueError(f"CUDA graph capture ran out of GPU memory ({e}); drop the largest "
+                             "compile.capture_sizes (or lower scheduler.max_num_seqs), or lower "
+                             "cache.gpu_memory_fraction / cache.kv_cache_memory_gib to leave room") from e
+        if self.graph_estimate is not None:
+            logger.info("CUDA graphs: %.2f GiB used, %.2f GiB was kept for them",
+                        self.compiled.graph_memory_bytes / 2**30, self.graph_estimate.bytes() / 2**30)
         self.sampler = Sampler(seed=model_config.seed)
         num_usable = self.num_blocks - 1  # block 0 is the pool's null block (kiln.runtime.block_pool)
         logger.info("KV cache: %d usable blocks of %d tokens (%d tokens of context; 1 more block is reserved) "
-                    "in %.2f GiB", num_usable, self.block_size, num_usable * self.block_size,
-                    self.num_blocks * self.kv_shape.bytes_per_block / 2**30)
+                    "in %.2f GiB; CUDA graphs %.2f GiB", num_usable, self.block_size, num_usable * self.block_size,
+                    self.num_blocks * self.kv_shape.bytes_per_block / 2**30,
+                    self.compiled.graph_memory_bytes / 2**30)
         self.startup_seconds = {"load_weights_s": load_seconds, **self.compiled.startup_seconds(),
                                 "kv_alloc_s": kv_seconds, "ready_s": time.perf_counter() - t_start}
         logger.info("start-up: load weights %.2f s, Dynamo %.2f s, Inductor %.2f s, compile cache load %.2f s, "
                     "CUDA graphs %.2f s, KV allocation %.2f s; ready in %.2f s", *self.startup_seconds.values())
 
-    def _make_kv_caches(self, cache_config: CacheConfig, compile_config: CompileConfig,
-                        activation_bytes: int) -> tuple[int, list[torch.Tensor]]:
-        """Size the cache, the same on every rank, and allocate it."""
-        graphs = self.device.type == "cuda" and compile_config.cudagraph != "none"
-        reserve = kv_sizing.GRAPH_RESERVE_BYTES if graphs else 0
-        num_blocks = kv_sizing.decide_num_blocks(cache_config, self.kv_shape, self.device, activation_bytes, reserve)
+    def _make_kv_caches(self, cache_config: CacheConfig, activation_bytes: int) -> tuple[int, list[torch.Tensor]]:
+        """Size the cache after the activations and the CUDA graphs, the same on every rank, and allocate it."""
+        num_blocks = kv_sizing.decide_num_blocks(cache_config, self.kv_shape, self.device, activation_bytes,
+                                                 self.graph_estimate, self.max_model_len)
         num_blocks = min_over_ranks(num_blocks, self.tp, self.device)
         return num_blocks, kv_sizing.allocate_kv_caches(self.kv_shape, num_blocks, self.device)
 
