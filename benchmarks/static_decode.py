@@ -42,8 +42,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kiln-config", action="append", default=None,
                    help="JSON of LLM keyword groups for one kiln run (repeatable); default: one run, no options")
     p.add_argument("--max-model-len", type=int, default=2048, help="kiln's max_model_len")
+    p.add_argument("--wide-splits", action="store_true",
+                   help="also run kiln with the earlier decode split policy inside graphs (256-key splits)")
     p.add_argument("--throughput", type=int, default=0,
-                   help="also offline throughput with the first kiln config: this many prompts of 256 in / 256 out")
+                   help="also offline throughput with each kiln config: this many prompts of 256 in / 256 out")
+    p.add_argument("--throughput-models", default="llama3-8b", help="presets that run --throughput")
     p.add_argument("--out", default="benchmarks/results")
     return p.parse_args(argv)
 
@@ -147,11 +150,25 @@ def run_model(preset: str, args, bandwidth: float, records: list) -> None:
     gc.collect()
     torch.cuda.empty_cache()
 
-    for i, raw in enumerate(args.kiln_config or ["{}"]):
+    from kiln.ops import triton_attention
+
+    runs = [(raw, None) for raw in (args.kiln_config or ["{}"])]
+    if args.wide_splits:  # the policy before static_min_split_tokens: as wide as outside graphs
+        runs.append(((args.kiln_config or ["{}"])[0], "wide-splits"))
+    default_cfg = triton_attention.attend_paged_cached.__defaults__
+    for i, (raw, variant) in enumerate(runs):
         groups = json.loads(raw)
+        if variant == "wide-splits":
+            triton_attention.attend_paged_cached.__defaults__ = (triton_attention.LaunchConfig(
+                static_min_split_tokens=triton_attention.LaunchConfig().min_split_tokens),)
         t0 = time.perf_counter()
-        llm = LLM(model=name, max_model_len=args.max_model_len, **groups)
+        try:
+            llm = LLM(model=name, max_model_len=args.max_model_len, **groups)
+        finally:
+            triton_attention.attend_paged_cached.__defaults__ = default_cfg  # graphs keep what they captured
         startup_s = time.perf_counter() - t0
+        if variant == "wide-splits":
+            raw = raw + " wide-splits"
 
         def generate(prompts, new_tokens):
             params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -168,7 +185,7 @@ def run_model(preset: str, args, bandwidth: float, records: list) -> None:
         print(f"  {name} kiln {raw}: {metrics['decode_tok_s']:.1f} tok/s, {metrics['decode_step_ms']:.3f} ms/step, "
               f"{metrics['roofline_pct']:.1f}% of roofline, {metrics['over_baseline']:.3f}x baseline, "
               f"tokens agree for {metrics['agree_with_baseline_tokens']}", flush=True)
-        if i == 0 and args.throughput:
+        if args.throughput and preset in args.throughput_models.split(",") and variant is None:
             prompts = make_prompts(args.throughput, 256, seed=1)
             generate(prompts[:4], 4)
             torch.cuda.synchronize()

@@ -23,7 +23,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
@@ -92,8 +92,8 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     max_model_len = _max_model_len(model_config, arch)
     tokenizer = _load_tokenizer(hf_dir)
     model = build_empty_model(arch, device, dtype, tp)
-    model.load_weights(progress_bar(iter_safetensors(hf_dir), desc=f"loading {name}", total=_num_tensors(hf_dir),
-                                    unit="tensor"))
+    model.load_weights(progress_bar(iter_safetensors(hf_dir, device), desc=f"loading {name}",
+                                    total=_num_tensors(hf_dir), unit="tensor"))
     return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len)
 
 
@@ -141,12 +141,19 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def iter_safetensors(hf_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every tensor of the checkpoint, one shard open at a time."""
+def iter_safetensors(hf_dir: str, device: Union[str, torch.device] = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor on ``device``) for every tensor of the checkpoint, one shard open at a time. On
+    CUDA safetensors reads each tensor from the memory-mapped file straight into GPU memory: no
+    CPU copy of the weights is made."""
     from safetensors import safe_open
 
+    device = torch.device(device)
+    if device.type == "cuda":
+        device = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    else:
+        device = "cpu"
     for fname in _safetensors_files(hf_dir):
-        with safe_open(os.path.join(hf_dir, fname), framework="pt", device="cpu") as f:
+        with safe_open(os.path.join(hf_dir, fname), framework="pt", device=device) as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
 

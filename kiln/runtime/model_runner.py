@@ -77,6 +77,7 @@ class ModelRunner:
         self.kv_shape = KVShape(self.arch.num_layers, self.block_size, local_num_kv_heads(self.arch, tp),
                                 self.arch.head_dim, self.dtype)
         activation_bytes, self.graph_estimate = 0, None
+        t_profile = time.perf_counter()
         if self.device.type == "cuda":
             activation_bytes = kv_sizing.profile_activation_bytes(
                 self.compiled, self.kv_shape, self.max_model_len, sched.max_num_batched_tokens, sched.max_num_seqs)
@@ -84,6 +85,7 @@ class ModelRunner:
                 self.graph_estimate = self.compiled.profile_graph_memory(
                     kv_sizing.allocate_kv_caches(self.kv_shape, 2, self.device))
         t_kv = time.perf_counter()
+        profile_seconds = t_kv - t_profile
         self.num_blocks, self.kv_caches = self._make_kv_caches(cache_config, activation_bytes)
         kv_seconds = time.perf_counter() - t_kv
         self.compiled.bind_kv_caches(self.kv_caches)
@@ -103,9 +105,11 @@ class ModelRunner:
                     self.num_blocks * self.kv_shape.bytes_per_block / 2**30,
                     self.compiled.graph_memory_bytes / 2**30)
         self.startup_seconds = {"load_weights_s": load_seconds, **self.compiled.startup_seconds(),
-                                "kv_alloc_s": kv_seconds, "ready_s": time.perf_counter() - t_start}
+                                "profile_s": profile_seconds, "kv_alloc_s": kv_seconds,
+                                "ready_s": time.perf_counter() - t_start}
         logger.info("start-up: load weights %.2f s, Dynamo %.2f s, Inductor %.2f s, compile cache load %.2f s, "
-                    "CUDA graphs %.2f s, KV allocation %.2f s; ready in %.2f s", *self.startup_seconds.values())
+                    "CUDA graphs %.2f s, memory profile %.2f s, KV allocation %.2f s; ready in %.2f s",
+                    *self.startup_seconds.values())
 
     def _make_kv_caches(self, cache_config: CacheConfig, activation_bytes: int) -> tuple[int, list[torch.Tensor]]:
         """Size the cache after the activations and the CUDA graphs, the same on every rank, and allocate it."""
