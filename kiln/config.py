@@ -278,12 +278,14 @@ class EngineConfig:
 # ---- defaults sized for the device ------------------------------------------------------------------
 # Every ``auto`` / ``None`` default of CompileConfig and SchedulerConfig is decided here, and only here.
 # CUDA: kiln's pipeline with full graphs for decode batches and piecewise graphs for mixed ones, and a
-# scheduler wide enough that an offline batch of 512 requests runs as one decode batch. CPU: eager
+# scheduler wide enough that an offline batch of 512 requests runs as one decode batch; 2048 tokens a
+# step (an H100 run of 512 x 256/256 on random:llama3-8b: 12,411 output tok/s, against 11,987 with
+# 8192, benchmarks/results/static_decode-*-llama3-8b.json). CPU: eager
 # (benchmarks/results/compile_modes_cpu_*: on two cores eager decodes a single request fastest and
 # starts in seconds; kiln's compiled forward is within noise of it, stock needs 18-30 s to compile).
 CPU_COMPILE_MODE = "eager"
 DEVICE_DEFAULTS = {  # device type -> (mode, cudagraph, max_num_seqs, max_num_batched_tokens)
-    "cuda": ("kiln", "full_and_piecewise", 512, 8192),
+    "cuda": ("kiln", "full_and_piecewise", 512, 2048),
     "cpu": (CPU_COMPILE_MODE, "none", 128, 2048),
 }
 

@@ -21,7 +21,7 @@ def test_capture_sizes_are_1_2_4_then_every_8():
 def test_cuda_defaults_are_the_fast_path():
     config = EngineConfig().resolved("cuda")
     assert (config.compile.mode, config.compile.cudagraph) == ("kiln", "full_and_piecewise")
-    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (512, 8192)
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (512, 2048)
     assert config.compile.capture_sizes == default_capture_sizes(512)
     assert config.compile.is_resolved and config.scheduler.is_resolved
 
@@ -35,7 +35,7 @@ def test_cpu_defaults():
 def test_what_the_user_set_is_kept_and_resolution_is_idempotent():
     compile, sched = resolve_for_device(CompileConfig(mode="eager"), SchedulerConfig(max_num_seqs=64), "cuda")
     assert (compile.mode, compile.cudagraph) == ("eager", "full")  # piecewise graphs need kiln mode
-    assert sched.max_num_seqs == 64 and sched.max_num_batched_tokens == 8192
+    assert sched.max_num_seqs == 64 and sched.max_num_batched_tokens == 2048
     assert compile.capture_sizes[-1] == 64
     assert resolve_for_device(compile, sched, "cuda") == (compile, sched)
     compile, _ = resolve_for_device(CompileConfig(capture_sizes=(8, 1, 8)), SchedulerConfig(), "cuda")

@@ -70,8 +70,7 @@ FIELD_HELP = {
     "cache.num_blocks": "exact number of KV blocks, overriding the memory budget; null: from the budget",
     "cache.dir": "converted models and compiled artifacts; null: $KILN_CACHE_DIR or ~/.cache/kiln",
     "scheduler.max_num_seqs": "most requests in one step; null: 512 on GPU, 128 on CPU",
-    "scheduler.max_num_batched_tokens": "most tokens in one step (decodes and prefill chunks); null: 8192 on "
-                                        "GPU, 2048 on CPU",
+    "scheduler.max_num_batched_tokens": "most tokens in one step (decodes and prefill chunks); null: 2048",
     "scheduler.enable_chunked_prefill": "split a long prompt over several steps",
     "scheduler.policy": "fcfs: by arrival; priority: lower priority value first, then by arrival",
     "compile.mode": "auto: kiln on GPU, eager on CPU; eager: op by op; stock: plain torch.compile; kiln: "
