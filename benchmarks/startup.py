@@ -15,6 +15,15 @@ and the warm/cold ratio.
     python benchmarks/startup.py                                      # SmolLM2 on the CPU
     python benchmarks/startup.py --model random:llama3-8b --cudagraph piecewise   # on a GPU
 
+From a real checkpoint on disk (``--checkpoint PRESET``): first a random ``PRESET`` model is written
+as a Hugging Face checkpoint (config.json, sharded safetensors with an index, the tokenizer files)
+under ``--checkpoint-dir``, then every start loads it from there (weights read from disk, on CUDA
+straight into GPU memory). Before the cold start the checkpoint's pages are dropped from the page
+cache (``posix_fadvise(DONTNEED)``), so it reads the disk; the warm start finds them cached, as a
+restarted server would::
+
+    python benchmarks/startup.py --checkpoint llama3-8b --checkpoint-dir /tmp/ckpt --mode auto --cudagraph auto
+
 Writes ``benchmarks/results/startup-<system>-<time>.json`` and appends rows to ``results/startup.md``.
 """
 
@@ -36,7 +45,8 @@ sys.path.insert(0, str(REPO))  # benchmarks.common, when run as a script
 from benchmarks.common import console_table, make_record, save_results  # noqa: E402
 
 SHARED_KINDS = ("models", "tokenizers")  # converted once, linked into every start's cache dir
-PHASES = ("load_weights_s", "dynamo_s", "inductor_s", "cache_load_s", "cudagraph_s", "kv_alloc_s", "ready_s")
+PHASES = ("load_weights_s", "dynamo_s", "inductor_s", "cache_load_s", "cudagraph_s", "profile_s", "kv_alloc_s",
+          "ready_s")
 
 
 def child(opts: dict) -> None:
@@ -47,15 +57,18 @@ def child(opts: dict) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 
-    llm = LLM(model=opts["model"], compile={"mode": "kiln", "cudagraph": opts["cudagraph"]},
-              cache={"dir": opts["cache_dir"]}, device=opts["device"])
+    t_import = time.time()
+    llm = LLM(model=opts["model"], compile={"mode": opts.get("mode", "kiln"), "cudagraph": opts["cudagraph"]},
+              cache={"dir": opts["cache_dir"]}, device=opts["device"],
+              **({"max_model_len": opts["max_model_len"]} if opts.get("max_model_len") else {}))
     ready = time.time()
     out = llm.generate([[100, 200, 300, 400, 500, 600, 700, 800]], SamplingParams(max_tokens=1, temperature=0.0),
                        use_tqdm=False)
     first_token = time.time()
     runner = llm.engine.executor.runner
     print("RESULT " + json.dumps({
-        "ready_wall": ready, "first_token_wall": first_token, "token": out[0].outputs[0].token_ids[0],
+        "ready_wall": ready, "first_token_wall": first_token, "import_done_wall": t_import,
+        "token": out[0].outputs[0].token_ids[0],
         "cache_hit": bool(getattr(runner.compiled.forward, "cache_hit", False)), **runner.startup_seconds,
     }), flush=True)
 
@@ -66,7 +79,8 @@ def start(opts: dict, scratch: Path, run: str) -> dict:
     for path in fresh.values():
         path.mkdir(parents=True)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(fresh["inductor"]), "TRITON_CACHE_DIR": str(fresh["triton"]),
-           "TMPDIR": str(fresh["tmp"]), "PYTHONPATH": str(REPO)}
+           "TMPDIR": str(fresh["tmp"]),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     env.pop("KILN_CACHE_READ_ONLY", None)
     t0 = time.time()
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(opts)],
@@ -75,12 +89,70 @@ def start(opts: dict, scratch: Path, run: str) -> dict:
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{run} start failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     result = json.loads(lines[-1][len("RESULT "):])
+    result["first_token_s"] = result["first_token_wall"] - result["ready_wall"]
+    result["import_s"] = result.pop("import_done_wall") - t0  # interpreter, torch and kiln imports
     result["ttft_s"] = result.pop("first_token_wall") - t0
     result["process_to_ready_s"] = result.pop("ready_wall") - t0
     for line in proc.stderr.splitlines():
         if "compile cache" in line or "start-up:" in line:
             print(f"  [{run}] {line.split(': ', 1)[-1]}")
     return result
+
+
+def write_checkpoint(preset: str, out_dir: Path, shard_bytes: int = 5 * 2**30) -> Path:
+    """A random ``preset`` model (seed 0, bf16) as a Hugging Face checkpoint in ``out_dir``: config.json,
+    model-0000i-of-0000n.safetensors shards of about ``shard_bytes`` with their index, and the
+    tokenizer files random presets borrow. Tensors are drawn on the GPU when there is one."""
+    import torch
+    from safetensors.torch import save_file
+
+    from kiln.models.arch import PRESETS
+    from kiln.models.loader import _tokenizer_dir, iter_random_weights
+
+    arch = PRESETS[preset]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shards: list[list[str]] = []  # tensor names per shard, each shard written once full
+    current, size, total = {}, 0, 0
+
+    def flush() -> None:
+        save_file(current, str(out_dir / f"shard-{len(shards)}.tmp"), metadata={"format": "pt"})
+        shards.append(list(current))
+
+    for name, tensor in iter_random_weights(arch, 0, device, torch.bfloat16):
+        current[name] = tensor.cpu()
+        size += tensor.numel() * tensor.element_size()
+        if size >= shard_bytes:
+            flush()
+            total, current, size = total + size, {}, 0
+    if current:
+        flush()
+        total += size
+    weight_map = {}
+    for i, names in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        (out_dir / f"shard-{i}.tmp").rename(out_dir / fname)
+        weight_map.update({name: fname for name in names})
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (out_dir / "config.json").write_text(json.dumps({**arch.to_hf_config(), "torch_dtype": "bfloat16"}, indent=1))
+    tokenizer = Path(_tokenizer_dir(str(out_dir / ".tokenizer-cache")))
+    for f in tokenizer.iterdir():
+        if f.is_file():
+            shutil.copy(f, out_dir / f.name)
+    return out_dir
+
+
+def drop_page_cache(directory: Path) -> None:
+    """Ask the kernel to forget the cached pages of every file in ``directory`` (clean pages only)."""
+    for f in directory.iterdir():
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def prepared_cache_dir(scratch: Path, source: Path) -> Path:
@@ -113,6 +185,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--cudagraph", default="none", choices=CUDAGRAPH_MODES)
+    parser.add_argument("--mode", default="kiln", choices=("auto", "kiln"), help="compile.mode (auto: kiln on CUDA)")
+    parser.add_argument("--checkpoint", help="write a random PRESET as an HF checkpoint and start from it")
+    parser.add_argument("--checkpoint-dir", default=None, help="where --checkpoint writes (default: a temp dir)")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--out", default=None, help="also write the records as JSON / markdown here")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--repeats", type=int, default=1, help="warm starts to time (the best is reported)")
     parser.add_argument("--no-save", action="store_true", help="print only; write no results files")
@@ -122,11 +199,21 @@ def main() -> None:
         return child(json.loads(args.child))
 
     source = Path(default_cache_dir()).expanduser()
-    ensure_converted(args.model, source)
     scratch = Path(tempfile.mkdtemp(prefix="kiln-startup-"))
+    checkpoint = None
+    if args.checkpoint:
+        t0 = time.time()
+        checkpoint = write_checkpoint(args.checkpoint, Path(args.checkpoint_dir or scratch / "checkpoint"))
+        print(f"wrote {checkpoint} in {time.time() - t0:.1f} s "
+              f"({sum(f.stat().st_size for f in checkpoint.iterdir() if f.is_file()) / 2**30:.1f} GiB)", flush=True)
+        args.model = str(checkpoint)
+    else:
+        ensure_converted(args.model, source)
     try:
-        opts = {"model": args.model, "cudagraph": args.cudagraph, "device": args.device,
-                "cache_dir": str(prepared_cache_dir(scratch, source))}
+        opts = {"model": args.model, "cudagraph": args.cudagraph, "device": args.device, "mode": args.mode,
+                "max_model_len": args.max_model_len, "cache_dir": str(prepared_cache_dir(scratch, source))}
+        if checkpoint is not None:
+            drop_page_cache(checkpoint)
         cold = start(opts, scratch, "cold")
         warms = [start(opts, scratch, f"warm{i}") for i in range(args.repeats)]
     finally:
@@ -140,21 +227,25 @@ def main() -> None:
 
 
 def report(args, cold: dict, warm: dict) -> None:
-    header = ["start", "ttft_s", "process_to_ready_s", *PHASES]
+    header = ["start", "ttft_s", "process_to_ready_s", "import_s", *PHASES, "first_token_s"]
     rows = [[name, *(round(r[k], 2) for k in header[1:])] for name, r in (("cold", cold), ("warm", warm))]
     ratio = warm["ttft_s"] / cold["ttft_s"]
     print(console_table(header, rows))
     print(f"warm / cold time to first token: {ratio:.2f}")
-    if args.no_save:
+    if args.no_save and not args.out:
         return
     records = []
     for name, r in (("cold", cold), ("warm", warm)):
         metrics = {k: round(r[k], 3) for k in header[1:]}
         metrics["warm_over_cold_ttft"] = round(ratio, 3)
-        config = {"system": f"{name}-{args.model.replace(':', '_')}", "start": name, "model": args.model,
-                  "compile.mode": "kiln", "compile.cudagraph": args.cudagraph}
-        records.append(make_record("startup", args.model, config, metrics))
-    json_paths, table = save_results("startup", records, config_keys=["start", "compile.cudagraph"])
+        model = f"checkpoint:{args.checkpoint}" if args.checkpoint else args.model
+        config = {"system": f"{name}-{model.replace(':', '_')}", "start": name, "model": model,
+                  "compile.mode": args.mode, "compile.cudagraph": args.cudagraph}
+        records.append(make_record("startup", model, config, metrics))
+    if args.out:
+        json_paths, table = save_results("startup", records, Path(args.out), config_keys=["start", "compile.cudagraph"])
+    else:
+        json_paths, table = save_results("startup", records, config_keys=["start", "compile.cudagraph"])
     print(f"wrote {', '.join(str(p) for p in json_paths)} and {table}")
 
 

@@ -112,21 +112,25 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous batching limits and policy."""
+    """Continuous batching limits and policy. ``None``: sized for the device (``resolve_for_device``)."""
 
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # fcfs | priority (lower value first, then arrival)
 
     def __post_init__(self) -> None:
-        _check_positive("scheduler", "max_num_seqs", self.max_num_seqs)
-        _check_positive("scheduler", "max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_positive("scheduler", "max_num_seqs", self.max_num_seqs, allow_none=True)
+        _check_positive("scheduler", "max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
         _check_choice("scheduler", "policy", self.policy, ("fcfs", "priority"))
 
+    @property
+    def is_resolved(self) -> bool:
+        return self.max_num_seqs is not None and self.max_num_batched_tokens is not None
 
-COMPILE_MODES = ("eager", "stock", "kiln")
-CUDAGRAPH_MODES = ("none", "piecewise", "full", "full_and_piecewise")
+
+COMPILE_MODES = ("auto", "eager", "stock", "kiln")
+CUDAGRAPH_MODES = ("auto", "none", "piecewise", "full", "full_and_piecewise")
 
 
 @dataclass(frozen=True)
@@ -136,17 +140,25 @@ class CompileConfig:
     See docs/architecture.md (``kiln/compiler/``) for what each mode builds and how a step picks a graph.
     """
 
-    mode: str = "eager"
-    cudagraph: str = "none"
+    mode: str = "auto"  # auto: resolve_for_device picks (kiln on CUDA, CPU_COMPILE_MODE on the CPU)
+    cudagraph: str = "auto"  # auto: full_and_piecewise on CUDA, none on the CPU
     sizes: tuple[int, ...] = ()  # extra sizes Inductor specializes for
-    capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    capture_sizes: Optional[tuple[int, ...]] = None  # None: default_capture_sizes(max_num_seqs)
     debug_dump_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_choice("compile", "mode", self.mode, COMPILE_MODES)
         _check_choice("compile", "cudagraph", self.cudagraph, CUDAGRAPH_MODES)
         object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
-        object.__setattr__(self, "capture_sizes", tuple(sorted(int(s) for s in self.capture_sizes)))
+        if self.capture_sizes is not None:
+            sizes = tuple(sorted({int(s) for s in self.capture_sizes}))
+            if any(s <= 0 for s in sizes):
+                raise ValueError(f"compile.capture_sizes must be positive, got {list(self.capture_sizes)}")
+            object.__setattr__(self, "capture_sizes", sizes)
+
+    @property
+    def is_resolved(self) -> bool:
+        return "auto" not in (self.mode, self.cudagraph) and self.capture_sizes is not None
 
 
 @dataclass(frozen=True)
@@ -333,3 +345,52 @@ class EngineConfig:
             if value is not None:
                 built[name] = value
         return cls(**built)
+
+    def resolved(self, device_type: str) -> "EngineConfig":
+        """This config with every ``auto`` / ``None`` default decided for ``device_type``."""
+        compile, scheduler = resolve_for_device(self.compile, self.scheduler, device_type)
+        return dataclasses.replace(self, compile=compile, scheduler=scheduler)
+
+
+# ---- defaults sized for the device ------------------------------------------------------------------
+# Every ``auto`` / ``None`` default of CompileConfig and SchedulerConfig is decided here, and only here.
+# CUDA: kiln's pipeline with full graphs for decode batches and piecewise graphs for mixed ones, and a
+# scheduler wide enough that an offline batch of 512 requests runs as one decode batch; 2048 tokens a
+# step (an H100 run of 512 x 256/256 on random:llama3-8b: 12,411 output tok/s, against 11,987 with
+# 8192, benchmarks/results/static_decode-*-llama3-8b.json). CPU: eager
+# (benchmarks/results/compile_modes_cpu_*: on two cores eager decodes a single request fastest and
+# starts in seconds; kiln's compiled forward is within noise of it, stock needs 18-30 s to compile).
+CPU_COMPILE_MODE = "eager"
+DEVICE_DEFAULTS = {  # device type -> (mode, cudagraph, max_num_seqs, max_num_batched_tokens)
+    "cuda": ("kiln", "full_and_piecewise", 512, 2048),
+    "cpu": (CPU_COMPILE_MODE, "none", 128, 2048),
+}
+
+
+def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """CUDA graph sizes for a scheduler of ``max_num_seqs``: 1, 2, 4, then every 8 up to it (and
+    ``max_num_seqs`` itself), so a decode batch pads by at most 7 rows."""
+    sizes = {s for s in (1, 2, 4) if s <= max_num_seqs} | set(range(8, max_num_seqs + 1, 8)) | {max_num_seqs}
+    return tuple(sorted(sizes))
+
+
+def resolve_for_device(compile: CompileConfig, scheduler: SchedulerConfig, device_type: str
+                       ) -> tuple[CompileConfig, SchedulerConfig]:
+    """``compile`` and ``scheduler`` with their ``auto`` / ``None`` fields decided for ``device_type``
+    ("cuda" or "cpu"); fields the user set are kept. Idempotent."""
+    mode, cudagraph, seqs, tokens = DEVICE_DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
+    scheduler = dataclasses.replace(
+        scheduler,
+        max_num_seqs=scheduler.max_num_seqs if scheduler.max_num_seqs is not None else seqs,
+        max_num_batched_tokens=(scheduler.max_num_batched_tokens if scheduler.max_num_batched_tokens is not None
+                                else tokens))
+    if compile.mode == "auto":
+        compile = dataclasses.replace(compile, mode=mode)
+    if compile.cudagraph == "auto":
+        # Piecewise graphs need kiln's split forward: other modes on CUDA get full graphs alone.
+        compile = dataclasses.replace(compile, cudagraph=cudagraph if compile.mode == "kiln" or
+                                      device_type != "cuda" else "full")
+    if compile.capture_sizes is None:
+        limit = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
+        compile = dataclasses.replace(compile, capture_sizes=default_capture_sizes(limit))
+    return compile, scheduler

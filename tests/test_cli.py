@@ -55,7 +55,8 @@ def test_defaults_compose_into_typed_configs():
     cli = OmegaConf.to_object(composed([]))
     assert isinstance(cli, CliConfig)
     assert cli.model.model == "smollm2-135m-instruct"
-    assert (cli.compile.mode, cli.compile.cudagraph) == ("eager", "none")
+    assert (cli.compile.mode, cli.compile.cudagraph, cli.compile.capture_sizes) == ("auto", "auto", None)
+    assert cli.scheduler.max_num_seqs is None  # sized for the device when the engine starts
     assert cli.bench.kind == "throughput" and cli.bench.batch_sizes == (1, 8, 32)
     assert cli.chat is True and cli.prompt
     engine = engine_config(cli)
@@ -110,7 +111,7 @@ def test_model_presets_and_model_fields():
 
 
 def test_bad_value_names_field_and_allowed_values():
-    with pytest.raises(ValueError, match=r"compile\.mode='fast'.*\['eager', 'stock', 'kiln'\]"):
+    with pytest.raises(ValueError, match=r"compile\.mode='fast'.*\['auto', 'eager', 'stock', 'kiln'\]"):
         OmegaConf.to_object(composed(["compile.mode=fast"]))
     with pytest.raises(ValueError, match=r"bench\.kind"):
         OmegaConf.to_object(composed(["bench.kind=soak"]))
@@ -169,8 +170,8 @@ def test_every_key_has_help_and_choices_match_the_dataclasses():
 def test_serve_help_lists_its_groups_only(capsys):
     code, out, _ = exit_of(["serve", "--help"], capsys)
     assert code == 0
-    assert "compile.mode=eager  (eager | stock | kiln)" in out
-    assert "compile.cudagraph=none  (none | piecewise | full | full_and_piecewise)" in out
+    assert "compile.mode=auto  (auto | eager | stock | kiln)" in out
+    assert "compile.cudagraph=auto  (auto | none | piecewise | full | full_and_piecewise)" in out
     assert FIELD_HELP["compile.mode"] in out and "server.port=8000" in out
     assert "model  (model_preset=hf-local | llama3-8b-random" in out
     assert "bench." not in out and "prompt=" not in out
@@ -182,7 +183,7 @@ def test_serve_help_lists_its_groups_only(capsys):
 def test_generate_and_bench_help(capsys):
     code, out, _ = exit_of(["generate", "--help"], capsys)
     assert code == 0
-    assert 'prompt="Give me three tips for a good night\'s sleep."' in out and "max_tokens=64" in out and "compile.mode=eager" in out
+    assert 'prompt="Give me three tips for a good night\'s sleep."' in out and "max_tokens=64" in out and "compile.mode=auto" in out
     assert "server." not in out and "bench." not in out
     code, out, _ = exit_of(["bench", "-h"], capsys)
     assert code == 0
@@ -203,7 +204,7 @@ def test_cfg_job_prints_composed_config(tmp_path):
 def test_wrong_override_fails_with_one_clear_line(tmp_path):
     res = kiln("generate", "compile.mode=fast", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert res.returncode == 2
-    assert "compile.mode='fast'" in res.stderr and "['eager', 'stock', 'kiln']" in res.stderr
+    assert "compile.mode='fast'" in res.stderr and "['auto', 'eager', 'stock', 'kiln']" in res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 

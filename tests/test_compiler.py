@@ -88,7 +88,7 @@ def test_eager_mode_is_the_model(model):
 
 
 def test_unknown_mode_is_rejected():
-    with pytest.raises(ValueError, match=r"compile.mode='fast' is not allowed; choose one of \['eager', 'stock', 'kiln'\]"):
+    with pytest.raises(ValueError, match=r"compile.mode='fast' is not allowed; choose one of \['auto', 'eager', 'stock', 'kiln'\]"):
         CompileConfig(mode="fast")
 
 

@@ -368,3 +368,79 @@ def test_piecewise_needs_kiln_mode(caplog):
     assert _mixed_workload(llm, 49152) == want
     runner = _mixed_llm("eager", "piecewise").engine.executor.runner
     assert runner.compiled.piecewise_graphs is None and runner.compiled.full_graphs is None
+
+
+# ---- graph memory in the KV plan ------------------------------------------------------------------
+def test_graph_memory_estimate_extrapolates_from_the_profiled_sizes():
+    from kiln.compiler import GraphMemoryEstimate
+
+    sizes = (1, 2, 4) + tuple(range(8, 513, 8))
+    est = GraphMemoryEstimate(sizes, largest_bytes=1000 * 2**20, per_size_bytes=4 * 2**20)
+    margin, slack = GraphMemoryEstimate.MARGIN, GraphMemoryEstimate.SLACK_BYTES
+    assert est.bytes() == int(margin * (1000 * 2**20 + 4 * 2**20 * (len(sizes) - 1)) + slack)
+    # fewer sizes: the working set shrinks with the largest size kept, and so does the graph count
+    assert est.bytes(3) == int(margin * (1000 * 2**20 * 4 / 512 + 4 * 2**20 * 2) + slack)
+    assert est.bytes(0) == 0 and est.bytes(3) < est.bytes(10) < est.bytes()
+
+
+def test_graphs_that_leave_no_room_fail_at_start_saying_what_to_drop():
+    from kiln.compiler import GraphMemoryEstimate
+    from kiln.runtime.kv_sizing import KVShape, _check_graphs_leave_room
+
+    shape = KVShape(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    sizes = (1, 2, 4) + tuple(range(8, 513, 8))
+    est = GraphMemoryEstimate(sizes, largest_bytes=4 * 2**30, per_size_bytes=32 * 2**20)
+    need = (8192 // 16 + 1) * shape.bytes_per_block  # one request of max_model_len=8192: ~1 GiB
+    _check_graphs_leave_room(est, need, shape, 8192)  # exactly enough: fine
+    with pytest.raises(ValueError, match=r"CUDA graphs for 67 capture sizes \(1\.\.512\).*drop the \d+ largest "
+                                         r"capture sizes \(compile\.capture_sizes up to \d+"):
+        _check_graphs_leave_room(est, need - 2**30, shape, 8192)
+    with pytest.raises(ValueError, match="set compile.cudagraph=none"):
+        _check_graphs_leave_room(est, -est.bytes(), shape, 8192)  # not even one size fits
+
+
+def test_weak_refs_leave_cpu_tensors_alone():
+    from kiln.compiler.cudagraph import weak_refs
+
+    t = torch.ones(3)
+    assert weak_refs((t, [t], {"a": t}, 3))[0] is t
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_weak_ref_aliases_cuda_memory_without_owning_it():
+    from kiln.compiler.cudagraph import weak_ref
+
+    t = torch.arange(6, device="cuda", dtype=torch.float32).view(2, 3)[1:]
+    w = weak_ref(t)
+    assert w.data_ptr() == t.data_ptr() and w.shape == t.shape and torch.equal(w, t)
+    t.add_(1)
+    assert torch.equal(w, t)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_default_config_captures_every_size_and_sizes_the_kv_cache_after_the_graphs(caplog):
+    """No options on a GPU: kiln mode, full + piecewise graphs at 1, 2, 4, 8, ..., 512; the graph memory
+    is profiled before the KV cache is sized, and the tokens match the run without graphs."""
+    import logging
+
+    from kiln import LLM
+
+    with caplog.at_level(logging.INFO, logger="kiln"):
+        llm = LLM(model="random:tiny", dtype="float32", max_model_len=1024, cache={"gpu_memory_fraction": 0.5})
+    runner = llm.engine.executor.runner
+    assert (runner.compile_config.mode, runner.compile_config.cudagraph) == ("kiln", "full_and_piecewise")
+    assert runner.compiled.full_graphs.sizes == list((1, 2, 4) + tuple(range(8, 513, 8)))
+    assert sorted(runner.compiled.piecewise_graphs.captured_sizes) == runner.compiled.full_graphs.sizes
+    assert runner.graph_estimate is not None
+    assert 0 < runner.compiled.graph_memory_bytes <= runner.graph_estimate.bytes()
+    assert any("CUDA graphs profiled" in r.getMessage() for r in caplog.records)
+    prompts = _prompts(runner.arch.vocab_size)
+    with_graphs = _greedy(llm, prompts, 8)
+    full, pieces = runner.compiled.full_graphs, runner.compiled.piecewise_graphs
+    runner.compiled.full_graphs = runner.compiled.piecewise_graphs = None
+    try:
+        assert _greedy(llm, prompts, 8) == with_graphs
+    finally:
+        runner.compiled.full_graphs, runner.compiled.piecewise_graphs = full, pieces

@@ -292,3 +292,20 @@ def test_smollm2_chat_answers_paris(smollm2):
             break
         out += new
     assert "Paris" in tok.decode(out)
+
+
+def test_safetensors_load_onto_the_device_they_are_asked_for(tmp_path):
+    """On CUDA the checkpoint's tensors come straight into GPU memory; the values are the file's."""
+    from safetensors.torch import save_file
+
+    from kiln.models.loader import iter_safetensors
+
+    tensors = {"a": torch.randn(3, 4), "b": torch.randn(5).to(torch.bfloat16)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        got = dict(iter_safetensors(str(tmp_path), torch.device(device)))
+        assert set(got) == set(tensors)
+        for name, t in got.items():
+            assert t.device.type == device and t.dtype == tensors[name].dtype
+            assert torch.equal(t.cpu(), tensors[name])

@@ -13,6 +13,7 @@ from kiln.sampling_params import SamplingParams
 
 def make_scheduler(num_blocks=64, caching=True, **config):
     kv = KVCacheManager(num_blocks=num_blocks, block_size=4, enable_prefix_caching=caching)
+    config = {"max_num_seqs": 128, "max_num_batched_tokens": 2048, **config}
     return Scheduler(SchedulerConfig(**config), kv), kv
 
 

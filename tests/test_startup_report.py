@@ -47,7 +47,14 @@ def started():
 
 def test_start_line_names_model_dtype_device_and_compile_modes(started):
     _, lines = started
-    assert lines[0] == "kiln: model random:tiny, float32 on cpu, compile.mode=eager, compile.cudagraph=none"
+    # compile and scheduler defaults are `auto`: the line shows what they resolved to on this device
+    assert lines[0] == ("kiln: model random:tiny, float32 on cpu, compile.mode=eager, compile.cudagraph=none, "
+                        "max_num_seqs=128, max_num_batched_tokens=2048")
+    assert llm_config(started).compile.mode == "eager" and llm_config(started).scheduler.max_num_seqs == 128
+
+
+def llm_config(started):
+    return started[0].engine.config
 
 
 def test_ready_line_counts_usable_blocks(started):

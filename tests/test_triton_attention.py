@@ -178,6 +178,21 @@ def test_split_count_fills_the_gpu_but_not_below_min_split_tokens(kernels):
     assert kernels.num_decode_splits(1, 8, 100_000, 132, cfg) == 33
     assert kernels.num_decode_splits(256, 8, 4096, 132, cfg) == 1  # already 2048 programs
     assert kernels.num_decode_splits(4, 8, 300, 132, cfg) == 1
+    # static splits (CUDA graphs, sized for max_model_len): narrower, so batch 1 fills the GPU
+    static = kernels.LaunchConfig(static_min_split_tokens=64, programs_per_sm=2)
+    assert kernels.num_decode_splits(1, 8, 2048, 132, static, static=True) == 32
+    assert kernels.num_decode_splits(1, 2, 2048, 132, static, static=True) == 32
+    assert kernels.num_decode_splits(1, 8, 100_000, 132, static, static=True) == 33
+
+
+def test_static_narrow_splits_match_reference_at_short_contexts(kernels):
+    """Inside static_decode_splits a context far shorter than the bound runs in many narrow splits,
+    most of them empty: the merge must still give the reference's output."""
+    spec = _spec(kernels, "tiny", decodes=(5, 70, 1), prefills=(), group=4)
+    batch = kernels.random_paged_batch(spec, DEVICE, seed=9)
+    cfg = kernels.LaunchConfig(decode_block_n=16, static_min_split_tokens=16, programs_per_sm=64)
+    with kernels.static_decode_splits(1024):
+        kernels.check_against_reference(batch, cfg)
 
 
 def test_plugs_into_attend_paged_op(kernels):

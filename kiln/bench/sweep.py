@@ -75,7 +75,7 @@ def skip_reason(config: EngineConfig) -> Optional[str]:
     import torch
 
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if config.compile.cudagraph != "none" and num_gpus == 0:
+    if config.compile.cudagraph not in ("none", "auto") and num_gpus == 0:
         return f"compile.cudagraph={config.compile.cudagraph} needs CUDA; this machine has no GPU"
     if config.model.device == "cuda" and num_gpus == 0:
         return "model.device=cuda but this machine has no GPU"

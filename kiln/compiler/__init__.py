@@ -8,9 +8,9 @@ loaded model, the ``CompileConfig`` and a ``KernelSet``; ``run(ModelInputs) -> M
 
 from kiln.compiler.artifact_cache import ArtifactCache
 from kiln.compiler.capture import KilnForward
-from kiln.compiler.compiled_model import CompiledModel, ModelOutputs
+from kiln.compiler.compiled_model import CompiledModel, GraphMemoryEstimate, ModelOutputs
 from kiln.compiler.forward import build_forward, build_now, compile_seconds
 from kiln.compiler.inputs import InputBuffers, InputLimits, ModelInputs
 
-__all__ = ["ArtifactCache", "build_forward", "build_now", "compile_seconds", "CompiledModel", "InputBuffers",
+__all__ = ["ArtifactCache", "build_forward", "build_now", "compile_seconds", "CompiledModel", "GraphMemoryEstimate", "InputBuffers",
            "InputLimits", "KilnForward", "ModelInputs", "ModelOutputs"]

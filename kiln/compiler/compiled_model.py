@@ -26,6 +26,7 @@ re-bound only until graphs are captured over them.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -54,6 +55,29 @@ class ModelOutputs:
     hidden: torch.Tensor  # [padded num_tokens, hidden]
     logits: Optional[torch.Tensor] = None  # [padded num_reqs, vocab] float32: FULL graphs compute them
     greedy_ids: Optional[torch.Tensor] = None  # [padded num_reqs] int64: logits.argmax(-1)
+
+
+@dataclass(frozen=True)
+class GraphMemoryEstimate:
+    """What CUDA graphs of ``sizes`` will take, from a profiled capture (``profile_graph_memory``):
+    the largest size's working set, which every smaller size reuses (outputs are held weakly), plus
+    per size its graph objects. Extrapolated with a margin: the KV cache is sized after it."""
+
+    sizes: tuple[int, ...]
+    largest_bytes: int
+    per_size_bytes: int
+
+    MARGIN = 1.25
+    SLACK_BYTES = 128 * 2**20
+
+    def bytes(self, num_sizes: Optional[int] = None) -> int:
+        """The estimate for the ``num_sizes`` smallest sizes (all by default); the working set is
+        taken as proportional to the largest size kept."""
+        n = len(self.sizes) if num_sizes is None else num_sizes
+        if n <= 0:
+            return 0
+        working = max(self.largest_bytes, 0) * self.sizes[n - 1] / self.sizes[-1]
+        return int(self.MARGIN * (working + max(self.per_size_bytes, 0) * (n - 1)) + self.SLACK_BYTES)
 
 
 def dispatch(full: Optional[FullCUDAGraphs], piecewise: Optional[PiecewiseCUDAGraphs],
@@ -120,6 +144,58 @@ class CompiledModel:
         if GraphMode.PIECEWISE in modes:
             self.piecewise_graphs = PiecewiseCUDAGraphs(self.forward, self.inputs, self.config.capture_sizes, record)
             self.piecewise_graphs.capture(self._capture_scope, self.kv_caches, pool)
+
+    @torch.inference_mode()
+    def profile_graph_memory(self, kv_caches: list[torch.Tensor]) -> Optional["GraphMemoryEstimate"]:
+        """Measure what the CUDA graphs ``compile.cudagraph`` asks for will take, before the KV
+        cache is sized: capture the largest size (its working set), then the smallest into the same
+        pool (what each further size adds: the graph objects), over ``kv_caches`` (a small temporary
+        cache), and free both. None when no graphs are captured."""
+        if self.device.type != "cuda":
+            return None
+        modes = wanted_graph_modes(self.config.cudagraph, isinstance(self.forward, KilnForward))
+        sizes = self._graph_sizes(modes)
+        if not sizes:
+            return None
+        self.bind_kv_caches(kv_caches)
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free = [torch.cuda.mem_get_info()[0]]
+        pool = torch.cuda.graph_pool_handle()
+        probes: list = []
+        for probe in (sizes[-1], sizes[0]):  # largest first: the smallest then reuses its memory
+            if GraphMode.FULL in modes:
+                full = FullCUDAGraphs(self.forward, self.inputs, (probe,), compute_logits=self.model.compute_logits)
+                full.capture(self._capture_scope, self.kv_caches, pool, log=False)
+                probes.append(full)
+            if GraphMode.PIECEWISE in modes:
+                pieces = PiecewiseCUDAGraphs(self.forward, self.inputs, (probe,))
+                pieces.capture(self._capture_scope, self.kv_caches, pool, log=False)
+                probes.append(pieces)
+                pieces.release()  # takes its wrappers out of the forward; its graphs live on in `probes`
+            torch.cuda.synchronize()
+            free.append(torch.cuda.mem_get_info()[0])
+        del probes, pool
+        full = pieces = None
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        self.kv_caches = []
+        estimate = GraphMemoryEstimate(tuple(sizes), largest_bytes=free[0] - free[1], per_size_bytes=free[1] - free[2])
+        logger.info("CUDA graphs profiled: largest size %d takes %.0f MiB, each further size %.1f MiB -> "
+                    "%.2f GiB kept for %d sizes", sizes[-1], estimate.largest_bytes / 2**20,
+                    estimate.per_size_bytes / 2**20, estimate.bytes() / 2**30, len(sizes))
+        return estimate
+
+    def _graph_sizes(self, modes: set[GraphMode]) -> list[int]:
+        """Every size some graph of ``modes`` is captured at (the union of full and piecewise sizes)."""
+        buf, sizes = self.inputs, set()
+        if GraphMode.FULL in modes:
+            sizes |= {s for s in self.config.capture_sizes if s <= min(buf.max_num_reqs, buf.max_num_tokens)}
+        if GraphMode.PIECEWISE in modes:
+            sizes |= {s for s in self.config.capture_sizes if s <= buf.max_num_tokens}
+        return sorted(sizes)
 
     @property
     def graph_capture_seconds(self) -> float:

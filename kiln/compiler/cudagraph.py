@@ -26,7 +26,7 @@ import enum
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
@@ -57,6 +57,32 @@ def wanted_graph_modes(cudagraph: str, has_pieces: bool = True) -> set[GraphMode
                        "replay full graphs" if GraphMode.FULL in wanted else "running without CUDA graphs")
         wanted.discard(GraphMode.PIECEWISE)
     return wanted
+
+
+def weak_ref(t: Any) -> Any:
+    """A CUDA tensor viewing ``t``'s memory without keeping it allocated; anything else as is.
+
+    Captured graphs keep their static outputs at fixed addresses of the shared graph pool. Held
+    strongly, each graph's outputs would stay allocated for good (every size's logits, every piece's
+    activations); held weakly, the next capture into the pool reuses that memory. Graphs never run
+    concurrently and each replay rewrites its outputs before anything reads them, so sharing is
+    safe, and graph memory is about the largest size's working set plus the graph objects."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+        return t
+    storage = t.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(alias, t.storage_offset(), t.shape, t.stride())
+
+
+def weak_refs(obj: Any) -> Any:
+    """``weak_ref`` over the tensors of a tuple / list / dict / GraphOutputs."""
+    if isinstance(obj, GraphOutputs):
+        return GraphOutputs(*(weak_ref(t) for t in (obj.hidden, obj.logits, obj.greedy_ids)))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(weak_refs(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: weak_refs(v) for k, v in obj.items()}
+    return weak_ref(obj)
 
 
 @dataclass
@@ -97,9 +123,11 @@ class FullCUDAGraphs:
         return GraphOutputs(hidden, logits, logits.argmax(dim=-1))
 
     @torch.inference_mode()
-    def capture(self, scope: CaptureScope, kv_caches: list[torch.Tensor], pool: Optional[tuple] = None) -> None:
+    def capture(self, scope: CaptureScope, kv_caches: list[torch.Tensor], pool: Optional[tuple] = None,
+                log: bool = True) -> None:
         """Capture every size, largest first, into one shared pool (``pool``, else a new one), each
-        inside ``scope`` of its capture batch; logs time and memory."""
+        inside ``scope`` of its capture batch; logs time and memory. Outputs are held weakly
+        (``weak_ref``): a smaller size's capture reuses the larger one's memory."""
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         t0 = time.perf_counter()
@@ -116,16 +144,23 @@ class FullCUDAGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     out = self._run(size)
-            self._graphs[size] = (graph, out)
+            self._graphs[size] = (graph, weak_refs(out))
+            del out
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         self.memory_bytes = free_before - torch.cuda.mem_get_info()[0]
-        logger.info("CUDA graphs (full%s): captured %d sizes %s in %.2f s, using %.0f MiB of GPU memory",
-                    " + logits" if self.compute_logits else "", len(self.sizes), self.sizes,
-                    self.capture_seconds, self.memory_bytes / 2**20)
+        if log:
+                logger.info("CUDA graphs (full%s): captured %d sizes %s in %.2f s, using %.0f MiB of GPU memory",
+                        " + logits" if self.compute_logits else "", len(self.sizes), format_sizes(self.sizes),
+                        self.capture_seconds, self.memory_bytes / 2**20)
 
     def replay(self, size: int) -> GraphOutputs:
         """Run the graph of ``size`` on whatever the buffers hold; returns its static outputs."""
         graph, out = self._graphs[size]
         graph.replay()
         return out
+
+
+def format_sizes(sizes: list[int]) -> str:
+    """A size list as the log shows it: all of a short one, the ends of a long one."""
+    return str(sizes) if len(sizes) <= 8 else f"[{sizes[0]}, {sizes[1]}, {sizes[2]}, ..., {sizes[-1]}]"

@@ -46,7 +46,7 @@ def build_forward(model: nn.Module, config: CompileConfig, pass_config: Optional
     attention op runs the kernel the forward context names (``CompiledModel`` sets it).
     """
     device_type = _model_device_type(model)
-    if config.cudagraph != "none" and device_type != "cuda":
+    if config.cudagraph not in ("none", "auto") and device_type != "cuda":
         logger.warning("compile.cudagraph=%s needs CUDA; running without CUDA graphs on %s",
                        config.cudagraph, device_type)
     if config.mode == "eager":
@@ -56,6 +56,9 @@ def build_forward(model: nn.Module, config: CompileConfig, pass_config: Optional
     if config.mode == "kiln":
         pass_config = pass_config or PassConfig(kernels=select_kernels(device_type))
         return build_kiln_forward(model, config, pass_config, artifact_cache)
+    if config.mode == "auto":
+        raise ValueError("compile.mode=auto is decided per device: resolve the config first "
+                         "(kiln.config.resolve_for_device)")
     raise ValueError(f"compile.mode={config.mode!r} is not allowed; choose one of ['eager', 'stock', 'kiln']")
 
 

@@ -44,6 +44,7 @@ from typing import Any, Callable, ContextManager, Iterator, Optional
 import torch
 
 from kiln.compiler.capture import KilnForward
+from kiln.compiler.cudagraph import format_sizes, weak_refs
 from kiln.compiler.inputs import InputBuffers, next_capture_size
 from kiln.compiler.piece import CompiledPiece
 from kiln.forward_context import ForwardContext
@@ -189,9 +190,11 @@ class PiecewiseCUDAGraphs:
 
     @torch.inference_mode()
     def capture(self, scope: Callable[[ForwardContext], ContextManager[None]], kv_caches: list[torch.Tensor],
-                pool: Optional[tuple] = None) -> None:
+                pool: Optional[tuple] = None, log: bool = True) -> None:
         """Capture every piece at every size, largest first, into ``pool`` (else a new one): one
-        forward per size over a one-token decode of the null block, padded to the size."""
+        forward per size over a one-token decode of the null block, padded to the size. Once a
+        size is captured its pieces' inputs and outputs are held weakly (``weak_refs``), so the
+        next size's capture reuses their memory."""
         is_cuda = self.buffers.device.type == "cuda"
         if self.record is None:
             self.record = cuda_graph_recorder(pool if pool is not None else torch.cuda.graph_pool_handle())
@@ -208,14 +211,28 @@ class PiecewiseCUDAGraphs:
             ctx = ForwardContext(attn=buf.metadata(1, 1, 1, [1], [1]), kv_caches=kv_caches)
             with scope(ctx), self._running(_Step(size, 1, capturing=True)):
                 self.forward(buf.input_ids[:size], buf.positions[:size])
+            for piece in self.pieces:
+                graph = piece.graphs.get(size)
+                if graph is not None:
+                    graph.args, graph.outputs = weak_refs(graph.args), weak_refs(graph.outputs)
             self.captured_sizes.add(size)
         if is_cuda:
             torch.cuda.synchronize()
             self.memory_bytes = free_before - torch.cuda.mem_get_info()[0]
         self.capture_seconds = time.perf_counter() - t0
-        logger.info("CUDA graphs (piecewise): captured %d pieces at %d sizes %s in %.2f s, using %.0f MiB of "
-                    "GPU memory", len(self.pieces), len(self.sizes), self.sizes, self.capture_seconds,
-                    self.memory_bytes / 2**20)
+        if log:
+            logger.info("CUDA graphs (piecewise): captured %d pieces at %d sizes %s in %.2f s, using %.0f MiB "
+                        "of GPU memory", len(self.pieces), len(self.sizes), format_sizes(self.sizes),
+                        self.capture_seconds, self.memory_bytes / 2**20)
+
+    def release(self) -> None:
+        """Take this instance's wrappers out of the split graph (the forward calls its pieces and
+        attention directly again); the graphs are freed once this instance is."""
+        gm = self.forward.split_graph
+        for wrapper in [*self.pieces, *self.attention_calls]:
+            if gm.__dict__.get(wrapper.name) is wrapper:
+                gm.__dict__[wrapper.name] = wrapper.inner
+        self.step = None
 
     def attention_buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
         """The persistent output buffer of attention calls under ``key``: ``like``'s rows, max size."""

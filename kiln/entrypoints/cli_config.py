@@ -75,16 +75,17 @@ FIELD_HELP = {
     "cache.num_blocks": "exact number of KV blocks, overriding the memory budget; null: from the budget",
     "cache.dir": "converted models and compiled artifacts; null: $KILN_CACHE_DIR or ~/.cache/kiln",
     "cache.dtype": "KV cache element type; auto: the model dtype, fp8: float8_e4m3fn (2x bf16's tokens)",
-    "scheduler.max_num_seqs": "most requests in one step",
-    "scheduler.max_num_batched_tokens": "most tokens in one step (decodes and prefill chunks)",
+    "scheduler.max_num_seqs": "most requests in one step; null: 512 on GPU, 128 on CPU",
+    "scheduler.max_num_batched_tokens": "most tokens in one step (decodes and prefill chunks); null: 2048",
     "scheduler.enable_chunked_prefill": "split a long prompt over several steps",
     "scheduler.policy": "fcfs: by arrival; priority: lower priority value first, then by arrival",
-    "compile.mode": "eager: op by op; stock: plain torch.compile; kiln: kiln's passes, split at "
-                    "attention, Inductor per piece",
+    "compile.mode": "auto: kiln on GPU, eager on CPU; eager: op by op; stock: plain torch.compile; kiln: "
+                    "kiln's passes, split at attention, Inductor per piece",
     "compile.cudagraph": "CUDA graphs (GPU): full for decode-only batches, piecewise between attention "
-                         "ops (mode kiln), or both",
+                         "ops (mode kiln), or both; auto: full_and_piecewise on GPU (full for other modes)",
     "compile.sizes": "extra batch sizes (tokens) Inductor specializes for",
-    "compile.capture_sizes": "batch sizes (tokens) captured as CUDA graphs; a batch is padded up to one",
+    "compile.capture_sizes": "batch sizes (tokens) captured as CUDA graphs; a batch is padded up to one; "
+                             "null: 1, 2, 4, then every 8 up to scheduler.max_num_seqs",
     "compile.debug_dump_dir": "write the bytecode and the graphs before and after each pass here; null: off",
     "server.host": "address to listen on; 0.0.0.0: every interface",
     "server.port": "TCP port",

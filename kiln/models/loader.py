@@ -27,7 +27,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
@@ -125,7 +125,7 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     tokenizer = _load_tokenizer(hf_dir)
     model = build_empty_model(arch, device, dtype, tp)
     scheme = resolve_quantization(model_config.quantization, hf_dir, gguf_path)
-    weights = iter_safetensors(hf_dir)
+    weights = iter_safetensors(hf_dir, device)
     if checkpoint_quantization(hf_dir) == "fp8":  # any scheme: FP8 tensors load dequantized first
         weights = dequantize_fp8_checkpoint(weights, dtype)
     model.load_weights(progress_bar(weights, desc=f"loading {name}", total=_num_tensors(hf_dir), unit="tensor"))
@@ -153,7 +153,7 @@ def _load_generic(hf_config: dict, hf_dir: str, name: str, model_config: ModelCo
     model.arch = dataclasses.replace(model.arch, eos_token_id=stop_token_ids(hf_dir, model.arch))
     max_model_len = _max_model_len(model_config, model.arch)
     tokenizer = _load_tokenizer(hf_dir)
-    model.load_weights(progress_bar(iter_safetensors(hf_dir), desc=f"loading {name}", total=_num_tensors(hf_dir),
+    model.load_weights(progress_bar(iter_safetensors(hf_dir, device), desc=f"loading {name}", total=_num_tensors(hf_dir),
                                     unit="tensor"))
     return LoadedModel(model, model.arch, tokenizer, name, hf_dir, max_model_len)
 
@@ -202,12 +202,19 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def iter_safetensors(hf_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every tensor of the checkpoint, one shard open at a time."""
+def iter_safetensors(hf_dir: str, device: Union[str, torch.device] = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor on ``device``) for every tensor of the checkpoint, one shard open at a time. On
+    CUDA safetensors reads each tensor from the memory-mapped file straight into GPU memory: no
+    CPU copy of the weights is made."""
     from safetensors import safe_open
 
+    device = torch.device(device)
+    if device.type == "cuda":
+        device = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    else:
+        device = "cpu"
     for fname in _safetensors_files(hf_dir):
-        with safe_open(os.path.join(hf_dir, fname), framework="pt", device="cpu") as f:
+        with safe_open(os.path.join(hf_dir, fname), framework="pt", device=device) as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
 

@@ -74,6 +74,10 @@ class LaunchConfig:
     decode_num_warps: int = 4
     decode_num_stages: int = 3
     min_split_tokens: int = 256  # never split a decode context finer than this
+    # ... except inside static_decode_splits (CUDA graphs): there the split width comes from
+    # max_model_len, not the context, so at batch 1 wide splits leave one program per kv head looping
+    # over the whole context while the others are empty; narrow ones spread it over the SMs.
+    static_min_split_tokens: int = 64
     programs_per_sm: int = 2  # split decodes until the grid has about this many programs per SM
     prefill_block_m: int = 64  # rows per prefill tile: query tokens x heads of one kv head
     prefill_block_n: int = 64
@@ -285,11 +289,14 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def num_decode_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num_sms: int, cfg: LaunchConfig) -> int:
+def num_decode_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num_sms: int, cfg: LaunchConfig,
+                      static: bool = False) -> int:
     """Split each decode context until the grid has ~programs_per_sm programs per SM, but keep at
-    least ``min_split_tokens`` keys per split so the merge stays cheap."""
+    least ``min_split_tokens`` keys per split (``static_min_split_tokens`` for static splits) so the
+    merge stays cheap."""
     want = triton.cdiv(cfg.programs_per_sm * num_sms, num_decodes * num_kv_heads)
-    return max(1, min(want, triton.cdiv(max_seq_len, cfg.min_split_tokens)))
+    min_split = cfg.static_min_split_tokens if static else cfg.min_split_tokens
+    return max(1, min(want, triton.cdiv(max_seq_len, min_split)))
 
 
 def _kernel_args(q, kv_cache, meta, out) -> dict:
@@ -340,7 +347,8 @@ def _launch_decodes(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_wi
     max_len = _static_max_seq_len or max(meta.seq_lens_cpu[:nd])
     if sliding_window:
         max_len = min(max_len, sliding_window)  # keys a decode reads, from its window's start
-    num_splits = num_decode_splits(nd, num_kv_heads, max_len, _num_sms(q.device), cfg)
+    num_splits = num_decode_splits(nd, num_kv_heads, max_len, _num_sms(q.device), cfg,
+                                   static=_static_max_seq_len is not None)
     split_tokens = triton.cdiv(triton.cdiv(max_len, num_splits), cfg.decode_block_n) * cfg.decode_block_n
     num_splits = triton.cdiv(max_len, split_tokens)
     single = num_splits == 1

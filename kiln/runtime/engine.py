@@ -97,16 +97,35 @@ class StartupReport:
                        f"CUDA graphs {p['cudagraph_s']:.1f} s, KV {p['kv_alloc_s']:.1f} s)")
 
 
+def engine_device_type(config: EngineConfig) -> str:
+    """The device type the config's ``auto`` defaults are resolved for: this host's device, or under
+    Ray (whose nodes decide) the one asked for, else CUDA when this host has it."""
+    if config.parallel.backend == "ray" and config.model.device != "auto":
+        return config.model.device
+    return resolve_device(config.model.device).type
+
+
+def resolve_config(config: EngineConfig) -> EngineConfig:
+    """``config`` with its ``auto`` defaults decided for the engine's device (kiln.config.resolve_for_device)."""
+    return config.resolved(engine_device_type(config))
+
+
 def start_line(config: EngineConfig) -> str:
-    """The line logged before anything loads: what runs, in which precision, where and how compiled."""
+    """The line logged before anything loads: what runs, in which precision, where and how compiled
+    (the resolved values: ``auto`` shows what it chose)."""
     model, modes, tp_size = config.model, config.compile, config.parallel.tensor_parallel_size
     if config.parallel.backend == "ray":  # the cluster's nodes decide; this host may have no GPU
         dtype, device = model.dtype, f"{model.device} (Ray cluster)"
     else:
         device = resolve_device(model.device)
         dtype = str(resolve_dtype(model.dtype, device)).removeprefix("torch.")
+    sched, sizes = config.scheduler, modes.capture_sizes
     line = (f"kiln: model {model.model}, {dtype} on {device}, compile.mode={modes.mode}, "
             f"compile.cudagraph={modes.cudagraph}")
+    if sched.is_resolved:
+        line += f", max_num_seqs={sched.max_num_seqs}, max_num_batched_tokens={sched.max_num_batched_tokens}"
+    if modes.cudagraph != "none" and sizes:
+        line += f", {len(sizes)} capture sizes {sizes[0]}..{sizes[-1]}"
     return line + (f", tensor_parallel_size={tp_size}" if tp_size > 1 else "")
 
 
@@ -114,6 +133,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, overlap: bool = True):
         """``overlap=False`` runs each step to the end before returning (a reference for tests)."""
         t_start = time.perf_counter()
+        config = resolve_config(config)  # every `auto` decided here, before anything is built
         logger.info(start_line(config))
         self.config = config
         self._overlap = overlap

@@ -2,9 +2,11 @@
 
 The budget, in order of precedence: ``cache.num_blocks``; ``cache.kv_cache_memory_gib``; on CUDA
 ``cache.gpu_memory_fraction`` of the card minus what is in use (weights, CUDA context, other
-processes), the profiled peak activations of the largest step, and a reserve for CUDA graphs
-(captured after the cache is allocated); on the CPU a fixed 1 GiB. A budget under two blocks is an
-error that names the settings to raise. Under tensor parallelism the caller takes the minimum over
+processes), the profiled peak activations of the largest step, and what the CUDA graphs will take
+(``CompiledModel.profile_graph_memory``: a profiled capture, extrapolated to every capture size;
+the graphs are captured after the cache is allocated); on the CPU a fixed 1 GiB. A budget under two
+blocks is an error that names the settings to raise; so is one where the graphs leave no room for
+a single request of ``max_model_len`` tokens, which says how many capture sizes to drop. Under tensor parallelism the caller takes the minimum over
 ranks, so every rank holds the same block ids.
 
 Cache layout, one tensor per layer (``kiln.ops.attention``)::
@@ -16,17 +18,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
 
-from kiln.compiler import CompiledModel, ModelInputs
+from kiln.compiler import CompiledModel, GraphMemoryEstimate, ModelInputs
 from kiln.config import CacheConfig
 
 logger = logging.getLogger(__name__)
 
 CPU_KV_BUDGET_GIB = 1.0
-GRAPH_RESERVE_BYTES = 512 * 2**20  # kept free for CUDA graphs, which are captured after the KV cache
 
 
 @dataclass(frozen=True)
@@ -52,19 +54,22 @@ def allocate_kv_caches(shape: KVShape, num_blocks: int, device: torch.device) ->
 
 
 def decide_num_blocks(config: CacheConfig, shape: KVShape, device: torch.device, activation_bytes: int = 0,
-                      graph_reserve_bytes: int = 0) -> int:
+                      graphs: Optional[GraphMemoryEstimate] = None, max_model_len: Optional[int] = None) -> int:
     """The number of blocks this device's budget holds (see the module docstring)."""
     if config.num_blocks is not None:
         return config.num_blocks
+    graph_bytes = graphs.bytes() if graphs is not None else 0
     if config.kv_cache_memory_gib is not None:
         budget = config.kv_cache_memory_gib * 2**30
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used = total - free  # weights, CUDA context, other processes
-        budget = config.gpu_memory_fraction * total - used - activation_bytes - graph_reserve_bytes
+        budget = config.gpu_memory_fraction * total - used - activation_bytes - graph_bytes
         logger.info("GPU memory: %.2f GiB total, %.2f GiB in use, %.2f GiB peak activations, "
-                    "%.2f GiB kept for graphs -> %.2f GiB for the KV cache", total / 2**30, used / 2**30,
-                    activation_bytes / 2**30, graph_reserve_bytes / 2**30, budget / 2**30)
+                    "%.2f GiB for CUDA graphs -> %.2f GiB for the KV cache", total / 2**30, used / 2**30,
+                    activation_bytes / 2**30, graph_bytes / 2**30, budget / 2**30)
+        if graphs is not None and max_model_len is not None:
+            _check_graphs_leave_room(graphs, budget, shape, max_model_len)
     else:
         budget = CPU_KV_BUDGET_GIB * 2**30
     num_blocks = int(budget // shape.bytes_per_block)
@@ -74,6 +79,28 @@ def decide_num_blocks(config: CacheConfig, shape: KVShape, device: torch.device,
             "raise cache.kv_cache_memory_gib or cache.gpu_memory_fraction"
         )
     return num_blocks
+
+
+def _check_graphs_leave_room(graphs: GraphMemoryEstimate, budget: float, shape: KVShape, max_model_len: int) -> None:
+    """Fail at start, saying what to drop, when the CUDA graphs leave the KV cache no room for one
+    request of ``max_model_len`` tokens (plus the null block)."""
+    need = (-(-max_model_len // shape.block_size) + 1) * shape.bytes_per_block
+    if budget >= need:
+        return
+    without = budget + graphs.bytes()
+    n = len(graphs.sizes)
+    keep = next((k for k in range(n - 1, 0, -1) if without - graphs.bytes(k) >= need), 0)
+    short = (need - budget) / 2**30
+    if keep:
+        hint = (f"drop the {n - keep} largest capture sizes (compile.capture_sizes up to {graphs.sizes[keep - 1]}, "
+                f"or scheduler.max_num_seqs={graphs.sizes[keep - 1]})")
+    else:
+        hint = "set compile.cudagraph=none"
+    raise ValueError(
+        f"CUDA graphs for {n} capture sizes ({graphs.sizes[0]}..{graphs.sizes[-1]}) need about "
+        f"{graphs.bytes() / 2**30:.2f} GiB and leave the KV cache {max(budget, 0) / 2**30:.2f} GiB, "
+        f"{short:.2f} GiB short of one request of max_model_len={max_model_len} tokens: {hint}, lower "
+        "model.max_model_len, or raise cache.gpu_memory_fraction")
 
 
 @torch.inference_mode()

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from kiln.compiler import ArtifactCache, CompiledModel, InputLimits
-from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, resolve_for_device
 from kiln.models.loader import LoadedModel, kv_cache_dtype, load_model, resolve_device, resolve_dtype
 from kiln.models.parallel import SINGLE, TensorParallel, local_num_kv_heads, min_over_ranks
 from kiln.ops.registry import select_kernels
@@ -78,13 +78,17 @@ class ModelRunner:
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         self.block_size = cache_config.block_size
         self.kernels = select_kernels(self.device.type)
+        # The engine resolved these already; a runner built on its own resolves its `auto`s the same way.
+        compile_config, scheduler_config = resolve_for_device(compile_config, scheduler_config or SchedulerConfig(),
+                                                              self.device.type)
+        self.compile_config = compile_config
         t0 = time.perf_counter()
         self.loaded: LoadedModel = load_model(model_config, cache_config.resolved_dir, self.device, self.dtype, tp,
                                              self.kernels)
         load_seconds = time.perf_counter() - t0
         self.model, self.arch, self.tokenizer = self.loaded.model, self.loaded.arch, self.loaded.tokenizer
         self.max_model_len = self.loaded.max_model_len
-        sched = scheduler_config or SchedulerConfig()
+        sched = scheduler_config
         limits = InputLimits(sched.max_num_batched_tokens, sched.max_num_seqs, -(-self.max_model_len // self.block_size))
         self.compiled = CompiledModel(self.model, compile_config, self.kernels, limits, self.max_model_len,
                                       ArtifactCache(cache_config.resolved_dir, self._artifact_name()))
@@ -93,7 +97,8 @@ class ModelRunner:
                                 self.arch.head_dim, kv_cache_dtype(cache_config.dtype, self.dtype, self.device))
         self.proposer = self._make_proposer(speculative, model_config, cache_config, sched)
         _check_verify_capture_sizes(speculative, sched, compile_config)
-        activation_bytes = 0
+        activation_bytes, self.graph_estimate = 0, None
+        t_profile = time.perf_counter()
         if self.device.type == "cuda":
             activation_bytes = kv_sizing.profile_activation_bytes(
                 self.compiled, self.kv_shape, self.max_model_len, sched.max_num_batched_tokens, sched.max_num_seqs)
@@ -102,11 +107,23 @@ class ModelRunner:
                 activation_bytes = max(activation_bytes, kv_sizing.profile_activation_bytes(
                     draft.compiled, draft.kv_shape, self.max_model_len, draft.compiled.inputs.max_num_tokens,
                     sched.max_num_seqs))
+            if cache_config.num_blocks is None and cache_config.kv_cache_memory_gib is None:
+                self.graph_estimate = self.compiled.profile_graph_memory(
+                    kv_sizing.allocate_kv_caches(self.kv_shape, 2, self.device))
         t_kv = time.perf_counter()
-        self.num_blocks, self.kv_caches = self._make_kv_caches(cache_config, compile_config, activation_bytes)
+        profile_seconds = t_kv - t_profile
+        self.num_blocks, self.kv_caches = self._make_kv_caches(cache_config, activation_bytes)
         kv_seconds = time.perf_counter() - t_kv
         self.compiled.bind_kv_caches(self.kv_caches)
-        self.compiled.capture_graphs()
+        try:
+            self.compiled.capture_graphs()
+        except torch.OutOfMemoryError as e:
+            raise ValueError(f"CUDA graph capture ran out of GPU memory ({e}); drop the largest "
+                             "compile.capture_sizes (or lower scheduler.max_num_seqs), or lower "
+                             "cache.gpu_memory_fraction / cache.kv_cache_memory_gib to leave room") from e
+        if self.graph_estimate is not None:
+            logger.info("CUDA graphs: %.2f GiB used, %.2f GiB was kept for them",
+                        self.compiled.graph_memory_bytes / 2**30, self.graph_estimate.bytes() / 2**30)
         if isinstance(self.proposer, DraftProposer):
             self.proposer.bind_kv_caches(self.draft_kv_caches)
         self.sampler = Sampler(seed=model_config.seed)
@@ -115,22 +132,23 @@ class ModelRunner:
         self._pool_sums: dict[str, tuple[torch.Tensor, int]] = {}  # mean pooling across prefill chunks
         num_usable = self.num_blocks - 1  # block 0 is the pool's null block (kiln.runtime.block_pool)
         logger.info("KV cache: %d usable blocks of %d tokens (%d tokens of context; 1 more block is reserved) "
-                    "in %.2f GiB", num_usable, self.block_size, num_usable * self.block_size,
-                    self.num_blocks * self.kv_shape.bytes_per_block / 2**30)
+                    "in %.2f GiB; CUDA graphs %.2f GiB", num_usable, self.block_size, num_usable * self.block_size,
+                    self.num_blocks * self.kv_shape.bytes_per_block / 2**30,
+                    self.compiled.graph_memory_bytes / 2**30)
         self.startup_seconds = {"load_weights_s": load_seconds, **self.compiled.startup_seconds(),
-                                "kv_alloc_s": kv_seconds, "ready_s": time.perf_counter() - t_start}
+                                "profile_s": profile_seconds, "kv_alloc_s": kv_seconds,
+                                "ready_s": time.perf_counter() - t_start}
         logger.info("start-up: load weights %.2f s, Dynamo %.2f s, Inductor %.2f s, compile cache load %.2f s, "
-                    "CUDA graphs %.2f s, KV allocation %.2f s; ready in %.2f s", *self.startup_seconds.values())
+                    "CUDA graphs %.2f s, memory profile %.2f s, KV allocation %.2f s; ready in %.2f s",
+                    *self.startup_seconds.values())
 
-    def _make_kv_caches(self, cache_config: CacheConfig, compile_config: CompileConfig,
-                        activation_bytes: int) -> tuple[int, list[torch.Tensor]]:
-        """Size the cache, the same on every rank, and allocate it."""
-        graphs = self.device.type == "cuda" and compile_config.cudagraph != "none"
-        reserve = kv_sizing.GRAPH_RESERVE_BYTES if graphs else 0
+    def _make_kv_caches(self, cache_config: CacheConfig, activation_bytes: int) -> tuple[int, list[torch.Tensor]]:
+        """Size the cache after the activations and the CUDA graphs, the same on every rank, and allocate it."""
         draft = self.proposer.kv_shape if isinstance(self.proposer, DraftProposer) else None
         # A draft model's cache holds as many blocks (same ids): one budget, per-block cost summed.
         budget_shape = self.kv_shape if draft is None else _SummedBlocks(self.kv_shape, draft)
-        num_blocks = kv_sizing.decide_num_blocks(cache_config, budget_shape, self.device, activation_bytes, reserve)
+        num_blocks = kv_sizing.decide_num_blocks(cache_config, budget_shape, self.device, activation_bytes,
+                                                 self.graph_estimate, self.max_model_len)
         num_blocks = min_over_ranks(num_blocks, self.tp, self.device)
         if draft is not None:
             self.draft_kv_caches = kv_sizing.allocate_kv_caches(draft, num_blocks, self.device)

@@ -78,6 +78,9 @@ class _Step:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
                  speculative: SpeculativeConfig = SpeculativeConfig()) -> None:
+        if not config.is_resolved:
+            raise ValueError("the scheduler needs max_num_seqs and max_num_batched_tokens: resolve the config "
+                             "for its device first (kiln.config.resolve_for_device)")
         self.config = config
         self.kv_manager = kv_manager
         self.speculative = speculative

@@ -1,0 +1,56 @@
+"""``auto`` defaults: decided per device in one place (kiln.config.resolve_for_device), kept when set."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kiln.config import (
+    CompileConfig, EngineConfig, SchedulerConfig, default_capture_sizes, resolve_for_device,
+)
+
+
+def test_capture_sizes_are_1_2_4_then_every_8():
+    assert default_capture_sizes(512) == (1, 2, 4) + tuple(range(8, 513, 8))
+    assert default_capture_sizes(20) == (1, 2, 4, 8, 16, 20)  # max_num_seqs itself is always a size
+    assert default_capture_sizes(3) == (1, 2, 3)
+
+
+def test_cuda_defaults_are_the_fast_path():
+    config = EngineConfig().resolved("cuda")
+    assert (config.compile.mode, config.compile.cudagraph) == ("kiln", "full_and_piecewise")
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (512, 2048)
+    assert config.compile.capture_sizes == default_capture_sizes(512)
+    assert config.compile.is_resolved and config.scheduler.is_resolved
+
+
+def test_cpu_defaults():
+    config = EngineConfig().resolved("cpu")
+    assert (config.compile.mode, config.compile.cudagraph) == ("eager", "none")
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (128, 2048)
+
+
+def test_what_the_user_set_is_kept_and_resolution_is_idempotent():
+    compile, sched = resolve_for_device(CompileConfig(mode="eager"), SchedulerConfig(max_num_seqs=64), "cuda")
+    assert (compile.mode, compile.cudagraph) == ("eager", "full")  # piecewise graphs need kiln mode
+    assert sched.max_num_seqs == 64 and sched.max_num_batched_tokens == 2048
+    assert compile.capture_sizes[-1] == 64
+    assert resolve_for_device(compile, sched, "cuda") == (compile, sched)
+    compile, _ = resolve_for_device(CompileConfig(capture_sizes=(8, 1, 8)), SchedulerConfig(), "cuda")
+    assert compile.capture_sizes == (1, 8)
+
+
+def test_unresolved_configs_are_refused_where_used():
+    from kiln.compiler.forward import build_forward
+    from kiln.runtime.kv_cache_manager import KVCacheManager
+    from kiln.runtime.scheduler import Scheduler
+
+    with pytest.raises(ValueError, match="resolve"):
+        Scheduler(SchedulerConfig(), KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True))
+    with pytest.raises(ValueError, match="resolve"):
+        build_forward(torch.nn.Linear(1, 1), CompileConfig())
+    with pytest.raises(ValueError, match="capture_sizes must be positive"):
+        CompileConfig(capture_sizes=(0, 1))
+    assert dataclasses.replace(CompileConfig(), mode="kiln").mode == "kiln"
