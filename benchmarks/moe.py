@@ -117,11 +117,12 @@ def _model_arch(preset: str, num_layers: int, smoke: bool):
     return arch
 
 
-def _run_kiln(name: str, device: str, prompts: list[list[int]], output_len: int) -> tuple[dict, list, object]:
+def _run_kiln(name: str, device: str, prompts: list[list[int]], output_len: int,
+              mode: str = "kiln") -> tuple[dict, list, object]:
     """kiln's offline run: (metrics, greedy tokens, the engine, still holding the weights)."""
     from kiln import LLM, SamplingParams
 
-    compile_cfg = {"mode": "kiln", "cudagraph": "full" if device == "cuda" else "none"}
+    compile_cfg = {"mode": mode, "cudagraph": "full" if device == "cuda" else "none"}
     t0 = time.perf_counter()
     llm = LLM(f"random:{name}", device=device, cache={"kv_cache_memory_gib": 8.0 if device == "cuda" else 0.25},
               compile=compile_cfg)
@@ -166,7 +167,7 @@ def _run_hf(arch, kiln_model, device: str, prompts: list[list[int]], output_len:
 
 
 def bench_model(preset: str, num_layers: int, num_prompts: int, prompt_len: int, output_len: int,
-                device: str, smoke: bool) -> dict:
+                device: str, smoke: bool, mode: str = "kiln") -> dict:
     name = f"{preset}-{num_layers}l"
     arch = _model_arch(preset, num_layers, smoke)
     PRESETS[name] = arch  # in this process only: the loader resolves random:<name> here
@@ -176,7 +177,8 @@ def bench_model(preset: str, num_layers: int, num_prompts: int, prompt_len: int,
     result = {"model": f"random:{preset} ({num_layers} of {PRESETS[preset].num_layers} layers)"
               + (" smoke" if smoke else ""),
               "requests": num_prompts, "prompt_len": prompt_len, "output_len": output_len}
-    metrics, kiln_tokens, llm = _run_kiln(name, device, prompts, output_len)
+    metrics, kiln_tokens, llm = _run_kiln(name, device, prompts, output_len, mode)
+    result["compile_mode"] = mode
     result.update(metrics, dtype=str(next(llm.engine.executor.runner.model.parameters()).dtype))
     try:  # a transformers failure still leaves kiln's numbers in the results
         metrics, hf_tokens = _run_hf(arch, llm.engine.executor.runner.model, device, prompts, output_len)
@@ -205,7 +207,8 @@ def _report(result: dict, with_triton: bool, device: str) -> str:
     errors = "".join(f"\n{k}: {v}" for k, v in {**result, **model}.items() if k.endswith("error"))
     return (f"# MoE on {result['card']}\n\nFused MoE kernel vs grouped reference, experts "
             f"{result['expert_shape']}, {result['kernel_dtype']}:\n\n```\n{kernel_table}\n```\n\n"
-            f"Offline throughput, kiln (compile.mode=kiln, CUDA graphs) vs transformers eager generate, "
+            f"Offline throughput, kiln (compile.mode={model.get('compile_mode', 'kiln')}, CUDA graphs) vs "
+            f"transformers eager generate, "
             f"same weights:\n\n```\n{model_table}\n```\n{errors}\n")
 
 
@@ -217,6 +220,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--mode", default="kiln", help="kiln's compile.mode for the model run")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(RESULTS_DIR))
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
@@ -233,7 +237,8 @@ def main() -> None:
     # Each part's failure is recorded and the other part still runs: the results always get written.
     for part, run in (("kernel", lambda: bench_kernel(shape, tokens, kernel_dtype, device, repeats, with_triton)),
                       ("model", lambda: bench_model("qwen1.5-moe-a2.7b", args.num_layers, args.num_prompts,
-                                                    args.prompt_len, args.output_len, device, args.smoke))):
+                                                    args.prompt_len, args.output_len, device, args.smoke,
+                                                    args.mode))):
         try:
             result[part] = run()
         except Exception as e:  # noqa: BLE001

@@ -26,7 +26,7 @@ from kiln.config import REDACTED, EngineConfig, ServerConfig, redacted
 from kiln.entrypoints.cli_config import extract_secrets
 from kiln.entrypoints.openai import build_app
 from kiln.entrypoints.openai.protocol import (
-    IGNORED_FIELDS, UNIMPLEMENTED_FIELDS, ChatCompletionRequest, ChatMessage, CompletionRequest,
+    IGNORED_FIELDS, UNIMPLEMENTED_FIELDS, ChatCompletionRequest, ChatMessage, CompletionRequest, EmbeddingRequest,
 )
 from kiln.entrypoints.prompt_encoder import PromptEncoder
 from kiln.runtime.async_engine import AsyncEngine
@@ -233,7 +233,7 @@ def test_harmless_and_null_fields_are_accepted(edge, client):
 
 
 def test_the_documented_field_lists_match_the_schema():
-    models = (CompletionRequest, ChatCompletionRequest, ChatMessage)
+    models = (CompletionRequest, ChatCompletionRequest, ChatMessage, EmbeddingRequest)
     declared = {name for model in models for name in model.model_fields}
     assert set(IGNORED_FIELDS) <= declared and set(UNIMPLEMENTED_FIELDS) <= declared
 

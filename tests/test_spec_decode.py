@@ -172,6 +172,7 @@ def test_penalties_see_the_kept_drafts():
 def _scheduler(k=3, num_blocks=32, max_batch_size=8, **config):
     kv = KVCacheManager(num_blocks=num_blocks, block_size=4, enable_prefix_caching=True)
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=k, max_batch_size=max_batch_size)
+    config = {"max_num_seqs": 128, "max_num_batched_tokens": 2048, **config}
     return Scheduler(SchedulerConfig(**config), kv, spec), kv
 
 

@@ -591,7 +591,7 @@ class TokenizeRequest(_Request):
 
     model: Optional[Text] = None
     prompt: Optional[Text] = None
-    messages: Optional[list[ChatMessage]] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
     tools: Optional[list[Tool]] = None
     add_special_tokens: Optional[bool] = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool = True

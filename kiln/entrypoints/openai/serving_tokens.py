@@ -7,6 +7,8 @@ engine would run.
 
 from __future__ import annotations
 
+from pydantic import ValidationError
+
 from kiln.entrypoints.openai.errors import bad_request
 from kiln.entrypoints.openai.protocol import (
     ChatCompletionRequest, DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
@@ -21,7 +23,10 @@ def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
         raise bad_request("give exactly one of `prompt` and `messages`", "prompt")
     encoder = ctx.prompt_encoder()
     if body.messages is not None:
-        chat = ChatCompletionRequest(messages=body.messages, tools=body.tools)
+        try:
+            chat = ChatCompletionRequest(messages=body.messages, tools=body.tools)
+        except ValidationError as e:  # what a chat request would refuse, refused here too
+            raise bad_request(f"messages: {e.errors()[0]['msg']}", "messages") from e
         ids = render_chat_prompt(ctx, chat).token_ids
         if body.add_special_tokens and ctx.engine.tokenizer.bos_token_id is not None:
             ids = [ctx.engine.tokenizer.bos_token_id] + ids
