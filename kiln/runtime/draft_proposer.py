@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kiln.compiler import ArtifactCache, CompiledModel, InputLimits, ModelInputs
-from kiln.config import CacheConfig, ModelConfig, SpeculativeConfig
+from kiln.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, resolve_for_device
 from kiln.models.loader import load_model, resolve_dtype
 from kiln.ops.registry import KernelSet
 from kiln.runtime.input_batch import InputBatch
@@ -75,7 +75,12 @@ class DraftProposer:
         # A catch-up may hold up to k + 1 tokens of a request that decodes one: room past the budget.
         limits = InputLimits(target.max_num_batched_tokens + target.max_num_seqs * self.k, target.max_num_seqs,
                              -(-target.max_model_len // target.block_size))
-        self.compiled = CompiledModel(self.loaded.model, spec.draft_compile, kernels, limits, target.max_model_len,
+        # The draft's `auto` compile settings resolve as the target's do, for the target's step limits.
+        draft_compile, _ = resolve_for_device(
+            spec.draft_compile, SchedulerConfig(max_num_seqs=target.max_num_seqs,
+                                                max_num_batched_tokens=target.max_num_batched_tokens),
+            target.device.type)
+        self.compiled = CompiledModel(self.loaded.model, draft_compile, kernels, limits, target.max_model_len,
                                       ArtifactCache(cache_config.resolved_dir, self.loaded.name))
         self.input_batch = InputBatch(self.compiled.inputs, target.block_size)
         self.kv_shape = KVShape(arch.num_layers, target.block_size, arch.num_kv_heads, arch.head_dim, dtype)

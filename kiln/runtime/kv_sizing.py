@@ -112,7 +112,9 @@ def profile_activation_bytes(compiled: CompiledModel, shape: KVShape, max_model_
     ``compiled``; the caller binds the real one afterwards."""
     device, bs, buf = compiled.device, shape.block_size, compiled.inputs
     req_len = max(bs, min(max_num_tokens, max_model_len) // bs * bs)
-    num_reqs = -(-max_num_tokens // req_len)
+    # No step holds more than max_num_reqs requests of at most max_model_len tokens.
+    num_reqs = min(-(-max_num_tokens // req_len), max_num_reqs)
+    max_num_tokens = min(max_num_tokens, num_reqs * req_len)
     compiled.bind_kv_caches(allocate_kv_caches(shape, -(-max_num_tokens // bs) + 1, device))
     query_lens = [min(req_len, max_num_tokens - r * req_len) for r in range(num_reqs)]
     buf.qsl_np[0] = 0

@@ -290,6 +290,10 @@ class _SummedBlocks:
     draft: KVShape
 
     @property
+    def block_size(self) -> int:
+        return self.target.block_size
+
+    @property
     def bytes_per_block(self) -> int:
         return self.target.bytes_per_block + self.draft.bytes_per_block
 
