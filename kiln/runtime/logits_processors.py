@@ -16,11 +16,6 @@ from typing import Optional
 import torch
 
 from kiln.runtime.request import Request
-from kiln.sampling_params import SamplingParams
-
-
-def needs_logits_processing(p: SamplingParams) -> bool:
-    return p.edits_logits
 
 
 def apply_logits_processors(logits: torch.Tensor, requests: list[Request],

@@ -166,7 +166,7 @@ def _draws(sampler: Sampler, requests: list[Request], num_rows_per_req: list[int
 def _first_rejections(accepted: torch.Tensor, recovered: torch.Tensor, num_rows_per_req: list[int],
                       offsets: list[int], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per request: how many leading proposed tokens were kept, and the token of the row after them."""
-    num_reqs, width = len(num_rows_per_req), max(num_rows_per_req)
+    width = max(num_rows_per_req)
     counts = host_to_device(num_rows_per_req, dev, torch.long)  # [B]
     first = host_to_device(offsets, dev, torch.long)  # [B]
     cols = torch.arange(width, device=dev)  # [W]

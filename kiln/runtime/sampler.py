@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from kiln.runtime.logits_processors import apply_logits_processors, needs_logits_processing
+from kiln.runtime.logits_processors import apply_logits_processors
 from kiln.runtime.request import Request
 from kiln.sampling_params import SamplingParams
 
@@ -150,7 +150,7 @@ class Sampler:
 def _is_plain_greedy(p: SamplingParams) -> bool:
     """Greedy, no penalties, no logprobs, no logits processors: the token is the raw logits' argmax."""
     return (p.temperature < _MIN_TEMPERATURE and p.logprobs is None and p.repetition_penalty == 1.0
-            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0 and not needs_logits_processing(p))
+            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0 and not p.edits_logits)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -210,6 +210,18 @@ def _param_of(message: str, prompt_param: str = "prompt") -> Optional[str]:
     return prompt_param if "prompt" in message else None
 
 
+async def collect_finals(streams: list[TimedStream]) -> list[Optional[RequestOutput]]:
+    """The finished output of each stream (in order), closing them all however it ends."""
+    finals: list[Optional[RequestOutput]] = [None] * len(streams)
+    try:
+        async for i, out in merge_streams(streams):
+            if out.finished:
+                finals[i] = out
+    finally:
+        close_all(streams)
+    return finals
+
+
 async def merge_streams(streams: list[TimedStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield ``(stream index, output)`` from several streams as outputs arrive."""
     if len(streams) == 1:

@@ -18,7 +18,7 @@ from kiln.entrypoints.openai.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, UsageInfo,
 )
 from kiln.entrypoints.openai.serving import (
-    SSE_DONE, ClientGone, ServingContext, TimedStream, api_error, close_all, merge_streams, new_id,
+    SSE_DONE, ClientGone, ServingContext, TimedStream, api_error, close_all, collect_finals, merge_streams, new_id,
     prompt_logprobs_out, sampling_params_or_400, sse, until_disconnected,
 )
 from kiln.outputs import CompletionOutput, RequestOutput
@@ -37,7 +37,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: R
     if body.stream:
         return StreamingResponse(_stream(ctx, body, request_id, streams), media_type="text/event-stream")
     try:
-        finals = await until_disconnected(raw, _collect(streams))
+        finals = await until_disconnected(raw, collect_finals(streams))
         return _response(ctx, body, request_id, finals)
     except ClientGone:
         return Response(status_code=499)
@@ -55,17 +55,6 @@ def _as_text(ctx: ServingContext, prompt: str) -> Union[str, TokenizedPrompt]:
         return TokenizedPrompt(prompt, encoder.encode_text(prompt))
     except ValueError as e:
         raise bad_request(f"prompt: {e}", "prompt") from e
-
-
-async def _collect(streams: list[TimedStream]) -> list[RequestOutput]:
-    finals: list[Optional[RequestOutput]] = [None] * len(streams)
-    try:
-        async for i, out in merge_streams(streams):
-            if out.finished:
-                finals[i] = out
-    finally:
-        close_all(streams)
-    return finals
 
 
 def _response(ctx: ServingContext, body: CompletionRequest, request_id: str,

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from kiln.entrypoints.openai.errors import bad_request
 from kiln.entrypoints.openai.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, UsageInfo
 from kiln.entrypoints.openai.serving import (
-    ClientGone, ServingContext, api_error, close_all, merge_streams, new_id, until_disconnected,
+    ClientGone, ServingContext, api_error, collect_finals, new_id, until_disconnected,
 )
 from kiln.sampling_params import SamplingParams
 
@@ -30,7 +30,7 @@ async def create_embeddings(ctx: ServingContext, body: EmbeddingRequest, raw: Re
     streams = await ctx.start(request_id, prompts, SamplingParams(max_tokens=1), prompt_param="input",
                               pooling=body.pooling)
     try:
-        finals = await until_disconnected(raw, _collect(streams))
+        finals = await until_disconnected(raw, collect_finals(streams))
     except ClientGone:
         return Response(status_code=499)
     except Exception as e:  # noqa: BLE001
@@ -40,17 +40,6 @@ async def create_embeddings(ctx: ServingContext, body: EmbeddingRequest, raw: Re
     num_tokens = sum(len(out.prompt_token_ids) for out in finals)
     return EmbeddingResponse(data=data, model=ctx.model_name,
                              usage=UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens))
-
-
-async def _collect(streams) -> list:
-    finals = [None] * len(streams)
-    try:
-        async for i, out in merge_streams(streams):
-            if out.finished:
-                finals[i] = out
-    finally:
-        close_all(streams)
-    return finals
 
 
 def _encode(vector: list[float], encoding_format: str):
