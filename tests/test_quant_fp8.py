@@ -12,12 +12,11 @@ from __future__ import annotations
 import collections
 import operator
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.utils import run_in_triton_interpreter
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from kiln.ops import quant
@@ -31,14 +30,7 @@ RUN_KERNELS_HERE = DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 @pytest.mark.skipif(RUN_KERNELS_HERE, reason="kernels run in this process")
 def test_fp8_kernels_in_triton_interpreter():
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-m", "not gpu", "-p", "no:cacheprovider",
-           "-k", "interpreted"]
-    child = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stdout[-20000:] + child.stderr[-5000:]
-    assert " passed" in child.stdout
+    run_in_triton_interpreter(__file__, "interpreted")
 
 
 @pytest.mark.skipif(not RUN_KERNELS_HERE or DEVICE == "cuda", reason="CPU: runs in the Triton interpreter")
@@ -208,7 +200,7 @@ def test_fp8_kv_cache_config_halves_block_bytes():
 
 @pytest.mark.skipif(not RUN_KERNELS_HERE or DEVICE == "cuda", reason="CPU: runs in the Triton interpreter")
 def test_interpreted_triton_attention_reads_fp8_cache():
-    from kiln.ops.attention import attend_paged_reference, store_kv_reference
+    from kiln.ops.attention import attend_paged_reference
     from kiln.ops.triton_attention import attend_paged_cached
 
     batch = _fp8_batch("cpu")

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import importlib
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.utils import run_in_triton_interpreter
 
 pytest.importorskip("triton")
 
@@ -37,15 +36,8 @@ INTERPRETER_TIMEOUT_S = 600
 @pytest.mark.skipif(RUN_KERNELS_HERE, reason="kernels run in this process")
 def test_kernels_in_triton_interpreter():
     """Run this module's tiny cases in a child process whose environment has TRITON_INTERPRET=1."""
-    root = Path(__file__).resolve().parents[1]
-    pythonpath = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=pythonpath)
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-m", "not gpu", "-p", "no:cacheprovider",
-           "-k", "not test_kernels_in_triton_interpreter"]
-    child = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=INTERPRETER_TIMEOUT_S)
-    print(child.stdout[-4000:])
-    assert child.returncode == 0, child.stdout[-20000:] + child.stderr[-5000:]
-    assert " passed" in child.stdout
+    stdout = run_in_triton_interpreter(__file__, "not test_kernels_in_triton_interpreter", INTERPRETER_TIMEOUT_S)
+    print(stdout[-4000:])
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,11 @@ must match the references to float32 rounding.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.utils import run_in_triton_interpreter
 
 pytest.importorskip("triton")
 
@@ -24,14 +23,7 @@ RUN_KERNELS_HERE = DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 @pytest.mark.skipif(RUN_KERNELS_HERE, reason="kernels run in this process")
 def test_kernels_in_triton_interpreter():
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-m", "not gpu", "-p", "no:cacheprovider",
-           "-k", "not test_kernels_in_triton_interpreter"]
-    child = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stdout[-20000:] + child.stderr[-5000:]
-    assert " passed" in child.stdout
+    run_in_triton_interpreter(__file__, "not test_kernels_in_triton_interpreter")
 
 
 @pytest.mark.skipif(not RUN_KERNELS_HERE, reason="CPU: runs in the Triton interpreter")

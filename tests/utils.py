@@ -8,8 +8,12 @@ non-empty context) come first, as ``kiln.forward_context`` requires.
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Hashable
 
 import torch
@@ -121,3 +125,16 @@ def assert_same_completions(got, want, atol: float = 1e-4) -> None:
             keys = sorted(lp_b)
             torch.testing.assert_close(torch.tensor([lp_a[k] for k in keys]), torch.tensor([lp_b[k] for k in keys]),
                                        atol=atol, rtol=atol)
+
+
+def run_in_triton_interpreter(test_file: str, select: str, timeout: float = 600) -> str:
+    """Run ``test_file``'s tests matching ``-k select`` in a child pytest whose environment has
+    TRITON_INTERPRET=1 (the flag is read at import), asserting they ran and passed; its stdout."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-m", "not gpu", "-p", "no:cacheprovider", "-k", select]
+    child = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    assert child.returncode == 0, child.stdout[-20000:] + child.stderr[-5000:]
+    assert " passed" in child.stdout
+    return child.stdout
