@@ -116,14 +116,9 @@ class Sampler:
         # u == 0 gives inf, a sure loser.
         noise = torch.empty_like(probs).uniform_(generator=self._shared_generator(probs.device))
         for row, req in enumerate(requests):
-            seed = req.sampling_params.seed
-            if seed is None or req.sampling_params.temperature < _MIN_TEMPERATURE:
+            if req.sampling_params.seed is None or req.sampling_params.temperature < _MIN_TEMPERATURE:
                 continue
-            gen = self._seeded.get(req.request_id)
-            if gen is None:
-                gen = torch.Generator(device=probs.device).manual_seed(seed)
-                self._seeded[req.request_id] = gen
-            noise[row].uniform_(generator=gen)
+            noise[row].uniform_(generator=self.request_generator(req, probs.device))
         return noise.log_().neg_()
 
     def request_generator(self, request: Optional[Request], device: torch.device) -> torch.Generator:
