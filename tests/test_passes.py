@@ -160,6 +160,24 @@ def test_add_rms_norm_fusion(dtype, eps):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_add_rms_norm_fusion_gives_the_op_rows_of_a_batched_model():
+    """transformers' modeling code keeps a batch dimension ([1, T, hidden]); the kernels take rows,
+    so the fused op must be called on [T, hidden] views (else a kernel falls back to its reference)."""
+    args = [torch.randn(1, 6, 16), torch.randn(1, 6, 16), torch.randn(16), torch.randn(16, 16)]
+
+    def fn(x, residual, w_norm, w_next):
+        return _decoder_tail(x, residual, w_norm, w_next, 1e-6)
+
+    gm = trace(fn, *args)
+    apply(PassManager([AddRMSNormFusionPass()]), gm)
+    fused = [n for n in gm.graph.nodes if "add_rms_norm" in str(n.target)]
+    assert len(fused) == 1
+    for arg in fused[0].args[:2]:
+        assert arg.meta["val"].dim() == 2 and tuple(arg.meta["val"].shape) == (6, 16)
+    for got, want in zip(gm(*args), fn(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_add_rms_norm_fusion_leaves_plain_rms_norm():
     """The first layer's norm has no residual add: nothing to fuse."""
     def fn(x, w):
@@ -169,6 +187,69 @@ def test_add_rms_norm_fusion_leaves_plain_rms_norm():
     before = op_counts(gm)
     apply(PassManager([AddRMSNormFusionPass()]), gm)
     assert op_counts(gm) == before
+
+
+# ---- MergeSiblingLinearsPass ------------------------------------------------------------------------
+
+class _Attention(torch.nn.Module):
+    """q/k/v projections of one input (with biases) and an output projection of another."""
+
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.q_proj = torch.nn.Linear(16, 12, bias=bias)
+        self.k_proj = torch.nn.Linear(16, 4, bias=bias)
+        self.v_proj = torch.nn.Linear(16, 4, bias=bias)
+        self.o_proj = torch.nn.Linear(12, 16, bias=False)
+
+    def forward(self, x):
+        q = self.q_proj(x).view(1, -1, 3, 4)
+        k, v = self.k_proj(x).view(1, -1, 1, 4), self.v_proj(x).view(1, -1, 1, 4)
+        return self.o_proj((q * k.sum(-1, keepdim=True) + v).flatten(2))
+
+
+def _dynamo_linears_after_merge(model: torch.nn.Module, x: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """(linears captured, linears after the pass, the rewritten graph's output)."""
+    from kiln.passes.merge_linears import MergeSiblingLinearsPass
+
+    counts = []
+
+    def backend(gm, example_inputs):
+        count = lambda: sum(n.target is torch._C._nn.linear for n in gm.graph.nodes)  # noqa: E731
+        counts.append(count())
+        MergeSiblingLinearsPass()(gm.graph)
+        gm.graph.lint()
+        gm.recompile()
+        counts.append(count())
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch._dynamo.mark_dynamic(x, 1)  # the token count is symbolic, as in kiln's capture
+    out = torch.compile(model, backend=backend, fullgraph=True)(x)
+    return counts[0], counts[1], out
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_merge_sibling_linears_joins_adjacent_weights_of_one_input(bias):
+    from kiln.models.hf_generic import lay_out_sibling_linears
+
+    torch.manual_seed(0)
+    model = _Attention(bias)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert lay_out_sibling_linears(model) == 1  # q, k, v (and o when it has no bias): one buffer
+    model.load_state_dict(state)
+    x = torch.randn(1, 5, 16)
+    want = model(x)
+    before, after, got = _dynamo_linears_after_merge(model, x)
+    assert (before, after) == (4, 2)  # q, k, v -> one GEMM; o reads another input
+    torch.testing.assert_close(got, want)
+
+
+def test_merge_sibling_linears_leaves_separate_weights_alone():
+    model = _Attention(bias=True)  # each linear owns its weight: nothing is adjacent
+    x = torch.randn(1, 5, 16)
+    before, after, got = _dynamo_linears_after_merge(model, x)
+    assert before == after == 4
+    torch.testing.assert_close(got, model(x))
 
 
 # ---- AttentionBackendPass and the split points ------------------------------------------------------

@@ -257,7 +257,42 @@ def build_hf_model(config: Any, device: torch.device, dtype: torch.dtype) -> nn.
         for name, b in model.named_buffers():
             b.copy_(buffers[name].to(b.dtype))
     model.tie_weights()
+    lay_out_sibling_linears(model)
     return model.eval().requires_grad_(False)
+
+
+def lay_out_sibling_linears(model: nn.Module) -> int:
+    """Give the ``nn.Linear`` children of each module that share an input size (q/k/v and o of an
+    attention, gate and up of an MLP) one weight buffer, end to end in declaration order (biases
+    likewise), so that ``MergeSiblingLinearsPass`` can run the ones that read the same input as one
+    GEMM over a view of it. Values are not kept (call before loading weights); tied weights are left
+    alone. Returns how many buffers were made."""
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    made = 0
+    for module in model.modules():
+        groups: dict[tuple, list[nn.Linear]] = {}
+        for child in module.children():
+            if type(child) is not nn.Linear or counts.get(id(child.weight), 0) > 1:
+                continue
+            w = child.weight
+            key = (w.shape[1], w.dtype, w.device, child.bias is not None)
+            groups.setdefault(key, []).append(child)
+        for (k, dtype, device, has_bias), linears in groups.items():
+            if len(linears) < 2:
+                continue
+            rows = [lin.weight.shape[0] for lin in linears]
+            weight = torch.empty(sum(rows), k, dtype=dtype, device=device)
+            bias = torch.empty(sum(rows), dtype=linears[0].bias.dtype, device=device) if has_bias else None
+            start = 0
+            for lin, n in zip(linears, rows):
+                lin.weight.data = weight[start:start + n]
+                if bias is not None:
+                    lin.bias.data = bias[start:start + n]
+                start += n
+            made += 1
+    return made
 
 
 @torch.no_grad()
@@ -351,4 +386,4 @@ def hf_config_from_dict(d: dict[str, Any]) -> Any:
 
 
 __all__ = ["GenericArch", "HFGenericForCausalLM", "IMPLS", "build_generic", "check_supported", "hf_config_from_dict",
-           "kiln_attention_forward", "register_attention", "unsupported_reason"]
+           "kiln_attention_forward", "lay_out_sibling_linears", "register_attention", "unsupported_reason"]

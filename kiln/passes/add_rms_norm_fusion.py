@@ -13,6 +13,8 @@ fp16 carry float32 casts around the statistics, float32 has none).
     after:   fused = kiln.add_rms_norm(x, residual, weight, 1e-05)
              out = fused[0];  add = fused[1]        # add keeps its other users (the next residual)
 
+Inputs of higher rank are viewed as rows ``[-1, hidden]`` around the op (the kernels take rows).
+
 The first layer's input norm (on the embedding, no add) is not matched and stays as it is.
 ``eps`` is matched as any scalar (``scalar_workaround``).
 """
@@ -40,8 +42,12 @@ def _search(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: 
 
 
 def _replace(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    fused = torch.ops.kiln.add_rms_norm.default(x, residual, weight, eps)
-    return fused[0], fused[1]
+    # The kernels take rows: a model with a batch dimension ([1, T, hidden], as transformers'
+    # modeling code has) is viewed as [T, hidden] around the op, so the kernel, not its reference
+    # fallback, runs.
+    rows = (-1, x.shape[-1])
+    fused = torch.ops.kiln.add_rms_norm.default(x.reshape(rows), residual.reshape(rows), weight, eps)
+    return fused[0].view(x.shape), fused[1].view(x.shape)
 
 
 @functools.cache

@@ -4,6 +4,8 @@ The list (``build_passes``) runs in order; each pass says where it runs (``KilnP
 
 1. ``SDPAToPagedAttentionPass`` (dynamo): a captured transformers model's
    ``scaled_dot_product_attention`` becomes ``kiln.attend_paged``; its dead mask construction goes.
+   ``MergeSiblingLinearsPass`` (dynamo): linears of one input whose weights lie end to end in one
+   buffer (q/k/v, gate/up of the generic path) -> one GEMM, split.
 2. ``AttentionBackendPass`` (dynamo): the generic attention call becomes the KernelSet's kernel op.
    ``MoEBackendPass`` (dynamo): likewise the generic ``kiln.fused_moe`` (mixture-of-experts models).
 3. ``QuantLinearPass`` (dynamo): a linear on a dequantized weight -> the KernelSet's quantized GEMM.
@@ -53,6 +55,7 @@ from kiln.passes.add_rms_norm_fusion import AddRMSNormFusionPass
 from kiln.passes.attention_backend import AttentionBackendPass
 from kiln.passes.base import STAGES, KilnPass, source_hash
 from kiln.passes.fp8_quant_fusion import Fp8QuantFusionPass
+from kiln.passes.merge_linears import MergeSiblingLinearsPass
 from kiln.passes.moe_backend import MoEBackendPass
 from kiln.passes.noop_elimination import NoOpEliminationPass
 from kiln.passes.quant_linear import QuantLinearPass
@@ -85,6 +88,7 @@ def build_passes(config: PassConfig) -> list[KilnPass]:
     k = config.kernels
     return [
         SDPAToPagedAttentionPass(),
+        MergeSiblingLinearsPass(),
         AttentionBackendPass(k),
         MoEBackendPass(k),
         QuantLinearPass(k),
