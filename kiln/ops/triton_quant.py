@@ -3,8 +3,9 @@
 Each program owns one row (token): it computes the row exactly as ``kiln_triton::add_rms_norm`` /
 ``kiln_triton::silu_and_mul`` do (same roundings to the model dtype), takes the row's absolute
 maximum, and writes the row as float8_e4m3fn with one float32 scale ``amax / 448``, so the GEMM
-that follows (``kiln_cuda::linear_fp8_prequant``, ``torch._scaled_mm``) reads one byte per value and
-no separate quantization pass over the activations runs::
+that follows (``kiln_triton::linear_fp8_prequant``: ``torch._scaled_mm``, or at decode rows the
+Triton weight-only kernel reading the fp8 rows and their scales) reads one byte per value and no
+separate quantization pass over the activations runs::
 
     add_rms_norm_quant_fp8  grid (num_tokens,)  the whole row in registers (hidden <= 16384)
     silu_and_mul_quant_fp8  grid (num_tokens,)  two sweeps over d in blocks: amax, then write
@@ -141,6 +142,12 @@ def _linear_fp8_prequant(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, sc
                          out_dtype: torch.dtype) -> torch.Tensor:
     if xq.device.type != "cuda":
         return linear_fp8_prequant_reference(xq, xs, w, scales, out_dtype)
+    from kiln.ops.quant_cuda import _triton_rows
+
+    if _triton_rows(xq, w):  # decode rows: the weight-only kernel, reading the fp8 rows as they are
+        from kiln.ops.triton_quant_gemm import triton_linear
+
+        return triton_linear("fp8", xq, w, scales, -1, x_scales=xs, out_dtype=out_dtype)
     mm_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scales.float().reshape(1, -1), out_dtype=mm_dtype)
     return y.to(out_dtype)
