@@ -34,7 +34,7 @@ def test_fp8_kernels_in_triton_interpreter():
 
 
 @pytest.mark.skipif(not RUN_KERNELS_HERE or DEVICE == "cuda", reason="CPU: runs in the Triton interpreter")
-@pytest.mark.parametrize("num_tokens,hidden,intermediate", [(1, 96, 80), (5, 200, 1100)])
+@pytest.mark.parametrize("num_tokens,hidden,intermediate", [(1, 96, 80), (5, 200, 1100), (2, 96, 5000)])
 def test_interpreted_kernels_match_reference(num_tokens, hidden, intermediate):
     # float32 only: the interpreter's bfloat16 rounding differs from the GPU's too.
     from kiln.ops.triton_quant import check_against_reference

@@ -8,7 +8,7 @@ Triton weight-only kernel reading the fp8 rows and their scales) reads one byte 
 separate quantization pass over the activations runs::
 
     add_rms_norm_quant_fp8  grid (num_tokens,)  the whole row in registers (hidden <= 16384)
-    silu_and_mul_quant_fp8  grid (num_tokens,)  two sweeps over d in blocks: amax, then write
+    silu_and_mul_quant_fp8  grid (num_tokens,)  two sweeps over d in blocks (up to 4096): amax, then write
     quantize_fp8_per_token  grid (num_tokens,)  the same two sweeps, for an FP8 GEMM's unfused input
 
 The ops ``kiln_triton::add_rms_norm_quant_fp8`` and ``kiln_triton::silu_and_mul_quant_fp8`` have the
@@ -25,6 +25,14 @@ from kiln.ops.quant import (FP8_DTYPE, FP8_MAX, add_rms_norm_quant_fp8_reference
                             linear_fp8_prequant_reference, quantize_fp8_per_token, silu_and_mul_quant_fp8_reference)
 
 _SILU_BLOCK = 1024
+
+
+def _row_sweep_launch(n_cols: int) -> dict:
+    """BLOCK and warps for the kernels that sweep a row twice in one program: wide blocks, so a
+    decode row (one program for the whole GPU) takes few serial, latency-bound steps (4 per sweep
+    at d = 14336, not 14)."""
+    block = min(4096, max(_SILU_BLOCK, triton.next_power_of_2(n_cols)))
+    return {"BLOCK": block, "num_warps": max(4, block // 256)}
 
 
 @triton.jit
@@ -103,7 +111,7 @@ def triton_quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.
     xs = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
     if x.shape[0]:
         _per_token_quant_kernel[(x.shape[0],)](x, xq, xs, x.shape[1], x.stride(0), xq.stride(0), FP8_MAX=FP8_MAX,
-                                               BLOCK=_SILU_BLOCK, num_warps=4)
+                                               **_row_sweep_launch(x.shape[1]))
     return xq, xs
 
 
@@ -134,7 +142,7 @@ def triton_silu_and_mul_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.
     xs = torch.empty((num_tokens, 1), dtype=torch.float32, device=x.device)
     if num_tokens:
         _silu_and_mul_quant_kernel[(num_tokens,)](x, xq, xs, d, x.stride(0), xq.stride(0), FP8_MAX=FP8_MAX,
-                                                  BLOCK=_SILU_BLOCK, num_warps=4)
+                                                  **_row_sweep_launch(d))
     return xq, xs
 
 
