@@ -37,7 +37,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama3-8b", help="random preset")
     p.add_argument("--systems", default="none,fp8+kv,int4",
-                   help="model.quantization values (none: the bf16 baseline), '+kv' adds cache.dtype=fp8")
+                   help="model.quantization values (none: the bf16 baseline), '+kv' adds cache.dtype=fp8, "
+                        "':tinygemm' runs int4 through torch's tinygemm kernel instead of the Triton one")
+    p.add_argument("--offline-systems", default="",
+                   help="comma-separated systems that also run the offline throughput (default: all)")
+    p.add_argument("--gemm-table", default="",
+                   help="a quant_gemm.json whose measured tile configurations the Triton GEMMs use")
     p.add_argument("--mode", default="kiln")
     p.add_argument("--cudagraph", default="full")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -85,15 +90,36 @@ def weight_bytes_per_step(model) -> int:
     return total
 
 
+def llm_kernel(model) -> str:
+    """The kernel the model's quantized linears run (for the record)."""
+    from kiln.models.quantize import QuantLinear
+
+    return ",".join(sorted({m.kernel.name for m in model.modules() if isinstance(m, QuantLinear)}))
+
+
 def prompts(num: int, length: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(100, 40000, (num, length), generator=gen).tolist()
 
 
 def run_system(system: str, args, bandwidth: float) -> dict:
+    system, _, int4_kernel = system.partition(":")
+    quantization, _, kv = system.partition("+")
+    from kiln.ops import registry
+
+    saved = dict(registry.REGISTRY)
+    if int4_kernel == "tinygemm":
+        registry.REGISTRY["linear_int4"] = (("cuda", registry._cuda_int4),) + saved["linear_int4"]
+    try:
+        return _run_system(system + (":" + int4_kernel if int4_kernel else ""), quantization, kv, args, bandwidth)
+    finally:
+        registry.REGISTRY.clear()
+        registry.REGISTRY.update(saved)
+
+
+def _run_system(system: str, quantization: str, kv: str, args, bandwidth: float) -> dict:
     from kiln import LLM, SamplingParams
 
-    quantization, _, kv = system.partition("+")
     t_start = time.perf_counter()
     max_seqs = max(args.num_requests, 1)
     max_len = max(args.prompt_len, args.tp_prompt_len) + max(args.output_len, args.tp_output_len, 8)
@@ -129,8 +155,9 @@ def run_system(system: str, args, bandwidth: float) -> dict:
               "startup_s": startup_s, "weight_gb_per_step": weight_bytes / 1e9,
               "b1_step_ms": 1e3 * step, "b1_tok_s": 1 / step,
               "b1_roofline_pct": 100 * (1 / step) / (bandwidth / weight_bytes), "first_tokens": tokens[0][:16]}
-    record.update(offline_tok_s=float("nan"), offline_s=float("nan"))
-    if args.num_requests > 0:  # 0: batch 1 only
+    record.update(offline_tok_s=float("nan"), offline_s=float("nan"), linear_kernel=llm_kernel(model))
+    offline = not args.offline_systems or system in args.offline_systems.split(",")
+    if args.num_requests > 0 and offline:  # 0: batch 1 only
         many = prompts(args.num_requests, args.tp_prompt_len, seed=1)
         t, _ = generate(many, args.tp_output_len, repeats=1)
         record.update(offline_tok_s=args.num_requests * args.tp_output_len / t, offline_s=t)
@@ -151,7 +178,7 @@ def write(out: Path, meta: dict, records: list[dict]) -> str:
     header = ["weights", "KV tokens", "GB/step", "b1 step ms", "b1 tok/s", "b1 x bf16", "b1 % roofline",
               f"offline {meta['num_requests']}x{meta['tp_prompt_len']}/{meta['tp_output_len']} tok/s", "offline x bf16",
               "start-up s"]
-    rows = [[("bf16" if r["quantization"] == "none" else r["quantization"])
+    rows = [[("bf16" if r["quantization"] == "none" else r["quantization"] + f" ({r['linear_kernel']})")
              + (" + fp8 KV" if r["kv_cache"] == "fp8" else ""),
              r["kv_cache_tokens"], r["weight_gb_per_step"], r["b1_step_ms"],
              r["b1_tok_s"], r.get("b1_speedup", ""), r["b1_roofline_pct"], r["offline_tok_s"],
@@ -171,6 +198,10 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     bandwidth = copy_bandwidth()
+    if args.gemm_table:
+        from kiln.ops.triton_quant_gemm import load_measured
+
+        load_measured(json.loads(Path(args.gemm_table).read_text())["best"])
     meta = {"device": device_name(), "model": f"random:{args.model}", "mode": args.mode, "cudagraph": args.cudagraph,
             "torch": torch.__version__, "copy_bandwidth_gb_s": bandwidth / 1e9,
             **{k: getattr(args, k) for k in ("prompt_len", "output_len", "num_requests", "tp_prompt_len",

@@ -34,7 +34,7 @@ def test_fp8_kernels_in_triton_interpreter():
 
 
 @pytest.mark.skipif(not RUN_KERNELS_HERE or DEVICE == "cuda", reason="CPU: runs in the Triton interpreter")
-@pytest.mark.parametrize("num_tokens,hidden,intermediate", [(1, 96, 80), (5, 200, 1100)])
+@pytest.mark.parametrize("num_tokens,hidden,intermediate", [(1, 96, 80), (5, 200, 1100), (2, 96, 5000)])
 def test_interpreted_kernels_match_reference(num_tokens, hidden, intermediate):
     # float32 only: the interpreter's bfloat16 rounding differs from the GPU's too.
     from kiln.ops.triton_quant import check_against_reference
@@ -64,12 +64,15 @@ def test_gpu_kernels_match_reference(num_tokens, hidden, intermediate):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability() < (8, 9), reason="needs SM89+")
-@pytest.mark.parametrize("rows", [1, 16, 300])
+@pytest.mark.parametrize("rows", [17, 300])
 def test_scaled_mm_fp8_gemm_matches_reference(rows):
+    # Above FP8_TRITON_MAX_ROWS the op quantizes the rows and runs _scaled_mm (tests/test_quant_gemm.py
+    # checks the decode rows' weight-only kernel).
+    from kiln.ops.quant_cuda import FP8_TRITON_MAX_ROWS
     from kiln.ops.registry import select_kernels
 
     kernel = select_kernels("cuda").linear_fp8
-    assert kernel.name == "scaled_mm"
+    assert kernel.name == "triton+scaled_mm" and rows > FP8_TRITON_MAX_ROWS
     n, k = 4096, 4096
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)

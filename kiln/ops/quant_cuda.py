@@ -1,10 +1,20 @@
-"""FP8 GEMM on CUDA (SM89+): ``kiln_cuda::linear_fp8`` through ``torch._scaled_mm``.
+"""Quantized GEMMs on CUDA: ``kiln_cuda::linear_fp8`` (SM89+), ``linear_int8`` and ``linear_int4``.
 
-Activations are quantized per token on the fly (one float32 scale per row), weights carry one
-float32 scale per output channel (``kiln.ops.quant.quantize_fp8``); ``_scaled_mm`` multiplies the
-fp8 operands on the tensor cores, applies both scales in its epilogue and writes ``x``'s dtype.
-Its shape rules: K and N multiples of 16, the weight column-major (``w.t()`` of the row-major
-[N, K] weight is).
+FP8 at up to ``FP8_TRITON_MAX_ROWS`` rows (decode): the Triton weight-only kernel
+(``kiln.ops.triton_quant_gemm``) reads the fp8 weight and multiplies it by the activations in the
+model dtype (no activation quantization). Above that, ``torch._scaled_mm``: activations are
+quantized per token on the fly (one float32 scale per row), weights carry one float32 scale per
+output channel (``kiln.ops.quant.quantize_fp8``); ``_scaled_mm`` multiplies the fp8 operands on
+the tensor cores, applies both scales in its epilogue and writes ``x``'s dtype. Its shape rules: K
+and N multiples of 16, the weight column-major (``w.t()`` of the row-major [N, K] weight is);
+other shapes take the Triton kernel at every row count. The choice reads the host-side row count,
+so a captured CUDA graph (one row count) always replays the kernel it was captured with.
+
+int8 and int4 (canonical layouts, group scales): the Triton kernels up to ``INT_TRITON_MAX_ROWS``
+rows; above, the weight is dequantized to the model dtype (int4: one Triton launch) and multiplied
+by cuBLAS, which at prefill row counts costs less than dequantizing inside the GEMM's tiles.
+torch's int4 tinygemm (``aten._weight_int4pack_mm``, its own tiled layout) is the ``tinygemm``
+kernel.
 """
 
 from __future__ import annotations
@@ -33,9 +43,24 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return triton_quantize_fp8_per_token(x)
 
 
+# Up to this many rows the Triton W8A16 kernel beats per-token quantization + ``_scaled_mm`` on an
+# H100 at the llama3-8b shapes (benchmarks/quant_gemm.py: at 32 rows it is 3-40% faster, at 64
+# slower on two of the four).
+FP8_TRITON_MAX_ROWS = 32
+
+
+def _triton_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
+    rows = x.numel() // max(x.shape[-1], 1)
+    return rows <= FP8_TRITON_MAX_ROWS or not fp8_fits(w.shape[0], w.shape[1], -1)
+
+
 def _linear_fp8_scaled_mm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     if x.device.type != "cuda":
         return linear_fp8_reference(x, w, scales, group_size)
+    if _triton_rows(x, w):
+        from kiln.ops.triton_quant_gemm import triton_linear
+
+        return triton_linear("fp8", x, w, scales, group_size)
     x2 = x.reshape(-1, x.shape[-1])
     xq, xs = _quantize_rows(x2)
     out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
@@ -114,3 +139,57 @@ def _int4_shape(w: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) ->
 
 linear_int4_cuda = define_linear_op("kiln_cuda::linear_int4", _linear_int4_cuda, lambda w, sz: sz.shape[1])
 dequant_int4_cuda = define_dequant_op("kiln_cuda::dequant_int4", _dequant_int4_cuda, _int4_shape)
+
+
+# ---- int8 / int4 weight-only: the Triton kernels, canonical layouts ----------------------------------
+
+def triton_supported() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def int4_triton_fits(n: int, k: int, group_size: int) -> bool:
+    return group_size % 2 == 0 and group_size >= 2 and k % group_size == 0
+
+
+# Above this many rows the int8/int4 weight is dequantized for a dense GEMM (H100, llama3-8b shapes:
+# dequantizing in the tiles is ALU-bound, at 32 rows 2-4x slower than bf16 cuBLAS).
+INT_TRITON_MAX_ROWS = 16
+
+
+def _dense_rows(x: torch.Tensor) -> bool:
+    return x.numel() // max(x.shape[-1], 1) > INT_TRITON_MAX_ROWS
+
+
+def _linear_int8_triton(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    from kiln.ops.quant import linear_int8_reference
+
+    if x.device.type != "cuda":
+        return linear_int8_reference(x, w, scales, group_size)
+    if _dense_rows(x):
+        return torch.nn.functional.linear(x, w.to(x.dtype) * scales.to(x.dtype)[:, None])
+    from kiln.ops.triton_quant_gemm import triton_linear
+
+    return triton_linear("int8", x, w, scales, group_size)
+
+
+def _linear_int4_triton(x: torch.Tensor, w: torch.Tensor, scales_zeros: torch.Tensor,
+                        group_size: int) -> torch.Tensor:
+    from kiln.ops.quant import linear_int4_reference
+
+    if x.device.type != "cuda":
+        return linear_int4_reference(x, w, scales_zeros, group_size)
+    from kiln.ops.triton_quant_gemm import triton_dequant_int4, triton_linear
+
+    if _dense_rows(x):
+        return torch.nn.functional.linear(x, triton_dequant_int4(w, scales_zeros, group_size, x.dtype))
+
+    return triton_linear("int4", x, w, scales_zeros, group_size)
+
+
+linear_int8_triton = define_linear_op("kiln_cuda::linear_int8", _linear_int8_triton, lambda w, scales: w.shape[0])
+linear_int4_triton = define_linear_op("kiln_cuda::linear_int4_triton", _linear_int4_triton,
+                                      lambda w, sz: sz.shape[1])

@@ -9,10 +9,12 @@ the first candidate of an op whose device matches and whose loader returns a ker
     add_rms_norm  kiln_triton::add_rms_norm                                  kiln::add_rms_norm
     silu_and_mul  kiln_triton::silu_and_mul                                  kiln::silu_and_mul
     moe           kiln_triton::fused_moe                                     kiln::fused_moe
-    linear_int8                             kiln_cpu::linear_int8 (aten)     kiln::linear_int8
-    linear_int4   kiln_cuda::linear_int4    kiln_cpu::linear_int4 (aten)     kiln::linear_int4
-                  (aten tinygemm)
-    linear_fp8    kiln_cuda::linear_fp8 (SM89+)                              kiln::linear_fp8
+    linear_int8   kiln_cuda::linear_int8    kiln_cpu::linear_int8 (aten)     kiln::linear_int8
+                  (Triton)
+    linear_int4   kiln_cuda::linear_int4_triton, else kiln_cuda::linear_int4 (aten tinygemm)
+                                            kiln_cpu::linear_int4 (aten)     kiln::linear_int4
+    linear_fp8    kiln_cuda::linear_fp8 (SM89+; Triton at decode rows,       kiln::linear_fp8
+                  _scaled_mm above)
 
 ``select_kernels(device_type)`` returns the ``KernelSet`` a ``CompiledModel`` is built with. Nothing
 here is process-global state: two models on two devices in one process hold two KernelSets, and
@@ -230,8 +232,26 @@ def _cuda_fp8() -> Optional[QuantLinearKernel]:
 
     if not quant_cuda.fp8_supported():
         return None
-    return QuantLinearKernel("scaled_mm", torch.ops.kiln_cuda.linear_fp8, fast=True, dequant=torch.ops.kiln.dequant_fp8,
-                             fits=quant_cuda.fp8_fits)
+    # Shapes _scaled_mm cannot take run the Triton kernel at every row count.
+    return QuantLinearKernel("triton+scaled_mm", torch.ops.kiln_cuda.linear_fp8, fast=True,
+                             dequant=torch.ops.kiln.dequant_fp8)
+
+
+def _triton_int8() -> Optional[QuantLinearKernel]:
+    from kiln.ops import quant_cuda
+
+    if not quant_cuda.triton_supported():
+        return None
+    return QuantLinearKernel("triton", torch.ops.kiln_cuda.linear_int8, fast=True, dequant=torch.ops.kiln.dequant_int8)
+
+
+def _triton_int4() -> Optional[QuantLinearKernel]:
+    from kiln.ops import quant_cuda
+
+    if not quant_cuda.triton_supported():
+        return None
+    return QuantLinearKernel("triton", torch.ops.kiln_cuda.linear_int4_triton, fast=True,
+                             dequant=torch.ops.kiln.dequant_int4, fits=quant_cuda.int4_triton_fits)
 
 
 def _cuda_int4() -> Optional[QuantLinearKernel]:
@@ -251,8 +271,8 @@ REGISTRY: dict[str, tuple[tuple[str, Callable[[], Optional[Kernel]]], ...]] = {
     "add_rms_norm": (("cuda", _triton_add_rms_norm), (ANY_DEVICE, _reference_add_rms_norm)),
     "silu_and_mul": (("cuda", _triton_silu_and_mul), (ANY_DEVICE, _reference_silu_and_mul)),
     "moe": (("cuda", _triton_moe), (ANY_DEVICE, _reference_moe)),
-    "linear_int8": (("cpu", _cpu_int8), (ANY_DEVICE, _reference_int8)),
-    "linear_int4": (("cuda", _cuda_int4), ("cpu", _cpu_int4), (ANY_DEVICE, _reference_int4)),
+    "linear_int8": (("cuda", _triton_int8), ("cpu", _cpu_int8), (ANY_DEVICE, _reference_int8)),
+    "linear_int4": (("cuda", _triton_int4), ("cuda", _cuda_int4), ("cpu", _cpu_int4), (ANY_DEVICE, _reference_int4)),
     "linear_fp8": (("cuda", _cuda_fp8), (ANY_DEVICE, _reference_fp8)),
 }
 

@@ -3,11 +3,12 @@
 Each program owns one row (token): it computes the row exactly as ``kiln_triton::add_rms_norm`` /
 ``kiln_triton::silu_and_mul`` do (same roundings to the model dtype), takes the row's absolute
 maximum, and writes the row as float8_e4m3fn with one float32 scale ``amax / 448``, so the GEMM
-that follows (``kiln_cuda::linear_fp8_prequant``, ``torch._scaled_mm``) reads one byte per value and
-no separate quantization pass over the activations runs::
+that follows (``kiln_triton::linear_fp8_prequant``: ``torch._scaled_mm``, or at decode rows the
+Triton weight-only kernel reading the fp8 rows and their scales) reads one byte per value and no
+separate quantization pass over the activations runs::
 
     add_rms_norm_quant_fp8  grid (num_tokens,)  the whole row in registers (hidden <= 16384)
-    silu_and_mul_quant_fp8  grid (num_tokens,)  two sweeps over d in blocks: amax, then write
+    silu_and_mul_quant_fp8  grid (num_tokens,)  two sweeps over d in blocks (up to 4096): amax, then write
     quantize_fp8_per_token  grid (num_tokens,)  the same two sweeps, for an FP8 GEMM's unfused input
 
 The ops ``kiln_triton::add_rms_norm_quant_fp8`` and ``kiln_triton::silu_and_mul_quant_fp8`` have the
@@ -24,6 +25,14 @@ from kiln.ops.quant import (FP8_DTYPE, FP8_MAX, add_rms_norm_quant_fp8_reference
                             linear_fp8_prequant_reference, quantize_fp8_per_token, silu_and_mul_quant_fp8_reference)
 
 _SILU_BLOCK = 1024
+
+
+def _row_sweep_launch(n_cols: int) -> dict:
+    """BLOCK and warps for the kernels that sweep a row twice in one program: wide blocks, so a
+    decode row (one program for the whole GPU) takes few serial, latency-bound steps (4 per sweep
+    at d = 14336, not 14)."""
+    block = min(4096, max(_SILU_BLOCK, triton.next_power_of_2(n_cols)))
+    return {"BLOCK": block, "num_warps": max(4, block // 256)}
 
 
 @triton.jit
@@ -102,7 +111,7 @@ def triton_quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.
     xs = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
     if x.shape[0]:
         _per_token_quant_kernel[(x.shape[0],)](x, xq, xs, x.shape[1], x.stride(0), xq.stride(0), FP8_MAX=FP8_MAX,
-                                               BLOCK=_SILU_BLOCK, num_warps=4)
+                                               **_row_sweep_launch(x.shape[1]))
     return xq, xs
 
 
@@ -133,7 +142,7 @@ def triton_silu_and_mul_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.
     xs = torch.empty((num_tokens, 1), dtype=torch.float32, device=x.device)
     if num_tokens:
         _silu_and_mul_quant_kernel[(num_tokens,)](x, xq, xs, d, x.stride(0), xq.stride(0), FP8_MAX=FP8_MAX,
-                                                  BLOCK=_SILU_BLOCK, num_warps=4)
+                                                  **_row_sweep_launch(d))
     return xq, xs
 
 
@@ -141,6 +150,12 @@ def _linear_fp8_prequant(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, sc
                          out_dtype: torch.dtype) -> torch.Tensor:
     if xq.device.type != "cuda":
         return linear_fp8_prequant_reference(xq, xs, w, scales, out_dtype)
+    from kiln.ops.quant_cuda import _triton_rows
+
+    if _triton_rows(xq, w):  # decode rows: the weight-only kernel, reading the fp8 rows as they are
+        from kiln.ops.triton_quant_gemm import triton_linear
+
+        return triton_linear("fp8", xq, w, scales, -1, x_scales=xs, out_dtype=out_dtype)
     mm_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scales.float().reshape(1, -1), out_dtype=mm_dtype)
     return y.to(out_dtype)

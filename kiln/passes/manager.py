@@ -100,9 +100,9 @@ def build_passes(config: PassConfig) -> list[KilnPass]:
 
 
 def _fp8_fusion_ops(kernels: KernelSet) -> Optional[tuple]:
-    """The Triton norm/activation + quant kernels where the FP8 GEMM is ``_scaled_mm`` (CUDA);
-    None (the references) elsewhere."""
-    if kernels.linear_fp8.name != "scaled_mm":
+    """The Triton norm/activation + quant kernels where the FP8 GEMM is the CUDA one (``_scaled_mm``,
+    or the Triton kernel reading the fp8 rows at decode); None (the references) elsewhere."""
+    if kernels.device_type != "cuda" or kernels.linear_fp8.name == "reference":
         return None
     import kiln.ops.triton_quant  # noqa: F401  (defines the ops)
 

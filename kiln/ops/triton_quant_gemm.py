@@ -1,0 +1,342 @@
+"""Triton weight-only GEMMs for decode shapes: fp8 / int8 weights with per-channel scales, int4 with group scales.
+
+At batch 1 a linear layer reads its whole weight to produce one row: the GEMM is a GEMV bound by
+the weight's bytes. These kernels read the weight in its stored precision (1 byte or half a byte
+a value), dequantize in registers and multiply by activations kept in the model dtype (W8A16,
+W4A16: no activation quantization), so a layer costs its quantized bytes and little else::
+
+    kernel           weight                         scales                      y[m, n]
+    _channel_kernel  fp8 / int8 [N, K]              [N] (and optional xs [M])   sum_k x[m,k] w[n,k] * s[n] (* xs[m])
+    _int4_kernel     uint8 [N, K/2] (kiln.ops.quant) [K/g, N, 2]: scale, zero   sum_k x[m,k] ((q[n,k] - 8) s + z)
+
+Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``. With ``BLOCK_M == 1`` (M = 1) a program
+multiplies elementwise into a [BLOCK_N, BLOCK_K] float32 accumulator and reduces it once at the
+end (no tensor cores, no padding of the single row); with ``BLOCK_M >= 16`` it dequantizes the tile
+to the dot dtype and uses ``tl.dot``. ``SPLIT_K > 1`` splits K over programs that add their partial
+rows into a zeroed float32 output (``tl.atomic_add``), for layers with too few columns to fill the
+GPU. int4 nibbles become floats with the exponent trick (``(q | 0x4B000000)`` read as float32 is
+``2^23 + q``), cheaper than an integer conversion; the even and odd columns of a byte are kept in
+two tiles (x read at stride 2), so no interleave is needed.
+
+Tile sizes come from ``config_for(scheme, M, N, K)``: a table measured on an H100 for the
+llama3-8b shapes and a rule for other shapes. ``triton_linear`` is the entry point;
+``kiln.ops.quant_cuda`` decides per call (on the host-side row count, fixed per captured CUDA graph)
+whether it or ``torch._scaled_mm`` runs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _channel_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_wn, stride_ym,
+                    X_SCALED: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(K, k_lo + k_split)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    if BLOCK_M == 1:
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                x = tl.load(x_ptr + pid_m * stride_xm + offs_k).to(tl.float32)
+                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = offs_k < k_hi
+                x = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc2 += w.to(tl.float32) * x[None, :]
+        acc = tl.sum(acc2, axis=1)[None, :]
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        x_rows = x_ptr + offs_m[:, None] * stride_xm
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None], other=0.0)
+                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = offs_k < k_hi
+                x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if DOT_F32:
+                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+    acc = acc * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if X_SCALED:
+        acc = acc * tl.load(xs_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :], sem="relaxed")
+    else:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _nibbles(b, s, z, BLOCK_N: tl.constexpr, NG: tl.constexpr, GROUP: tl.constexpr):
+    """uint8 [BLOCK_N, PAIRS] -> the dequantized even and odd columns, float32 [BLOCK_N, PAIRS] each."""
+    bi = b.to(tl.int32)
+    lo = ((bi & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # q - 8, exactly
+    hi = ((bi >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    lo = tl.reshape(lo, (BLOCK_N, NG, GROUP // 2)) * s[:, :, None] + z[:, :, None]
+    hi = tl.reshape(hi, (BLOCK_N, NG, GROUP // 2)) * s[:, :, None] + z[:, :, None]
+    return tl.reshape(lo, (BLOCK_N, NG * (GROUP // 2))), tl.reshape(hi, (BLOCK_N, NG * (GROUP // 2)))
+
+
+@triton.jit
+def _int4_kernel(x_ptr, w_ptr, sz_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_wn, stride_ym,
+                 GROUP: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    PAIRS: tl.constexpr = BLOCK_K // 2
+    NG: tl.constexpr = BLOCK_K // GROUP
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(K, k_lo + k_split)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    sz_cols = sz_ptr + offs_n[:, None] * 2
+    if BLOCK_M == 1:
+        acc_g = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_p = k0 // 2 + tl.arange(0, PAIRS)  # byte columns
+        offs_g = k0 // GROUP + tl.arange(0, NG)
+        if EVEN_K:
+            b = tl.load(w_rows + offs_p[None, :], mask=n_ok[:, None], other=0)
+            sz_ok = n_ok[:, None]
+        else:
+            b = tl.load(w_rows + offs_p[None, :], mask=n_ok[:, None] & (2 * offs_p < k_hi)[None, :], other=0)
+            sz_ok = n_ok[:, None] & (offs_g * GROUP < k_hi)[None, :]
+        sz = sz_cols + offs_g[None, :] * (2 * N)
+        s = tl.load(sz, mask=sz_ok, other=0.0).to(tl.float32)
+        z = tl.load(sz + 1, mask=sz_ok, other=0.0).to(tl.float32)
+        if BLOCK_M == 1:
+            # sum_k x (q - 8) per group first, then one scale and one zero per group:
+            # sum_k x ((q - 8) s + z) = s sum_k x (q - 8) + z sum_k x.
+            if EVEN_K:
+                xe = tl.load(x_ptr + pid_m * stride_xm + 2 * offs_p).to(tl.float32)
+                xo = tl.load(x_ptr + pid_m * stride_xm + 2 * offs_p + 1).to(tl.float32)
+            else:
+                p_ok = 2 * offs_p < k_hi
+                xe = tl.load(x_ptr + pid_m * stride_xm + 2 * offs_p, mask=p_ok, other=0.0).to(tl.float32)
+                xo = tl.load(x_ptr + pid_m * stride_xm + 2 * offs_p + 1, mask=p_ok, other=0.0).to(tl.float32)
+            bi = b.to(tl.int32)
+            lo = ((bi & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # q - 8, exactly
+            hi = ((bi >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+            t = tl.sum(tl.reshape(lo * xe[None, :] + hi * xo[None, :], (BLOCK_N, NG, GROUP // 2)), axis=2)
+            xsum = tl.sum(tl.reshape(xe + xo, (NG, GROUP // 2)), axis=1)
+            acc_g += t * s + z * xsum[None, :]
+        else:
+            lo, hi = _nibbles(b, s, z, BLOCK_N, NG, GROUP)
+            x_rows = x_ptr + offs_m[:, None] * stride_xm + 2 * offs_p[None, :]
+            if EVEN_K:
+                xe = tl.load(x_rows, mask=m_ok[:, None], other=0.0)
+                xo = tl.load(x_rows + 1, mask=m_ok[:, None], other=0.0)
+            else:
+                x_ok = m_ok[:, None] & (2 * offs_p < k_hi)[None, :]
+                xe = tl.load(x_rows, mask=x_ok, other=0.0)
+                xo = tl.load(x_rows + 1, mask=x_ok, other=0.0)
+            if DOT_F32:
+                acc = tl.dot(xe.to(tl.float32), tl.trans(lo), acc, input_precision="ieee")
+                acc = tl.dot(xo.to(tl.float32), tl.trans(hi), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xe.to(tl.bfloat16), tl.trans(lo.to(tl.bfloat16)), acc)
+                acc = tl.dot(xo.to(tl.bfloat16), tl.trans(hi.to(tl.bfloat16)), acc)
+    if BLOCK_M == 1:
+        acc = tl.sum(acc_g, axis=1)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :], sem="relaxed")
+    else:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _int4_dequant_kernel(w_ptr, sz_ptr, out_ptr, N, K, stride_wn, stride_on,
+                         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The full [N, K] weight in out's dtype, for the rows counts where a dense GEMM wins."""
+    PAIRS: tl.constexpr = BLOCK_K // 2
+    NG: tl.constexpr = BLOCK_K // GROUP
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_p = k0 // 2 + tl.arange(0, PAIRS)
+    offs_g = k0 // GROUP + tl.arange(0, NG)
+    ok = (offs_n < N)[:, None] & (2 * offs_p < K)[None, :]
+    b = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_p[None, :], mask=ok, other=0)
+    g_ok = (offs_n < N)[:, None] & (offs_g * GROUP < K)[None, :]
+    sz = sz_ptr + offs_g[None, :] * (2 * N) + offs_n[:, None] * 2
+    s = tl.load(sz, mask=g_ok, other=0.0).to(tl.float32)
+    z = tl.load(sz + 1, mask=g_ok, other=0.0).to(tl.float32)
+    lo, hi = _nibbles(b, s, z, BLOCK_N, NG, GROUP)
+    w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # columns 2p, 2p + 1
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])
+
+
+def triton_dequant_int4(w: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """``kiln.ops.quant.dequant_int4_reference`` in one launch."""
+    n, k = scales_zeros.shape[1], scales_zeros.shape[0] * group_size
+    out = torch.empty((n, k), dtype=dtype, device=w.device)
+    block_k = max(128, group_size)
+    grid = (triton.cdiv(n, 32), triton.cdiv(k, block_k))
+    _int4_dequant_kernel[grid](w, scales_zeros, out, n, k, w.stride(0), out.stride(0), GROUP=group_size,
+                               BLOCK_N=32, BLOCK_K=block_k, num_warps=4)
+    return out
+
+
+# ---- configurations ------------------------------------------------------------------------------
+
+# (scheme, M bucket, N, K) -> config: the fastest of a sweep on an H100 (benchmarks/quant_gemm.py
+# --sweep; results in benchmarks/results/quant_gemm-*.md) for the llama3-8b linears (qkv 6144x4096,
+# o 4096x4096, gate_up 28672x4096, down 4096x14336); int8 reads the fp8 rows.
+_QKV, _O, _GATE_UP, _DOWN = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)
+MEASURED: dict[tuple[str, int, int, int], GemmConfig] = {
+    ("fp8", 1, *_QKV): GemmConfig(1, 8, 512, 1, num_warps=2),
+    ("fp8", 1, *_O): GemmConfig(1, 8, 1024, 1),
+    ("fp8", 1, *_GATE_UP): GemmConfig(1, 8, 1024, 1),
+    ("fp8", 1, *_DOWN): GemmConfig(1, 8, 1024, 1),
+    ("fp8", 16, *_QKV): GemmConfig(16, 32, 256, 1),
+    ("fp8", 16, *_O): GemmConfig(16, 32, 256, 1),
+    ("fp8", 16, *_GATE_UP): GemmConfig(16, 32, 128, 1),
+    ("fp8", 16, *_DOWN): GemmConfig(16, 32, 256, 4),
+    ("fp8", 32, *_QKV): GemmConfig(32, 64, 128, 4),
+    ("fp8", 32, *_O): GemmConfig(32, 64, 128, 8),
+    ("fp8", 32, *_GATE_UP): GemmConfig(32, 64, 128, 1),
+    ("fp8", 32, *_DOWN): GemmConfig(32, 64, 128, 8),
+    ("int4", 1, *_QKV): GemmConfig(1, 16, 1024, 1),
+    ("int4", 1, *_O): GemmConfig(1, 16, 2048, 1, num_warps=8),
+    ("int4", 1, *_GATE_UP): GemmConfig(1, 16, 512, 1),
+    ("int4", 1, *_DOWN): GemmConfig(1, 16, 512, 4),
+    **{("int4", 16, *shape): GemmConfig(16, 128, 128, 8) for shape in (_QKV, _O, _GATE_UP, _DOWN)},
+}
+
+M_BUCKETS = (1, 16, 32, 64)
+
+
+def load_measured(best: dict) -> None:
+    """Entries ``"scheme,M,N,K": [block_m, block_n, block_k, split_k, num_warps, num_stages]`` (as
+    benchmarks/quant_gemm.py writes them) into ``MEASURED``."""
+    for key, cfg in best.items():
+        scheme, m, n, k = key.split(",")
+        MEASURED[(scheme, m_bucket(int(m)), int(n), int(k))] = GemmConfig(*cfg)
+TARGET_PROGRAMS = 264  # two per SM of an H100
+
+
+def m_bucket(m: int) -> int:
+    for b in M_BUCKETS:
+        if m <= b:
+            return b
+    return 128
+
+
+def default_config(scheme: str, m: int, n: int, k: int, group_size: int = 32) -> GemmConfig:
+    """A rule for shapes not in the table, after the measured ones: a narrow GEMV tile at M = 1, a
+    16- or 32-row dot tile up to 32, and split-K until about two programs per SM run."""
+    bm = m_bucket(m)
+    if bm == 1:
+        bn, bk = (16, 512) if scheme == "int4" else (8, 1024 if k >= 4096 else 512)
+    elif bm <= 32:
+        bn, bk = (128 if scheme == "int4" else 32 if bm == 16 else 64), 128
+    else:
+        bm, bn, bk = min(bm, 64), 128, 64
+    if scheme == "int4":
+        bk = max(bk, group_size)
+    tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+    split = 1
+    # Split-K costs a zeroed float32 output and a cast: only for layers too narrow to fill the GPU.
+    while tiles * split < TARGET_PROGRAMS // (4 if bm == 1 else 1) and k // (2 * split) >= 4 * bk:
+        split *= 2
+    return GemmConfig(bm, bn, bk, split, num_warps=4 if bm <= 32 else 8)
+
+
+def config_for(scheme: str, m: int, n: int, k: int, group_size: int = 32) -> GemmConfig:
+    """The measured configuration (int8 takes fp8's: the same kernel, the same bytes), else the rule."""
+    bucket = m_bucket(m)
+    found = MEASURED.get((scheme, bucket, n, k)) or MEASURED.get(("fp8" if scheme == "int8" else "", bucket, n, k))
+    if found is not None and (scheme != "int4" or found.block_k % group_size == 0):
+        return found
+    return default_config(scheme, m, n, k, group_size)
+
+
+# ---- launch ------------------------------------------------------------------------------------
+
+def _launch_args(x2: torch.Tensor, n: int, k: int, cfg: GemmConfig, out_dtype: torch.dtype):
+    m = x2.shape[0]
+    k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_split)
+    if split > 1:
+        y = torch.zeros((m, n), dtype=torch.float32, device=x2.device)
+    else:
+        y = torch.empty((m, n), dtype=out_dtype, device=x2.device)
+    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
+    # Triton's interpreter multiplies bfloat16 tiles wrongly in tl.dot: there the dot runs in float32.
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    flags = dict(ATOMIC=split > 1, EVEN_K=k % cfg.block_k == 0,
+                 DOT_F32=interpreted or x2.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn),
+                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y, k_split, grid, flags
+
+
+def triton_linear(scheme: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group_size: int,
+                  x_scales: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+                  config: Optional[GemmConfig] = None) -> torch.Tensor:
+    """``x @ dequant(w).T`` for canonical weights (``kiln.ops.quant``) of ``scheme``; ``x_scales`` [M, 1]
+    multiplies row m (x given as fp8 rows), ``out_dtype`` defaults to x's dtype."""
+    k = x.shape[-1]
+    n = scales.shape[1] if scheme == "int4" else w.shape[0]
+    out_dtype = out_dtype or x.dtype
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if m == 0:
+        return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
+    cfg = config or config_for(scheme, m, n, k, group_size)
+    if m > 1 and cfg.block_m == 1:
+        raise ValueError("a BLOCK_M = 1 config takes one row")
+    y, k_split, grid, flags = _launch_args(x2, n, k, cfg, out_dtype)
+    if scheme == "int4":
+        if cfg.block_k % group_size or group_size % 2:
+            raise ValueError(f"int4 BLOCK_K {cfg.block_k} must be a multiple of the group size {group_size}")
+        _int4_kernel[grid](x2, w, scales, y, m, n, k, k_split, x2.stride(0), w.stride(0), y.stride(0),
+                           GROUP=group_size, **flags)
+    else:
+        xs = x_scales if x_scales is not None else scales  # unused when not X_SCALED
+        _channel_kernel[grid](x2, w, scales, xs, y, m, n, k, k_split, x2.stride(0), w.stride(0), y.stride(0),
+                              X_SCALED=x_scales is not None, **flags)
+    return y.to(out_dtype).reshape(*x.shape[:-1], n)
