@@ -54,8 +54,8 @@ class ModelOutputs:
     """What one ``run`` leaves; rows past the step's tokens (or requests, for FULL) are padding."""
 
     hidden: torch.Tensor  # [padded num_tokens, hidden]
-    logits: Optional[torch.Tensor] = None  # [padded num_reqs, vocab] float32: FULL graphs compute them
-    greedy_ids: Optional[torch.Tensor] = None  # [padded num_reqs] int64: logits.argmax(-1)
+    logits: Optional[torch.Tensor] = None  # [padded num_tokens, vocab] float32: FULL graphs compute every row's
+    greedy_ids: Optional[torch.Tensor] = None  # [padded num_tokens] int64: logits.argmax(-1)
 
 
 @dataclass(frozen=True)
@@ -210,10 +210,15 @@ class CompiledModel:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         self.kv_caches = []
-        # Verify graphs reuse the pool's working set (they run fewer tokens than the largest size, as
-        # speculation stops at small batches): each adds its graph objects.
-        num_verify = len(self._verify_graphs(sizes).sizes) if GraphMode.FULL in modes and self.verify_shape else 0
-        estimate = GraphMemoryEstimate(tuple(sizes), largest_bytes=free[0] - free[1], per_size_bytes=free[1] - free[2],
+        # Verify graphs share the pool and add their graph objects; the working set is taken as
+        # proportional to the most tokens any graph runs (a verify graph of n requests runs n (k + 1)).
+        largest_bytes, num_verify = free[0] - free[1], 0
+        if GraphMode.FULL in modes and self.verify_shape is not None:
+            verify_sizes = self._verify_graphs(sizes).sizes
+            num_verify = len(verify_sizes)
+            most_tokens = max(verify_sizes, default=0) * self.verify_shape.query_len
+            largest_bytes = int(largest_bytes * max(1.0, most_tokens / sizes[-1]))
+        estimate = GraphMemoryEstimate(tuple(sizes), largest_bytes=largest_bytes, per_size_bytes=free[1] - free[2],
                                        num_extra_graphs=num_verify)
         logger.info("CUDA graphs profiled: largest size %d takes %.0f MiB, each further size %.1f MiB -> "
                     "%.2f GiB kept for %d sizes", sizes[-1], estimate.largest_bytes / 2**20,

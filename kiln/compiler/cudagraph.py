@@ -90,13 +90,14 @@ def weak_refs(obj: Any) -> Any:
 class GraphOutputs:
     """What one replay leaves in the graph's static tensors (rows past the batch are padding)."""
 
-    hidden: torch.Tensor  # [size, hidden]
-    logits: Optional[torch.Tensor]  # [size, vocab] float32: every row of a decode batch samples
-    greedy_ids: Optional[torch.Tensor]  # [size] int64: logits.argmax(-1), for all-greedy batches
+    hidden: torch.Tensor  # [size * query_len, hidden]
+    logits: Optional[torch.Tensor]  # [size * query_len, vocab] float32: every row of a decode or verify samples
+    greedy_ids: Optional[torch.Tensor]  # [size * query_len] int64: logits.argmax(-1), for all-greedy batches
 
 
 class FullCUDAGraphs:
-    """One captured whole-forward graph per capture size, for uniform decode batches.
+    """One captured whole-forward graph per capture size (in requests), for uniform batches of
+    ``query_len`` tokens a request: decodes (1), or speculative verification (k + 1).
 
     With ``compute_logits`` the graph also holds the logits of every row and their argmax: in a
     decode batch every request samples, so nothing is left to launch per step but the sampler's
