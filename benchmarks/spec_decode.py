@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens of the n-gram and replay points")
-    p.add_argument("--alphas", default="0.7,1.0", help="per-token acceptance of the replay proposer")
+    p.add_argument("--alphas", default="0.7,0.9,1.0", help="per-token acceptance of the replay proposer")
     p.add_argument("--ks", default="1,3,5", help="num_speculative_tokens at batch 1 (draft = target)")
     p.add_argument("--sweep-k", type=int, default=3, help="k of the draft in the batch-size sweep")
     p.add_argument("--batch-sizes", default="1,4,8,16,32")
@@ -248,13 +248,15 @@ def target_points(args, record: Recorder, counter: GraphCounter, prompts, batch_
     for bs in batch_sizes:
         metrics, verify_ref[bs] = run_point(llm, prompts[:bs], args.output_len, counter=counter)
         record("always-wrong (verify cost)", args.k, metrics, baseline[bs])
-    reference = {tuple(p): r for bs in batch_sizes for p, r in zip(prompts[:bs], verify_ref[bs])}
-    for alpha in (float(a) for a in args.alphas.split(",")):
-        set_speculation(llm, True, ReplayProposer(reference, alpha))
-        for bs in batch_sizes if alpha < 1 else batch_sizes[:1]:
-            if not record.late():
-                record(f"replay alpha={alpha}", args.k,
-                       run_point(llm, prompts[:bs], args.output_len, verify_ref[bs], counter)[0], baseline[bs])
+    alphas = [float(a) for a in args.alphas.split(",")]
+    for alpha in alphas:
+        for bs in batch_sizes if alpha == alphas[0] else batch_sizes[:1]:  # the first alpha: every batch size
+            if record.late():
+                break
+            # The reference of this batch size: rounding depends on the batch a token is verified in.
+            set_speculation(llm, True, ReplayProposer(dict(zip(map(tuple, prompts[:bs]), verify_ref[bs])), alpha))
+            record(f"replay alpha={alpha}", args.k,
+                   run_point(llm, prompts[:bs], args.output_len, verify_ref[bs], counter)[0], baseline[bs])
     from kiln.runtime.ngram_proposer import NgramProposer
 
     set_speculation(llm, True, NgramProposer(2, 4))
@@ -262,7 +264,8 @@ def target_points(args, record: Recorder, counter: GraphCounter, prompts, batch_
         if not record.late():
             record("ngram (random prompts)", args.k, run_point(llm, prompts[:bs], args.output_len, None, counter)[0],
                    baseline[bs])
-    release(llm)
+    del llm
+    free_memory()
     return baseline
 
 
@@ -278,7 +281,8 @@ def draft_points(args, record: Recorder, counter: GraphCounter, prompts, baselin
         for kk, bs in points:
             if kk == k and not record.late():
                 record("draft=target", k, run_point(llm, prompts[:bs], args.output_len, None, counter)[0], baseline[bs])
-        release(llm)
+        del llm
+        free_memory()
 
 
 def fp32_check(args, record: Recorder, counter: GraphCounter) -> None:
@@ -292,10 +296,12 @@ def fp32_check(args, record: Recorder, counter: GraphCounter) -> None:
     record("fp32: none", 0, base, model=model)
     set_speculation(llm, True, ReplayProposer({tuple(p): r for p, r in zip(prompts, ref)}, 0.7))
     record("fp32: replay alpha=0.7", args.k, run_point(llm, prompts, args.output_len, ref, counter)[0], base, model)
-    release(llm)
+    del llm
+    free_memory()
     llm = build(args, {"method": "draft", "draft_model": model, "num_speculative_tokens": 3}, model, "float32", "eager")
     record("fp32: draft=target", 3, run_point(llm, prompts, args.output_len, ref, counter)[0], base, model)
-    release(llm)
+    del llm
+    free_memory()
 
 
 REPEAT_TEXTS = [
@@ -336,11 +342,12 @@ def repeat_workload(args, record: Recorder) -> None:
             if not k:
                 baseline[bs] = metrics
             record(f"{'ngram' if k else 'none'} (repeat the prompt, CPU)", k, metrics, baseline[bs] if k else None, model)
-        release(llm)
+        del llm
+        free_memory()
 
 
-def release(llm) -> None:
-    del llm
+def free_memory() -> None:
+    """After the caller dropped its engine: collect its reference cycles and give the memory back."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -93,9 +93,11 @@ def test_captured_verify_attention_is_right_for_any_batch_replayed_over_it(block
 
     q_len, size, max_model_len = 4, 4, 96
     heads, kv_heads, head_dim = 8, 2, 32
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     buf = InputBuffers(InputLimits(max_num_tokens=64, max_num_reqs=8, max_blocks_per_req=max_model_len // block_size),
-                       torch.device("cpu"))
+                       device)
     buf.fill_null_requests(0, 0, size, q_len)
+    buf.upload(size * q_len, size)
     capture_meta = buf.metadata(size * q_len, size, 0, [q_len] * size, [q_len] * size)
     # The replayed batch: 3 real requests, each ending in k + 1 = 4 new tokens, then 1 null request.
     gen = torch.Generator().manual_seed(0)
@@ -112,9 +114,11 @@ def test_captured_verify_attention_is_right_for_any_batch_replayed_over_it(block
         buf.qsl_np[i + 1] = (i + 1) * q_len
     buf.fill_null_requests(3, 3 * q_len, size, q_len)
     n = size * q_len
-    q = torch.randn(n, heads, head_dim, generator=gen)
-    k, v = torch.randn(n, kv_heads, head_dim, generator=gen), torch.randn(n, kv_heads, head_dim, generator=gen)
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    buf.upload(n, size)  # the replay's batch, over the capture's metadata views
+    q = torch.randn(n, heads, head_dim, generator=gen).to(device)
+    k = torch.randn(n, kv_heads, head_dim, generator=gen).to(device)
+    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(device)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(device)
     ref_cache = cache.clone()
     real = 3 * q_len
     ref = attend_paged_reference(q[:real], k[:real], v[:real], ref_cache,
