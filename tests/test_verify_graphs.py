@@ -176,3 +176,26 @@ def test_verify_shape_follows_the_speculative_config():
     shape = verify_shape(SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_batch_size=16),
                          SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
     assert shape == VerifyShape(query_len=5, max_num_reqs=8)
+
+
+@pytest.mark.slow
+def test_draft_waits_for_each_upload_before_rewriting_its_inputs(monkeypatch):
+    """The draft launches k steps without reading anything back; its host mirrors are pinned
+    memory that an upload copies asynchronously, so each step must wait for the last upload before
+    writing the next (else a step reads the next one's positions). Greedy tokens stay those of
+    decoding without speculation."""
+    calls = []
+    upload, wait = InputBuffers.upload, InputBuffers.wait_for_upload
+    monkeypatch.setattr(InputBuffers, "upload", lambda self, *a: (calls.append(("upload", id(self))), upload(self, *a)))
+    monkeypatch.setattr(InputBuffers, "wait_for_upload", lambda self: (calls.append(("wait", id(self))), wait(self)))
+    llm = LLM("random:tiny", speculative={"method": "draft", "draft_model": "random:tiny", "num_speculative_tokens": 3})
+    draft_buffers = id(llm.engine.executor.runner.proposer.compiled.inputs)
+    calls.clear()
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    draft_calls = [c for c, buf in calls if buf == draft_buffers]
+    assert draft_calls.count("upload") > 3
+    assert all(prev != "upload" or cur != "upload" for prev, cur in zip(draft_calls, draft_calls[1:]))
+    assert llm.engine.spec_stats.num_accepted_tokens == llm.engine.spec_stats.num_draft_tokens > 0
+    plain = LLM("random:tiny")
+    assert got == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]

@@ -116,6 +116,9 @@ class InputBuffers:
         self.input_ids, self.positions, self.slot_mapping = d64[:T], d64[T64:T64 + T], d64[2 * T64:2 * T64 + T]
         self.seq_lens, self.query_start_loc = d32[:R], d32[R32:R32 + R + 1]
         self.block_tables = d32[2 * R32:].view(R, W)
+        # Recorded after each upload's copies: until it completes they may still read the host
+        # mirrors, which must not be rewritten (``wait_for_upload``).
+        self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
 
     def fill_null_requests(self, first_req: int, first_token: int, num_reqs: int, query_len: int = 1) -> None:
         """Host side: requests [first_req, num_reqs) become ``query_len``-token requests of the null
@@ -152,6 +155,17 @@ class InputBuffers:
         n32 = self._table_start + num_reqs * self.max_blocks_per_req
         self._i64_d[:n64].copy_(self._i64_h[:n64], non_blocking=True)
         self._i32_d[:n32].copy_(self._i32_h[:n32], non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
+
+    def wait_for_upload(self) -> None:
+        """Host side: wait until the last upload's copies have read the host mirrors, so the next
+        step may rewrite them. A caller that reads results back each step (the engine's target
+        model) never waits here; one that launches several steps without a read-back (a draft
+        model's k steps) must call this before writing each next step: the copies run only once
+        the stream reaches them, i.e. after the step before has run."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
 
     def set_device_input_ids(self, ids: Optional[torch.Tensor]) -> None:
         """Device side, after ``upload``: rows [0, len(ids)) take ``ids`` (stream-ordered, no sync)."""

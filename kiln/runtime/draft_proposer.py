@@ -128,6 +128,7 @@ class DraftProposer:
         exactly k + 1 (re-writing K/V it already had, the same values): a uniform batch that
         replays the draft's full graph of k + 1 tokens a request."""
         buf, q = self.compiled.inputs, self.k + 1
+        buf.wait_for_upload()
         wanted = set(speculating_ids)
         spans = []  # (start, end) per request: end is where the target's known tokens end
         for s in sched.scheduled:
@@ -164,6 +165,7 @@ class DraftProposer:
         """Draft step j: token d_j of each request in (``token_ids``, on the device) at its position,
         the argmax of d_{j+1} out (on the device)."""
         buf, bs = self.compiled.inputs, self.block_size
+        buf.wait_for_upload()  # the step before may not have read its inputs yet: nothing was read back
         positions = []
         for i, s in enumerate(scheduled):
             pos = s.request.num_tokens - 1 + j  # d_j follows the last known token
