@@ -325,7 +325,7 @@ def repeat_workload(args, record: Recorder) -> None:
     chats = [[{"role": "user", "content": f"Repeat the following text exactly, word for word.\n\n{t}"}]
              for t in REPEAT_TEXTS]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0)
-    baseline = {}
+    baseline, reference = {}, {}
     for k in (0, args.k):
         spec = {"method": "ngram", "num_speculative_tokens": k} if k else {}
         llm = LLM(model, speculative={"max_batch_size": 64, **spec})
@@ -340,7 +340,10 @@ def repeat_workload(args, record: Recorder) -> None:
                        "acceptance_rate": stats.acceptance_rate if k else None,
                        "tokens_per_verify": stats.num_accepted_tokens / stats.num_drafts + 1 if stats.num_drafts else None}
             if not k:
-                baseline[bs] = metrics
+                baseline[bs], reference[bs] = metrics, outs
+            else:
+                same = sum(a == b for o, r in zip(outs, reference[bs]) for a, b in zip(o, r))
+                metrics["same_tokens_pct"] = 100.0 * same / max(1, sum(map(len, outs)))
             record(f"{'ngram' if k else 'none'} (repeat the prompt, CPU)", k, metrics, baseline[bs] if k else None, model)
         del llm
         free_memory()
