@@ -70,7 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.target, args.prompt_len, args.output_len, args.check_fp32 = "tiny", 16, 12, "tiny"
-        args.ks, args.batch_sizes, args.draft_batch_sizes, args.mode, args.cudagraph = "1,2", "1,2", "2", "eager", "none"
+        args.ks, args.batch_sizes, args.draft_batch_sizes = "1,2", "1,2", "2"
+        args.mode, args.cudagraph = "eager", "none"
     return args
 
 
@@ -219,7 +220,8 @@ class Recorder:
         if base is not None:
             metrics["speedup"] = metrics["output_tok_s"] / base["output_tok_s"]
         config = {"system": system, "k": k, "batch": metrics["batch"], "target": model,
-                  "prompt_len": args.prompt_len, "output_len": args.output_len, "compile": f"{args.mode}/{args.cudagraph}"}
+                  "prompt_len": args.prompt_len, "output_len": args.output_len,
+                  "compile": f"{args.mode}/{args.cudagraph}"}
         self.records.append(make_record("spec_decode", model, config, metrics))
         print(f"[{time.perf_counter() - self.t_start:6.1f} s] {system} k={k} bs={metrics['batch']}: "
               f"{metrics['output_tok_s']:.1f} tok/s  acceptance={metrics.get('acceptance_rate')}  "
@@ -338,13 +340,15 @@ def repeat_workload(args, record: Recorder) -> None:
             stats = llm.engine.spec_stats
             metrics = {"output_tok_s": sum(map(len, outs)) / elapsed, "batch": bs, "elapsed_s": elapsed,
                        "acceptance_rate": stats.acceptance_rate if k else None,
-                       "tokens_per_verify": stats.num_accepted_tokens / stats.num_drafts + 1 if stats.num_drafts else None}
+                       "tokens_per_verify": (stats.num_accepted_tokens / stats.num_drafts + 1
+                                             if stats.num_drafts else None)}
             if not k:
                 baseline[bs], reference[bs] = metrics, outs
             else:
                 same = sum(a == b for o, r in zip(outs, reference[bs]) for a, b in zip(o, r))
                 metrics["same_tokens_pct"] = 100.0 * same / max(1, sum(map(len, outs)))
-            record(f"{'ngram' if k else 'none'} (repeat the prompt, CPU)", k, metrics, baseline[bs] if k else None, model)
+            system = f"{'ngram' if k else 'none'} (repeat the prompt, CPU)"
+            record(system, k, metrics, baseline[bs] if k else None, model)
         del llm
         free_memory()
 

@@ -111,7 +111,8 @@ class FullCUDAGraphs:
         self.buffers = buffers
         self.query_len = query_len  # tokens per request: 1 (decode), k + 1 (verify of k proposed tokens)
         max_reqs = min(buffers.max_num_reqs, buffers.max_num_tokens // query_len, max_num_reqs or buffers.max_num_reqs)
-        self.sizes = sorted(s for s in capture_sizes if s <= max_reqs)  # in requests: a graph runs size * query_len tokens
+        # In requests: the graph of a size runs size * query_len tokens.
+        self.sizes = sorted(s for s in capture_sizes if s <= max_reqs)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, GraphOutputs]] = {}
         self.capture_seconds = 0.0
         self.memory_bytes = 0
