@@ -209,8 +209,8 @@ def dispatch_log(monkeypatch):
 
     log = []
 
-    def recording(full, piecewise, num_tokens, num_reqs, num_decodes):
-        mode, padded = dispatch(full, piecewise, num_tokens, num_reqs, num_decodes)
+    def recording(full, piecewise, num_tokens, num_reqs, num_decodes, verify=None, query_len=0):
+        mode, padded = dispatch(full, piecewise, num_tokens, num_reqs, num_decodes, verify, query_len)
         log.append((mode, num_tokens, padded, num_decodes < num_reqs))
         return mode, padded
 

@@ -10,7 +10,7 @@ from kiln.compiler.artifact_cache import ArtifactCache
 from kiln.compiler.capture import KilnForward
 from kiln.compiler.compiled_model import CompiledModel, GraphMemoryEstimate, ModelOutputs
 from kiln.compiler.forward import build_forward, build_now, compile_seconds
-from kiln.compiler.inputs import InputBuffers, InputLimits, ModelInputs
+from kiln.compiler.inputs import InputBuffers, InputLimits, ModelInputs, VerifyShape
 
 __all__ = ["ArtifactCache", "build_forward", "build_now", "compile_seconds", "CompiledModel", "GraphMemoryEstimate", "InputBuffers",
-           "InputLimits", "KilnForward", "ModelInputs", "ModelOutputs"]
+           "InputLimits", "KilnForward", "ModelInputs", "ModelOutputs", "VerifyShape"]

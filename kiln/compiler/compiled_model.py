@@ -8,6 +8,7 @@ runtime then only writes steps into ``inputs`` and calls ``run``::
     CompiledModel(model, config, kernels,  ─> build the forward (eager | stock | kiln: capture,
                   limits, max_model_len)       passes with the KernelSet's ops, split, Inductor)
                                                and the persistent InputBuffers
+    set_verify_shape(VerifyShape)          ─> (speculative decoding) full graphs for k + 1 tokens a request
     bind_kv_caches(kv_caches)              ─> the caches every forward context carries
     capture_graphs()                       ─> full / piecewise CUDA graphs, as compile.cudagraph asks
     per step:
@@ -38,7 +39,7 @@ from kiln.compiler.artifact_cache import ArtifactCache
 from kiln.compiler.capture import KilnForward
 from kiln.compiler.cudagraph import FullCUDAGraphs, GraphMode, wanted_graph_modes
 from kiln.compiler.forward import build_forward, build_now, compile_seconds
-from kiln.compiler.inputs import InputBuffers, InputLimits, ModelInputs
+from kiln.compiler.inputs import InputBuffers, InputLimits, ModelInputs, VerifyShape
 from kiln.compiler.piecewise import GraphRecorder, PiecewiseCUDAGraphs
 from kiln.config import CompileConfig
 from kiln.forward_context import ForwardContext, forward_context
@@ -53,8 +54,8 @@ class ModelOutputs:
     """What one ``run`` leaves; rows past the step's tokens (or requests, for FULL) are padding."""
 
     hidden: torch.Tensor  # [padded num_tokens, hidden]
-    logits: Optional[torch.Tensor] = None  # [padded num_reqs, vocab] float32: FULL graphs compute them
-    greedy_ids: Optional[torch.Tensor] = None  # [padded num_reqs] int64: logits.argmax(-1)
+    logits: Optional[torch.Tensor] = None  # [padded num_tokens, vocab] float32: FULL graphs compute every row's
+    greedy_ids: Optional[torch.Tensor] = None  # [padded num_tokens] int64: logits.argmax(-1)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class GraphMemoryEstimate:
     sizes: tuple[int, ...]
     largest_bytes: int
     per_size_bytes: int
+    num_extra_graphs: int = 0  # graphs beyond one per size (verify graphs), each costing per_size_bytes
 
     MARGIN = 1.25
     SLACK_BYTES = 128 * 2**20
@@ -77,22 +79,31 @@ class GraphMemoryEstimate:
         if n <= 0:
             return 0
         working = max(self.largest_bytes, 0) * self.sizes[n - 1] / self.sizes[-1]
-        return int(self.MARGIN * (working + max(self.per_size_bytes, 0) * (n - 1)) + self.SLACK_BYTES)
+        num_graphs = n - 1 + self.num_extra_graphs
+        return int(self.MARGIN * (working + max(self.per_size_bytes, 0) * num_graphs) + self.SLACK_BYTES)
 
 
 def dispatch(full: Optional[FullCUDAGraphs], piecewise: Optional[PiecewiseCUDAGraphs],
-             num_tokens: int, num_reqs: int, num_decodes: int) -> tuple[GraphMode, int]:
+             num_tokens: int, num_reqs: int, num_decodes: int,
+             verify: Optional[FullCUDAGraphs] = None, query_len: int = 0) -> tuple[GraphMode, int]:
     """The path of one batch and the number of tokens it runs with, padding included::
 
         decode-only, requests fit a full size  -> FULL       (requests padded with null decodes)
+        uniform verify: every request has verify.query_len tokens, requests fit a verify size
+                                               -> FULL       (requests padded with null verifies)
         otherwise, tokens fit a piecewise size -> PIECEWISE  (tokens padded, attention sees the real ones)
         otherwise                              -> NONE       (the forward as built, no padding)
 
-    ``full`` / ``piecewise`` are None when that kind of graph is off."""
+    ``full`` / ``piecewise`` / ``verify`` are None when that kind of graph is off; ``query_len``
+    is the batch's ``ModelInputs.uniform_query_len`` (0: not uniform)."""
     if full is not None and num_decodes == num_reqs:
         size = full.padded_size(num_reqs)
         if size is not None:
             return GraphMode.FULL, size
+    if verify is not None and query_len == verify.query_len and num_tokens == num_reqs * query_len:
+        size = verify.padded_size(num_reqs)
+        if size is not None:
+            return GraphMode.FULL, size * query_len
     if piecewise is not None:
         size = piecewise.padded_size(num_tokens)
         if size is not None:
@@ -112,14 +123,23 @@ class CompiledModel:
         self.inputs = InputBuffers(limits, self.device)
         self.kv_caches: list[torch.Tensor] = []
         self.full_graphs: Optional[FullCUDAGraphs] = None  # uniform decode batches
+        self.verify_graphs: Optional[FullCUDAGraphs] = None  # uniform verify batches (set_verify_shape)
+        self.verify_shape: Optional[VerifyShape] = None
         self.piecewise_graphs: Optional[PiecewiseCUDAGraphs] = None  # any batch up to the largest size
         logger.info("kernels on %s: %s", kernels.device_type,
                     ", ".join(f"{op} {name}" for op, name in kernels.describe().items()))
 
     # ---- start-up ---------------------------------------------------------------------------------
+    def set_verify_shape(self, shape: Optional[VerifyShape]) -> None:
+        """Also capture full graphs for batches of ``shape.query_len`` tokens per request, up to
+        ``shape.max_num_reqs`` requests (speculative decoding's verify steps); before capture."""
+        if self.full_graphs is not None:
+            raise RuntimeError("set the verify shape before capturing CUDA graphs")
+        self.verify_shape = shape if shape is not None and shape.query_len > 1 else None
+
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """The caches every later forward reads and writes (one tensor per layer)."""
-        if self.full_graphs is not None or self.piecewise_graphs is not None:
+        if self.full_graphs is not None or self.verify_graphs is not None or self.piecewise_graphs is not None:
             raise RuntimeError("CUDA graphs are captured over the bound KV caches; they cannot be re-bound")
         self.kv_caches = kv_caches
 
@@ -141,9 +161,17 @@ class CompiledModel:
             self.full_graphs = FullCUDAGraphs(self.forward, self.inputs, self.config.capture_sizes,
                                               compute_logits=self.model.compute_logits)
             self.full_graphs.capture(self._capture_scope, self.kv_caches, pool)
+            if self.verify_shape is not None:
+                self.verify_graphs = self._verify_graphs(self.config.capture_sizes)
+                self.verify_graphs.capture(self._capture_scope, self.kv_caches, pool)
         if GraphMode.PIECEWISE in modes:
             self.piecewise_graphs = PiecewiseCUDAGraphs(self.forward, self.inputs, self.config.capture_sizes, record)
             self.piecewise_graphs.capture(self._capture_scope, self.kv_caches, pool)
+
+    def _verify_graphs(self, capture_sizes) -> FullCUDAGraphs:
+        shape = self.verify_shape
+        return FullCUDAGraphs(self.forward, self.inputs, capture_sizes, compute_logits=self.model.compute_logits,
+                              query_len=shape.query_len, max_num_reqs=shape.max_num_reqs)
 
     @torch.inference_mode()
     def profile_graph_memory(self, kv_caches: list[torch.Tensor]) -> Optional["GraphMemoryEstimate"]:
@@ -182,7 +210,16 @@ class CompiledModel:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         self.kv_caches = []
-        estimate = GraphMemoryEstimate(tuple(sizes), largest_bytes=free[0] - free[1], per_size_bytes=free[1] - free[2])
+        # Verify graphs share the pool and add their graph objects; the working set is taken as
+        # proportional to the most tokens any graph runs (a verify graph of n requests runs n (k + 1)).
+        largest_bytes, num_verify = free[0] - free[1], 0
+        if GraphMode.FULL in modes and self.verify_shape is not None:
+            verify_sizes = self._verify_graphs(sizes).sizes
+            num_verify = len(verify_sizes)
+            most_tokens = max(verify_sizes, default=0) * self.verify_shape.query_len
+            largest_bytes = int(largest_bytes * max(1.0, most_tokens / sizes[-1]))
+        estimate = GraphMemoryEstimate(tuple(sizes), largest_bytes=largest_bytes, per_size_bytes=free[1] - free[2],
+                                       num_extra_graphs=num_verify)
         logger.info("CUDA graphs profiled: largest size %d takes %.0f MiB, each further size %.1f MiB -> "
                     "%.2f GiB kept for %d sizes", sizes[-1], estimate.largest_bytes / 2**20,
                     estimate.per_size_bytes / 2**20, estimate.bytes() / 2**30, len(sizes))
@@ -199,11 +236,11 @@ class CompiledModel:
 
     @property
     def graph_capture_seconds(self) -> float:
-        return sum(g.capture_seconds for g in (self.full_graphs, self.piecewise_graphs) if g)
+        return sum(g.capture_seconds for g in (self.full_graphs, self.verify_graphs, self.piecewise_graphs) if g)
 
     @property
     def graph_memory_bytes(self) -> int:
-        return sum(g.memory_bytes for g in (self.full_graphs, self.piecewise_graphs) if g)
+        return sum(g.memory_bytes for g in (self.full_graphs, self.verify_graphs, self.piecewise_graphs) if g)
 
     def startup_seconds(self) -> dict[str, float]:
         """Compile time by phase (0 for a phase that did not run) and CUDA-graph capture time."""
@@ -217,14 +254,20 @@ class CompiledModel:
         PIECEWISE: null token rows, attention still sees only the real ones), uploads it, and
         replays or runs the forward inside the step's forward context."""
         buf, n, num_reqs = self.inputs, inputs.num_tokens, inputs.num_reqs
-        mode, padded = dispatch(self.full_graphs, self.piecewise_graphs, n, num_reqs, inputs.num_decodes)
+        q = inputs.uniform_query_len
+        mode, padded = dispatch(self.full_graphs, self.piecewise_graphs, n, num_reqs, inputs.num_decodes,
+                                self.verify_graphs, q)
         if mode is GraphMode.FULL:
-            buf.fill_null_requests(num_reqs, n, padded)
-            buf.upload(padded, padded)
-            out = self.full_graphs.replay(padded)
+            graphs = self.full_graphs if inputs.num_decodes == num_reqs and q == 1 else self.verify_graphs
+            size = padded // graphs.query_len  # requests
+            buf.fill_null_requests(num_reqs, n, size, graphs.query_len)
+            buf.upload(padded, size)
+            buf.set_device_input_ids(inputs.device_input_ids)
+            out = graphs.replay(size)
             return ModelOutputs(out.hidden, out.logits, out.greedy_ids)
         buf.pad_tokens(n, padded)
         buf.upload(padded, num_reqs)
+        buf.set_device_input_ids(inputs.device_input_ids)
         meta = buf.metadata(n, num_reqs, inputs.num_decodes, inputs.query_lens, inputs.seq_lens)
         graphs = (self.piecewise_graphs.replaying(padded, n) if mode is GraphMode.PIECEWISE
                   else contextlib.nullcontext())

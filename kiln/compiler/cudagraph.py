@@ -3,11 +3,12 @@
 What this module owns:
 
 - ``FullCUDAGraphs``: ``compile.cudagraph=full``: the whole forward, attention included, captured
-  once per capture size for uniform decode batches (every request has one new token), with the
-  logits of every row and their argmax (every decode samples). A batch of
-  ``n`` requests replays the graph of the next capture size ``>= n``; the padded requests read and
-  write only the null block 0 (token 0, position 0, slot 0, seq_len 1), which the block pool never
-  hands out, so they cannot touch a real request's cache.
+  once per capture size for uniform batches of ``query_len`` tokens per request (decodes: 1;
+  speculative verification of k proposed tokens: k + 1), with the logits of every row and their
+  argmax (every row samples). A batch of ``n`` requests replays the graph of the next capture
+  size ``>= n`` (``size * query_len`` tokens); the padded requests read and write only the null
+  block 0 (tokens 0, positions 0..query_len-1, slot 0, seq_len query_len), which the block pool
+  never hands out, so they cannot touch a real request's cache.
 
 - ``GraphMode`` and ``wanted_graph_modes``: the kinds of graph ``compile.cudagraph`` asks for.
   ``piecewise`` graphs (the pieces between attention ops, ``compile.mode=kiln`` only) live in
@@ -89,24 +90,29 @@ def weak_refs(obj: Any) -> Any:
 class GraphOutputs:
     """What one replay leaves in the graph's static tensors (rows past the batch are padding)."""
 
-    hidden: torch.Tensor  # [size, hidden]
-    logits: Optional[torch.Tensor]  # [size, vocab] float32: every row of a decode batch samples
-    greedy_ids: Optional[torch.Tensor]  # [size] int64: logits.argmax(-1), for all-greedy batches
+    hidden: torch.Tensor  # [size * query_len, hidden]
+    logits: Optional[torch.Tensor]  # [size * query_len, vocab] float32: every row of a decode or verify samples
+    greedy_ids: Optional[torch.Tensor]  # [size * query_len] int64: logits.argmax(-1), for all-greedy batches
 
 
 class FullCUDAGraphs:
-    """One captured whole-forward graph per capture size, for uniform decode batches.
+    """One captured whole-forward graph per capture size (in requests), for uniform batches of
+    ``query_len`` tokens a request: decodes (1), or speculative verification (k + 1).
 
     With ``compute_logits`` the graph also holds the logits of every row and their argmax: in a
     decode batch every request samples, so nothing is left to launch per step but the sampler's
     read-back (one argmax launch and a sync saved, and the lm_head launch)."""
 
     def __init__(self, forward: Forward, buffers: InputBuffers, capture_sizes: tuple[int, ...],
-                 compute_logits: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+                 compute_logits: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                 query_len: int = 1, max_num_reqs: Optional[int] = None):
         self.forward = forward
         self.compute_logits = compute_logits
         self.buffers = buffers
-        self.sizes = sorted(s for s in capture_sizes if s <= min(buffers.max_num_reqs, buffers.max_num_tokens))
+        self.query_len = query_len  # tokens per request: 1 (decode), k + 1 (verify of k proposed tokens)
+        max_reqs = min(buffers.max_num_reqs, buffers.max_num_tokens // query_len, max_num_reqs or buffers.max_num_reqs)
+        # In requests: the graph of a size runs size * query_len tokens.
+        self.sizes = sorted(s for s in capture_sizes if s <= max_reqs)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, GraphOutputs]] = {}
         self.capture_seconds = 0.0
         self.memory_bytes = 0
@@ -116,7 +122,8 @@ class FullCUDAGraphs:
         return next_capture_size(self.sizes, num_reqs)
 
     def _run(self, size: int) -> GraphOutputs:
-        hidden = self.forward(self.buffers.input_ids[:size], self.buffers.positions[:size])
+        n = size * self.query_len
+        hidden = self.forward(self.buffers.input_ids[:n], self.buffers.positions[:n])
         if self.compute_logits is None:
             return GraphOutputs(hidden, None, None)
         logits = self.compute_logits(hidden)
@@ -133,10 +140,13 @@ class FullCUDAGraphs:
         t0 = time.perf_counter()
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         buf = self.buffers
+        q = self.query_len
         for size in reversed(self.sizes):
-            buf.fill_null_requests(0, 0, size)
-            buf.upload(size, size)
-            meta = buf.metadata(size, size, size, [1] * size, [1] * size)
+            # A verify batch (q > 1) runs the prefill kernel's path (no request has one token): its
+            # launch depends on num_reqs and max_query_len alone, both fixed by the capture.
+            buf.fill_null_requests(0, 0, size, q)
+            buf.upload(size * q, size)
+            meta = buf.metadata(size * q, size, size if q == 1 else 0, [q] * size, [q] * size)
             with scope(ForwardContext(attn=meta, kv_caches=kv_caches)):
                 for _ in range(2):  # warm-up: Triton JIT, cuBLAS handles, lazy allocations
                     self._run(size)
@@ -150,8 +160,9 @@ class FullCUDAGraphs:
         self.capture_seconds = time.perf_counter() - t0
         self.memory_bytes = free_before - torch.cuda.mem_get_info()[0]
         if log:
-                logger.info("CUDA graphs (full%s): captured %d sizes %s in %.2f s, using %.0f MiB of GPU memory",
-                        " + logits" if self.compute_logits else "", len(self.sizes), format_sizes(self.sizes),
+            logger.info("CUDA graphs (full%s%s): captured %d sizes %s in %.2f s, using %.0f MiB of GPU memory",
+                        " + logits" if self.compute_logits else "",
+                        f", {q} tokens per request" if q > 1 else "", len(self.sizes), format_sizes(self.sizes),
                         self.capture_seconds, self.memory_bytes / 2**20)
 
     def replay(self, size: int) -> GraphOutputs:

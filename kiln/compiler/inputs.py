@@ -39,6 +39,15 @@ class InputLimits:
     max_blocks_per_req: int
 
 
+@dataclass(frozen=True)
+class VerifyShape:
+    """Speculative decoding's verify steps: ``query_len`` (k + 1) tokens for each of up to
+    ``max_num_reqs`` requests; full CUDA graphs are captured for this shape too."""
+
+    query_len: int
+    max_num_reqs: int
+
+
 @dataclass
 class ModelInputs:
     """One step as the runtime laid it out in the host mirrors: rows ``[0, num_tokens)`` of the
@@ -53,9 +62,20 @@ class ModelInputs:
     def num_reqs(self) -> int:
         return len(self.query_lens)
 
+    # Token ids already on the device for rows [0, len) (a draft model's own argmax, fed back
+    # without a host read): they replace the host mirror's ids once the step is uploaded.
+    device_input_ids: Optional[torch.Tensor] = None
+
     @property
     def is_uniform_decode(self) -> bool:
         return self.num_decodes == self.num_reqs
+
+    @property
+    def uniform_query_len(self) -> int:
+        """q when every request has exactly q new tokens (a uniform decode: 1; a uniform verify of k
+        proposed tokens: k + 1), else 0."""
+        q = self.query_lens[0] if self.query_lens else 0
+        return q if self.num_tokens == q * self.num_reqs and all(n == q for n in self.query_lens) else 0
 
 
 def next_capture_size(sizes: list[int], n: int) -> Optional[int]:
@@ -96,16 +116,25 @@ class InputBuffers:
         self.input_ids, self.positions, self.slot_mapping = d64[:T], d64[T64:T64 + T], d64[2 * T64:2 * T64 + T]
         self.seq_lens, self.query_start_loc = d32[:R], d32[R32:R32 + R + 1]
         self.block_tables = d32[2 * R32:].view(R, W)
+        # Recorded after each upload's copies: until it completes they may still read the host
+        # mirrors, which must not be rewritten (``wait_for_upload``).
+        self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
 
-    def fill_null_requests(self, first_req: int, first_token: int, num_reqs: int) -> None:
-        """Host side: requests [first_req, num_reqs) become one-token decodes of the null block."""
-        end_tok = first_token + (num_reqs - first_req)
+    def fill_null_requests(self, first_req: int, first_token: int, num_reqs: int, query_len: int = 1) -> None:
+        """Host side: requests [first_req, num_reqs) become ``query_len``-token requests of the null
+        block: positions 0..query_len-1, every token written to slot 0, seq_len query_len, the first
+        query_len table entries null (at least the blocks of query_len keys, for any block size)::
+
+            query_len 3:  ids [0 0 0]  pos [0 1 2]  slot [0 0 0]  seq_len 3  table [0 ..]  qsl +3
+        """
+        num_null = num_reqs - first_req
+        end_tok = first_token + num_null * query_len
         self.ids_np[first_token:end_tok] = 0
-        self.pos_np[first_token:end_tok] = 0
+        self.pos_np[first_token:end_tok] = np.tile(np.arange(query_len), num_null)
         self.slot_np[first_token:end_tok] = NULL_BLOCK_ID
-        self.seq_lens_np[first_req:num_reqs] = 1
-        self.table_np[first_req:num_reqs, 0] = NULL_BLOCK_ID
-        self.qsl_np[first_req + 1:num_reqs + 1] = np.arange(first_token + 1, end_tok + 1)
+        self.seq_lens_np[first_req:num_reqs] = query_len
+        self.table_np[first_req:num_reqs, :query_len] = NULL_BLOCK_ID
+        self.qsl_np[first_req + 1:num_reqs + 1] = np.arange(first_token + query_len, end_tok + 1, query_len)
 
     def pad_tokens(self, first_token: int, num_tokens: int) -> None:
         """Host side: token rows [first_token, num_tokens) become padding that no request owns:
@@ -126,6 +155,22 @@ class InputBuffers:
         n32 = self._table_start + num_reqs * self.max_blocks_per_req
         self._i64_d[:n64].copy_(self._i64_h[:n64], non_blocking=True)
         self._i32_d[:n32].copy_(self._i32_h[:n32], non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
+
+    def wait_for_upload(self) -> None:
+        """Host side: wait until the last upload's copies have read the host mirrors, so the next
+        step may rewrite them. A caller that reads results back each step (the engine's target
+        model) never waits here; one that launches several steps without a read-back (a draft
+        model's k steps) must call this before writing each next step: the copies run only once
+        the stream reaches them, i.e. after the step before has run."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+
+    def set_device_input_ids(self, ids: Optional[torch.Tensor]) -> None:
+        """Device side, after ``upload``: rows [0, len(ids)) take ``ids`` (stream-ordered, no sync)."""
+        if ids is not None:
+            self.input_ids[:ids.shape[0]].copy_(ids, non_blocking=True)
 
     def metadata(self, num_tokens: int, num_reqs: int, num_decodes: int,
                  query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:

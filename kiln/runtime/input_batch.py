@@ -40,6 +40,9 @@ class InputBatch:
         ``drafts``: speculative decoding's proposed tokens per request (at most its lookahead
         slots); they follow its last known token, and each of its rows is a sample row."""
         buf, bs = self.buffers, self.block_size
+        # A step that samples nothing (a prefill chunk) is not read back: its upload may still be
+        # pending when the next step is prepared, and must read the mirrors it was given.
+        buf.wait_for_upload()
         if len(sched.scheduled) > buf.max_num_reqs or sched.num_batched_tokens > buf.max_num_tokens:
             raise ValueError(f"a step of {len(sched.scheduled)} requests and {sched.num_batched_tokens} tokens "
                              f"exceeds the input buffers ({buf.max_num_reqs} requests, {buf.max_num_tokens} tokens)")

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from kiln.compiler import ArtifactCache, CompiledModel, InputLimits
+from kiln.compiler import ArtifactCache, CompiledModel, InputLimits, VerifyShape
 from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, resolve_for_device
 from kiln.models.loader import LoadedModel, kv_cache_dtype, load_model, resolve_device, resolve_dtype
 from kiln.models.parallel import SINGLE, TensorParallel, local_num_kv_heads, min_over_ranks
@@ -64,6 +64,7 @@ class LaunchedStep:
     request_ids: list[str] = field(default_factory=list)  # one per sampled request, in row order
     samples: Optional[SampledTokens] = None  # None: nothing sampled here (no row, or rank > 0)
     verified: Optional[VerifiedTokens] = None  # instead of samples, when proposed tokens were verified
+    num_proposed: list[int] = field(default_factory=list)  # per verified request: proposed tokens, fillers not counted
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     embeddings: dict[str, list[float]] = field(default_factory=dict)
 
@@ -96,6 +97,8 @@ class ModelRunner:
         self.kv_shape = KVShape(self.arch.num_layers, self.block_size, local_num_kv_heads(self.arch, tp),
                                 self.arch.head_dim, kv_cache_dtype(cache_config.dtype, self.dtype, self.device))
         self.proposer = self._make_proposer(speculative, model_config, cache_config, sched)
+        if speculative.enabled:
+            self.compiled.set_verify_shape(verify_shape(speculative, sched))
         _check_verify_capture_sizes(speculative, sched, compile_config)
         activation_bytes, self.graph_estimate = 0, None
         t_profile = time.perf_counter()
@@ -180,6 +183,9 @@ class ModelRunner:
         if sched.is_empty:
             return LaunchedStep()
         drafts = self.proposer.propose(sched) if self.proposer is not None else {}
+        num_proposed = {rid: len(d) for rid, d in drafts.items()}
+        if drafts and self.compiled.verify_graphs is not None:
+            drafts = pad_drafts(sched, drafts)
         inputs, sample_rows = self.input_batch.prepare(sched, drafts)
         out = self.compiled.run(inputs)
         prompt_logprobs = self._prompt_logprobs(sched, out.hidden)
@@ -201,6 +207,7 @@ class ModelRunner:
         if drafts:
             draft_lists = [drafts.get(rid, []) for rid in request_ids]
             return LaunchedStep(request_ids, verified=verify(self.sampler, logits, requests, draft_lists),
+                                num_proposed=[num_proposed.get(rid, 0) for rid in request_ids],
                                 prompt_logprobs=prompt_logprobs, embeddings=embeddings)
         # On a GPU the forward is still running: the grammar bitmask is filled on the CPU meanwhile.
         bitmask = self.bitmasks.fill(requests)
@@ -250,7 +257,8 @@ class ModelRunner:
         if launched.verified is not None:
             v = launched.verified.result()
             ids = launched.request_ids
-            counts = {rid: (len(d), a) for rid, d, a in zip(ids, launched.verified.drafts, v.num_accepted) if d}
+            # Accepted fillers (pad_drafts) are emitted, but count as neither proposed nor accepted.
+            counts = {rid: (p, min(a, p)) for rid, p, a in zip(ids, launched.num_proposed, v.num_accepted) if p}
             return RunnerOutput(dict(zip(ids, v.token_ids)), dict(zip(ids, v.logprobs)), counts,
                                 prompt_logprobs=launched.prompt_logprobs, embeddings=launched.embeddings)
         if launched.samples is None:
@@ -270,16 +278,43 @@ class ModelRunner:
             self.proposer.forget(request_id)
 
 
+def verify_shape(spec: SpeculativeConfig, sched: SchedulerConfig) -> VerifyShape:
+    """The verify steps speculation can make: k + 1 tokens for each of up to max_batch_size requests."""
+    return VerifyShape(spec.num_speculative_tokens + 1, min(spec.max_batch_size, sched.max_num_seqs))
+
+
+def pad_drafts(sched: SchedulerOutput, drafts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Every speculating request's proposal filled up to its lookahead slots (already allocated)
+    with copies of its last token, so a verify step is uniform (k + 1 tokens a request) and
+    replays a full CUDA graph rather than piecewise ones. Verification is exact for any
+    deterministic proposal, so a filler is kept only where it is the target's own choice: the
+    emitted tokens do not change. Without any proposal the step stays a plain decode."""
+    padded = {}
+    for s in sched.scheduled:
+        if s.num_lookahead_tokens and s.samples:
+            rid, n = s.request.request_id, s.request.num_tokens
+            draft = drafts.get(rid, [])
+            filler = draft[-1] if draft else s.request.token_ids_slice(n - 1, n)[0]
+            padded[rid] = draft + [filler] * (s.num_lookahead_tokens - len(draft))
+    return padded
+
+
 def _check_verify_capture_sizes(spec: SpeculativeConfig, sched: SchedulerConfig, compile_config: CompileConfig) -> None:
-    """A verify step runs batch x (k + 1) tokens through the piecewise graphs; say so when the
-    capture sizes stop short of the largest one speculation allows."""
-    if not spec.enabled or compile_config.cudagraph not in ("piecewise", "full_and_piecewise"):
+    """A verify step runs batch x (k + 1) tokens: through full graphs captured per number of
+    requests, else through the piecewise graphs per number of tokens; say so when the capture
+    sizes stop short of the largest verify step speculation allows."""
+    if not spec.enabled or compile_config.cudagraph == "none":
         return
-    largest = min(spec.max_batch_size, sched.max_num_seqs) * (spec.num_speculative_tokens + 1)
-    if max(compile_config.capture_sizes, default=0) < largest:
+    shape = verify_shape(spec, sched)
+    largest = max(compile_config.capture_sizes, default=0)
+    if compile_config.cudagraph in ("full", "full_and_piecewise") and largest < shape.max_num_reqs:
+        logger.warning("speculative decoding verifies up to %d requests a step (speculative.max_batch_size) but the "
+                       "largest of compile.capture_sizes is %d: larger verify steps run without full CUDA graphs",
+                       shape.max_num_reqs, largest)
+    if compile_config.cudagraph == "piecewise" and largest < shape.max_num_reqs * shape.query_len:
         logger.warning("speculative decoding verifies up to %d tokens a step (speculative.max_batch_size x (k + 1)) "
                        "but the largest of compile.capture_sizes is %d: larger verify steps run without CUDA graphs",
-                       largest, max(compile_config.capture_sizes, default=0))
+                       shape.max_num_reqs * shape.query_len, largest)
 
 
 @dataclass(frozen=True)

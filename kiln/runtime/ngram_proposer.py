@@ -11,8 +11,9 @@ Of several matches the latest that is followed by k tokens wins, else the earlie
 continuation is the longest there is).
 
 The whole batch is one set of array ops: contexts are right-aligned in one padded matrix, every
-window of n tokens is compared with its row's suffix at once, and the latest matching window of
-each row is found with one argmax. Python loops over requests only to build the matrix and read
+window of n tokens is compared with its row's suffix at once (one [B, L] comparison per n, the
+matches of n built on those of n - 1), and the latest matching window of each row is found with
+one argmax. Python loops over requests only to build the matrix and read
 the proposals back, never over tokens.
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from kiln.runtime.scheduler_output import SchedulerOutput
 
@@ -42,19 +42,28 @@ def propose_ngram(contexts: Sequence[Sequence[int]], num_tokens: Sequence[int], 
         if len(c):
             ctx[row, width - len(c):] = c
     k = np.asarray(num_tokens, dtype=np.int64)
+    # Windows are indexed by their last token e in [0, width - 2] (never the suffix itself). A window
+    # of n tokens ending at e matches when ctx[:, e - i] == suffix token i for every i < n, so the
+    # matches of n are those of n - 1 and one more [B, width - 1] comparison: no [B, L, n] arrays.
+    ends = np.arange(width - 1)
+    agree = np.ones((num_reqs, width - 1), dtype=bool)  # [B, L - 1]: windows ending at e agree so far
+    matches = {}
+    for n in range(1, min(max_n, width - 1) + 1):
+        i = n - 1
+        agree[:, i:] &= ctx[:, :width - 1 - i] == ctx[:, width - 1 - i, None]
+        agree[:, :i] = False  # a window of n tokens ends at n - 1 or later
+        if n >= min_n:
+            matches[n] = agree & (lens >= n + 1)[:, None]  # a row shorter than n + 1 has no earlier window
     # start[b]: where in row b the proposal begins (the token after the matched window); 0: none yet.
     start = np.zeros(num_reqs, dtype=np.int64)
-    for n in range(min(max_n, width - 1), min_n - 1, -1):
-        windows = sliding_window_view(ctx, n, axis=1)[:, :-1]  # [B, L - n, n]: every window but the suffix
-        suffix = ctx[:, width - n:]  # [B, n]
-        match = (windows == suffix[:, None, :]).all(axis=-1)  # [B, L - n]
-        match &= (lens >= n + 1)[:, None]  # a row shorter than n + 1 has no earlier window
+    for n in sorted(matches, reverse=True):
+        match = matches[n]
         # The latest match followed by k tokens; else (a repeat near the end) the earliest match.
-        full = match & (np.arange(match.shape[1])[None, :] <= (width - n - k)[:, None])
-        last_full = match.shape[1] - 1 - full[:, ::-1].argmax(axis=1)
-        window = np.where(full.any(axis=1), last_full, match.argmax(axis=1))
+        full = match & (ends[None, :] <= (width - 1 - k)[:, None])
+        last_full = width - 2 - full[:, ::-1].argmax(axis=1)
+        end = np.where(full.any(axis=1), last_full, match.argmax(axis=1))
         found = match.any(axis=1) & (start == 0)
-        start = np.where(found, window + n, start)
+        start = np.where(found, end + 1, start)
     k_max = max(num_tokens, default=0)
     if k_max == 0 or not start.any():
         return [[] for _ in range(num_reqs)]
