@@ -4,7 +4,8 @@ transformers itself, in eager and kiln modes, the SDPA-to-paged attention pass, 
 Checkpoints are tiny random configs built with transformers' own config classes and saved with
 ``save_pretrained`` (sharded), for every family kiln also implements natively (Llama, Qwen2,
 windowed Mistral, Qwen3, Gemma 2 and Gemma 3 text with sliding-window layers and soft-caps, Phi-3,
-OLMo-2, Granite) and one it has no code for (OLMo).
+OLMo-2, Granite, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE) and one it has no code
+for (OLMo).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kiln.models.loader import load_model
 from kiln.passes.manager import PassConfig, PassManager, build_passes
 from kiln.passes.sdpa_to_paged import SDPAToPagedAttentionPass, check_no_sdpa_left, is_sdpa
 from tests.test_models import _hf_logits, _prompts, _write_toy_tokenizer
+from tests.test_moe import _hf_configs as _moe_configs
 from tests.utils import PagedBatcher, make_kv_caches, run_step, split_rows
 
 CPU = torch.device("cpu")
@@ -54,6 +56,10 @@ CONFIGS = {
     "phi3": lambda: transformers.Phi3Config(**_SHAPE),
     # No native code in kiln: OLMo (1) normalizes with a LayerNorm that has no weights.
     "olmo": lambda: transformers.OlmoConfig(**_SHAPE),
+    # Mixtures of experts (transformers stacks the checkpoint's per-expert tensors): top-2 of 4
+    # (Mixtral); top-3 of 6 unnormalized with a gated shared expert and a dense layer (Qwen2-MoE);
+    # q/k norms and top-2 of 8 renormalized (Qwen3-MoE).
+    **{f: (lambda f=f: _moe_configs()[f]) for f in ("mixtral", "qwen2_moe", "qwen3_moe")},
 }
 NEW_TOKENS = 32
 
@@ -134,7 +140,8 @@ def _kiln_greedy(path: str, prompts, mode: str) -> tuple[list[list[int]], LLM]:
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-GREEDY_CASES = [pytest.param(f, "eager", marks=() if f in ("qwen3", "gemma2") else pytest.mark.slow)
+# Eager mode in the default suite: Qwen3, Gemma 2 (windows, soft-caps), Qwen3-MoE (stacked experts).
+GREEDY_CASES = [pytest.param(f, "eager", marks=() if f in ("qwen3", "gemma2", "qwen3_moe") else pytest.mark.slow)
                 for f in sorted(CONFIGS)]
 # kiln mode compiles ~10 s per graph on a CPU: one family in the default suite, the rest slow
 # (the attention pass's windows and soft-caps are checked without Inductor below).
@@ -156,6 +163,34 @@ def test_generic_greedy_matches_transformers_generate(checkpoints, family, mode)
         # transformers model's parameters by name, and gives the same tokens.
         again, llm2 = _kiln_greedy(path, prompts, mode)
         assert llm2.engine.executor.runner.compiled.forward.cache_hit and again == got
+
+
+def test_stacked_expert_weights_load_from_per_expert_checkpoint_tensors(checkpoints, generic):
+    """transformers holds Qwen2-MoE's experts stacked ([E, 2I, H] gate and up, [E, H, I] down);
+    its checkpoints hold one tensor per expert and projection, each placed by the layout map."""
+    from kiln.models.hf_generic import CheckpointLayout
+
+    hf, path = checkpoints["qwen2_moe"]
+    ours = dict(generic["qwen2_moe"].model.hf.named_parameters())
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(ours[name], p, atol=0, rtol=0)
+    layout = CheckpointLayout(generic["qwen2_moe"].model.hf)
+    assert layout.param_of["model.layers.0.mlp.experts.5.up_proj.weight"] == "model.layers.0.mlp.experts.gate_up_proj"
+    assert len(layout.param_of) == 2 * 6 * 3  # two sparse layers, six experts, three projections
+
+
+def test_a_conversion_that_changes_values_is_refused(generic):
+    """A checkpoint conversion that is more than a layout change (here: it doubles values) cannot
+    be replayed on element indices: refused, never loaded wrong."""
+    from kiln.models.hf_generic import CheckpointLayout
+
+    model = generic["qwen2_moe"].model.hf
+    layout = CheckpointLayout(model)
+    real = layout.revert
+    layout.revert = lambda m, state: {k: v * 2 for k, v in real(m, state).items()}
+    name = "model.layers.0.mlp.experts.0.down_proj.weight"
+    with pytest.raises(ValueError, match="do not cover it exactly once"):
+        layout.fill(name, torch.zeros(64, 48))
 
 
 # ---- the pass -------------------------------------------------------------------------------------

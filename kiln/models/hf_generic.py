@@ -301,13 +301,22 @@ def build_hf_model(config: Any, device: torch.device, dtype: torch.dtype) -> nn.
 
 @torch.no_grad()
 def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into ``model``: by name, or, for parameters transformers holds in
+    another layout than its checkpoints, through ``CheckpointLayout``. Every parameter must be
+    filled whole, except those tied to another."""
     params = dict(model.named_parameters(remove_duplicate=False))
     persistent = {n: b for n, b in model.named_buffers() if _is_persistent(model, n)}
     targets = {**params, **persistent}
-    loaded: set[int] = set()
+    layout: Optional[CheckpointLayout] = None  # built at the first name not found
+    filled: dict[int, int] = {}  # id(parameter) -> elements copied into it
     for name, tensor in weights:
         dest = targets.get(name)
         if dest is None:
+            layout = CheckpointLayout(model) if layout is None else layout
+            param = layout.fill(name, tensor)
+            if param is not None:
+                filled[id(param)] = filled.get(id(param), 0) + tensor.numel()
+                continue
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # older checkpoints saved the rotary table; it is computed, not loaded
             raise ValueError(f"unexpected weight {name!r} for {type(model).__name__}")
@@ -315,11 +324,79 @@ def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> 
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
         dest.copy_(tensor)
         del tensor
-        loaded.add(id(dest))
-    missing = sorted(n for n, p in params.items() if id(p) not in loaded)
+        filled[id(dest)] = filled.get(id(dest), 0) + dest.numel()
+    missing = sorted(n for n, p in params.items() if filled.get(id(p), 0) < p.numel())
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"checkpoint lacks {len(missing)} weight(s): {missing[:5]}{more}")
+
+
+class CheckpointLayout:
+    """Where a checkpoint tensor goes in a parameter that transformers holds in another layout
+    than it saves (transformers 5 stacks a mixture of experts' per-expert weights into one tensor).
+
+    No per-model code: transformers' own save-time conversion (``revert_weight_conversion``) is
+    run on the parameter's element indices (``arange(numel)`` in its shape), which gives, for each
+    checkpoint name, the flat index of each of its elements in the parameter. A conversion must
+    only move elements (stack, split, chunk, transpose): the indices must stay integers and cover
+    the parameter exactly once, else the model is refused. Index maps are built per parameter at
+    its first checkpoint tensor and dropped once used (transient memory: about two int64 copies
+    of that one parameter)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.param_of: dict[str, str] = {}  # checkpoint name -> parameter name
+        self.indices: dict[str, torch.Tensor] = {}  # checkpoint name -> flat indices into its parameter
+        try:
+            from transformers.core_model_loading import revert_weight_conversion
+        except ImportError:  # a transformers without weight conversions saves what it holds
+            self.revert = None
+            return
+        self.revert = revert_weight_conversion
+        params = dict(model.named_parameters())
+        converted = set(self._revert({n: torch.empty_like(p, device="meta") for n, p in params.items()}))
+        for pname, p in params.items():
+            if pname in converted:
+                continue  # saved as held
+            for cname in self._revert({pname: torch.empty_like(p, device="meta")}):
+                self.param_of[cname] = pname
+
+    def _revert(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.revert(self.model, state) if self.revert is not None else state
+
+    def fill(self, name: str, tensor: torch.Tensor) -> Optional[nn.Parameter]:
+        """Copy checkpoint tensor ``name`` into its parameter and return it; None if ``name`` is
+        no part of a converted parameter."""
+        pname = self.param_of.get(name)
+        if pname is None:
+            return None
+        param = self.model.get_parameter(pname)
+        if name not in self.indices:
+            self._index(pname, param)
+        idx = self.indices.pop(name)
+        if tuple(idx.shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(idx.shape)}")
+        param.view(-1).index_copy_(0, idx.reshape(-1).to(param.device), tensor.reshape(-1).to(param.dtype))
+        return param
+
+    def _index(self, pname: str, param: torch.Tensor) -> None:
+        numel = param.numel()
+        dtype = torch.int32 if numel < 2**31 else torch.int64
+        pieces = self._revert({pname: torch.arange(numel, dtype=dtype).view(param.shape)})
+        seen = torch.zeros(numel, dtype=torch.int32)
+        for cname, idx in pieces.items():
+            if idx.dtype != dtype or self.param_of.get(cname) != pname:
+                raise ValueError(f"model.impl=transformers cannot load {type(self.model).__name__}: transformers "
+                                 f"converts checkpoint weight {cname!r} into {pname!r} with more than a layout change")
+            flat = idx.reshape(-1).long()
+            if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= numel):
+                seen.zero_()  # indices out of the parameter: not a layout change
+                break
+            seen.index_add_(0, flat, torch.ones(flat.numel(), dtype=torch.int32))
+        if not bool((seen == 1).all()):
+            raise ValueError(f"model.impl=transformers cannot load {type(self.model).__name__}: the checkpoint weights "
+                             f"of {pname!r} ({sorted(pieces)[:3]}...) do not cover it exactly once")
+        self.indices.update((c, i.long()) for c, i in pieces.items())
 
 
 def _is_persistent(model: nn.Module, name: str) -> bool:
