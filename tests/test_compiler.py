@@ -151,6 +151,28 @@ def test_kiln_static_sizes_and_fusions(model):
         _run_schedule(forward, model, schedule[:1] + [{r: [1] for r in "abc"} | {"d": [2]}])
 
 
+def test_dynamic_builds_make_no_padding_choice_on_num_tokens(model, monkeypatch):
+    """Inductor's matmul padding heuristic compares num_tokens with a matmul's other sizes where
+    they are not aligned (on CUDA, torch 2.11: ``K > M`` guarded ``num_tokens < hidden`` for
+    Qwen2-MoE's 60-expert router and 1-wide shared-expert gate, and the capture was refused).
+    The dynamic build, whose calls skip guards, is compiled without it; static builds keep it."""
+    import kiln.compiler.piece as piece
+
+    seen = []
+    real = piece.standalone_compile
+
+    def recording(gm, args, dynamic_shapes, options):
+        seen.append((dynamic_shapes, options["config_patches"].get("shape_padding")))
+        return real(gm, args, dynamic_shapes=dynamic_shapes, options=options)
+
+    monkeypatch.setattr(piece, "standalone_compile", recording)
+    forward = build_forward(model, CompileConfig(mode="kiln", sizes=(1,)))  # the builds other tests made
+    _run_schedule(forward, model, _schedule(ARCH.vocab_size)[:1])
+    dynamic = {p for d, p in seen if d == "from_tracing_context"}
+    static = {p for d, p in seen if d == "from_example_inputs"}
+    assert dynamic == {False} and static == {None}
+
+
 def _counting(name, reference):
     def impl(*args):
         _FUSED_CALLS[name] += 1

@@ -2,8 +2,10 @@
 transformers itself, in eager and kiln modes, the SDPA-to-paged attention pass, and refusals.
 
 Checkpoints are tiny random configs built with transformers' own config classes and saved with
-``save_pretrained`` (sharded), for families kiln implements natively (llama, qwen2, mistral) and
-families it has no code for (qwen3, olmo2, granite, phi3).
+``save_pretrained`` (sharded), for every family kiln also implements natively (Llama, Qwen2,
+windowed Mistral, Qwen3, Gemma 2 and Gemma 3 text with sliding-window layers and soft-caps, Phi-3,
+OLMo-2, Granite, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE) and one it has no code
+for (OLMo).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kiln.models.loader import load_model
 from kiln.passes.manager import PassConfig, PassManager, build_passes
 from kiln.passes.sdpa_to_paged import SDPAToPagedAttentionPass, check_no_sdpa_left, is_sdpa
 from tests.test_models import _hf_logits, _prompts, _write_toy_tokenizer
+from tests.test_moe import _hf_configs as _moe_configs
 from tests.utils import PagedBatcher, make_kv_caches, run_step, split_rows
 
 CPU = torch.device("cpu")
@@ -34,8 +37,16 @@ _SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_
 CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**_SHAPE, head_dim=16),
     "qwen2": lambda: transformers.Qwen2Config(**{**_SHAPE, "tie_word_embeddings": True}),
+    # Windows shorter than the prompts, so the window really cuts the context.
     "mistral": lambda: transformers.MistralConfig(**{**_SHAPE, "num_key_value_heads": 1}, head_dim=32,
-                                                  sliding_window=None),
+                                                  sliding_window=8),
+    # Layer 0 sliding (window 6), layer 1 full; attention and final logit soft-caps small enough
+    # that tanh bends them (Gemma 2); a local RoPE base on the sliding layer (Gemma 3).
+    "gemma2": lambda: transformers.Gemma2Config(**_SHAPE, head_dim=16, sliding_window=6, query_pre_attn_scalar=20,
+                                                attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(**_SHAPE, head_dim=16, sliding_window=6,
+                                                         query_pre_attn_scalar=20, sliding_window_pattern=2,
+                                                         rope_theta=10000.0, rope_local_base_freq=100.0),
     # kiln also runs these natively; here they go through transformers' code: q/k norms (qwen3,
     # olmo2), multipliers and logit scaling (granite), fused qkv and gate_up weights (phi3).
     "qwen3": lambda: transformers.Qwen3Config(**_SHAPE, head_dim=16),
@@ -45,6 +56,10 @@ CONFIGS = {
     "phi3": lambda: transformers.Phi3Config(**_SHAPE),
     # No native code in kiln: OLMo (1) normalizes with a LayerNorm that has no weights.
     "olmo": lambda: transformers.OlmoConfig(**_SHAPE),
+    # Mixtures of experts (transformers stacks the checkpoint's per-expert tensors): top-2 of 4
+    # (Mixtral); top-3 of 6 unnormalized with a gated shared expert and a dense layer (Qwen2-MoE);
+    # q/k norms and top-2 of 8 renormalized (Qwen3-MoE).
+    **{f: (lambda f=f: _moe_configs()[f]) for f in ("mixtral", "qwen2_moe", "qwen3_moe")},
 }
 NEW_TOKENS = 32
 
@@ -125,9 +140,11 @@ def _kiln_greedy(path: str, prompts, mode: str) -> tuple[list[list[int]], LLM]:
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-GREEDY_CASES = [pytest.param(f, "eager", marks=() if f == "qwen3" else pytest.mark.slow)
+# Eager mode in the default suite: Qwen3, Gemma 2 (windows, soft-caps), Qwen3-MoE (stacked experts).
+GREEDY_CASES = [pytest.param(f, "eager", marks=() if f in ("qwen3", "gemma2", "qwen3_moe") else pytest.mark.slow)
                 for f in sorted(CONFIGS)]
-# kiln mode compiles ~10 s per graph on a CPU: one family in the default suite, the rest slow.
+# kiln mode compiles ~10 s per graph on a CPU: one family in the default suite, the rest slow
+# (the attention pass's windows and soft-caps are checked without Inductor below).
 GREEDY_CASES += [pytest.param(f, "kiln", marks=() if f == "qwen3" else pytest.mark.slow) for f in sorted(CONFIGS)]
 GREEDY_CASES += [pytest.param("qwen3", "stock", marks=pytest.mark.slow)]
 
@@ -148,31 +165,64 @@ def test_generic_greedy_matches_transformers_generate(checkpoints, family, mode)
         assert llm2.engine.executor.runner.compiled.forward.cache_hit and again == got
 
 
+def test_stacked_expert_weights_load_from_per_expert_checkpoint_tensors(checkpoints, generic):
+    """transformers holds Qwen2-MoE's experts stacked ([E, 2I, H] gate and up, [E, H, I] down);
+    its checkpoints hold one tensor per expert and projection, each placed by the layout map."""
+    from kiln.models.hf_generic import CheckpointLayout
+
+    hf, path = checkpoints["qwen2_moe"]
+    ours = dict(generic["qwen2_moe"].model.hf.named_parameters())
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(ours[name], p, atol=0, rtol=0)
+    layout = CheckpointLayout(generic["qwen2_moe"].model.hf)
+    assert layout.param_of["model.layers.0.mlp.experts.5.up_proj.weight"] == "model.layers.0.mlp.experts.gate_up_proj"
+    assert len(layout.param_of) == 2 * 6 * 3  # two sparse layers, six experts, three projections
+
+
+def test_a_conversion_that_changes_values_is_refused(generic):
+    """A checkpoint conversion that is more than a layout change (here: it doubles values) cannot
+    be replayed on element indices: refused, never loaded wrong."""
+    from kiln.models.hf_generic import CheckpointLayout
+
+    model = generic["qwen2_moe"].model.hf
+    layout = CheckpointLayout(model)
+    real = layout.revert
+    layout.revert = lambda m, state: {k: v * 2 for k, v in real(m, state).items()}
+    name = "model.layers.0.mlp.experts.0.down_proj.weight"
+    with pytest.raises(ValueError, match="do not cover it exactly once"):
+        layout.fill(name, torch.zeros(64, 48))
+
+
 # ---- the pass -------------------------------------------------------------------------------------
 def _targets(gm: torch.fx.GraphModule) -> list[str]:
     return [str(getattr(n.target, "__name__", n.target)) for n in gm.graph.nodes
             if n.op in ("call_function", "call_method")]
 
 
-def test_sdpa_pass_replaces_attention_and_removes_the_mask(checkpoints, generic):
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_sdpa_pass_replaces_attention_and_removes_the_mask(checkpoints, generic, family):
     """Dynamo captures the model as compile.mode=kiln does (attention as SDPA); kiln's passes then
-    run on that graph, and Dynamo runs the rewritten graph (no Inductor, to keep it quick)."""
-    loaded = generic["qwen3"]
+    run on that graph, and Dynamo runs the rewritten graph (no Inductor, to keep it quick).
+    Gemma 2: the sliding layer's window and both layers' soft-cap reach the paged op."""
+    loaded = generic[family]
     seen = {}
-    manager = PassManager(build_passes(PassConfig()))
+    # (window, soft-cap) per layer, as the load-time probe recorded them from transformers' calls.
+    options = {"qwen3": ((0, 0.0), (0, 0.0)), "gemma2": ((6, 2.0), (0, 2.0))}[family]
+    assert loaded.model.attention_layers == options
+    manager = PassManager(build_passes(PassConfig(attention_layers=options)))
 
     def backend(gm, example_inputs):
         seen["before"], seen["num_sdpa"] = _targets(gm), sum(is_sdpa(n) for n in gm.graph.nodes)
         manager.run_dynamo(gm)
         check_no_sdpa_left(gm.graph)
         seen["after"] = _targets(gm)
-        seen["layers"] = [n.args[3] for n in gm.graph.nodes if "attend_paged" in str(n.target)]
+        seen["layers"] = [n.args[3:] for n in gm.graph.nodes if "attend_paged" in str(n.target)]
         return gm.forward
 
     torch._dynamo.reset()
     compiled = torch.compile(lambda a, b: loaded.model(a, b), backend=backend, fullgraph=True, dynamic=False)
-    hf, _ = checkpoints["qwen3"]
-    prompts = _prompts(512, [6, 11])
+    hf, _ = checkpoints[family]
+    prompts = _prompts(512, [6, 11])  # longer than gemma2's window
     step = PagedBatcher(num_blocks=16, block_size=4).step(dict(enumerate(prompts)))
     for t in (step.input_ids, step.positions):
         torch._dynamo.mark_dynamic(t, 0)  # as KilnForward captures: num_tokens symbolic
@@ -182,7 +232,11 @@ def test_sdpa_pass_replaces_attention_and_removes_the_mask(checkpoints, generic)
     # The mask construction transformers traces: packed-sequence ids from the positions, index grids.
     assert {"diff", "cumsum", "arange"} <= set(seen["before"])
     assert manager.num_rewrites["SDPAToPagedAttentionPass"] == 2 and not manager.failed
-    assert seen["layers"] == [0, 1]  # the layer (KV cache) of each call
+    scale = {"qwen3": 0.25, "gemma2": 20 ** -0.5}[family]
+    # The layer (KV cache) of each call, its scale, and the window and soft-cap where set.
+    expected = {"qwen3": [(0, scale), (1, scale)], "gemma2": [(0, scale, 6, 2.0), (1, scale, 0, 2.0)]}[family]
+    assert [len(a) for a in seen["layers"]] == [len(e) for e in expected]
+    assert [x for a in seen["layers"] for x in a] == pytest.approx([x for e in expected for x in e])
     assert not {"diff", "cumsum", "arange", "expand", "scaled_dot_product_attention"} & set(seen["after"])
     logits = split_rows(loaded.model.compute_logits(hidden), step)
     for i, p in enumerate(prompts):
@@ -240,10 +294,8 @@ def test_random_preset_through_transformers_is_the_same_model(kiln_cache_dir, mo
 
 # ---- refusals ---------------------------------------------------------------------------------------
 REFUSED = {
-    "sliding window": (lambda: transformers.MistralConfig(**_SHAPE, sliding_window=64), "sliding-window"),
-    "layer kinds": (lambda: transformers.Gemma2Config(**_SHAPE), "sliding_attention"),
-    "soft-capping": (lambda: transformers.Gemma2Config(**_SHAPE, layer_types=["full_attention"] * 2),
-                     "soft-caps"),
+    "layer kinds": (lambda: transformers.Qwen3Config(**_SHAPE, layer_types=["full_attention", "chunked_attention"]),
+                    "chunked_attention"),
     "dynamic rope": (lambda: transformers.LlamaConfig(**_SHAPE, rope_parameters={
         "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}), "picks frequencies"),
     "encoder-decoder": (lambda: transformers.T5Config(), "encoder-decoder"),

@@ -231,3 +231,19 @@ def test_cuda_graphs_with_triton_moe_match_hf(moe, hf_greedy, kiln_cache_dir):
     compiled = llm.engine.executor.runner.compiled
     assert compiled.kernels.moe.name == "triton" and compiled.full_graphs is not None
     assert got == hf_greedy
+
+
+@pytest.mark.gpu
+def test_qwen2_moe_shapes_capture_in_kiln_mode_on_cuda(kiln_cache_dir):
+    """Qwen1.5-MoE's shapes (hidden 2048, a router over 60 experts and a 1-wide shared-expert
+    gate: matmuls with unaligned widths) capture in bf16 without a guard on num_tokens."""
+    name = "qwen1.5-moe-a2.7b-1l-test"
+    PRESETS[name] = dataclasses.replace(PRESETS["qwen1.5-moe-a2.7b"], num_layers=1, vocab_size=4096)
+    try:
+        llm = LLM(f"random:{name}", device="cuda", dtype="bfloat16", cache={"dir": kiln_cache_dir},
+                  compile={"mode": "kiln", "cudagraph": "none"})
+        out = llm.generate([[5, 6, 7], [9] * 40], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
+    finally:
+        del PRESETS[name]

@@ -167,16 +167,23 @@ def sizes_excluded_by_guards(symbol: sympy.Symbol) -> set[int]:
         if isinstance(expr, sympy.Eq) and all(isinstance(a, sympy.Symbol) for a in expr.args):
             continue  # s0 == s1: input_ids and positions have the same length
         if expr.free_symbols != {symbol}:
-            raise RuntimeError(f"kiln: the capture guarded on num_tokens ({guard.expr}); cannot run it without guards")
+            raise RuntimeError(f"kiln: the capture guarded on num_tokens ({guard.expr}{_where(guard)}); "
+                               "cannot run it without guards")
         fails = {n for n in _PROBE_SIZES if not bool(expr.xreplace({symbol: sympy.Integer(n)}))}
         if fails - set(_SMALL_SIZES):
-            raise RuntimeError(f"kiln: the capture guarded on num_tokens ({guard.expr}), which excludes sizes "
-                               f"{sorted(fails)}; the compiled graph is not valid for every size")
+            raise RuntimeError(f"kiln: the capture guarded on num_tokens ({guard.expr}{_where(guard)}), which "
+                               f"excludes sizes {sorted(fails)}; the compiled graph is not valid for every size")
         excluded |= fails
     if excluded:
         logger.info("kiln: the dynamic builds assume num_tokens not in %s; those sizes get static builds",
                     sorted(excluded))
     return excluded
+
+
+def _where(guard: Any) -> str:
+    """Where a guard was added: the model's line and the torch/Inductor function that asked."""
+    sloc = getattr(guard, "sloc", None)
+    return f", added at {sloc}" if sloc is not None else ""
 
 
 def _source_name(node: torch.fx.Node) -> str:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable, Optional
 
@@ -65,6 +66,10 @@ def build_forward(model: nn.Module, config: CompileConfig, pass_config: Optional
 def build_kiln_forward(model: nn.Module, config: CompileConfig, pass_config: PassConfig,
                        artifact_cache: Optional[ArtifactCache] = None) -> KilnForward:
     dump = DebugDump(config.debug_dump_dir) if config.debug_dump_dir else None
+    # A generic-path model's per-layer windows and soft-caps, for the attention pass.
+    attention_layers = tuple(getattr(model, "attention_layers", ()))
+    if any(w or c for w, c in attention_layers):
+        pass_config = dataclasses.replace(pass_config, attention_layers=attention_layers)
     passes = PassManager(build_passes(pass_config), dump=dump.pass_graph if dump else None)
     backend = KilnBackend(passes, config.sizes, dump, split_op_names=pass_config.kernels.split_op_names())
     entry = None

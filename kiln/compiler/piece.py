@@ -7,6 +7,11 @@ Rules kept here:
 - ``num_tokens`` is the only dynamic dimension. The dynamic build serves every size; a size in
   ``compile.sizes`` gets its own static build, chosen at run time by one dict lookup.
 - Every build happens while the graph is captured (at the first call), never while serving.
+- The dynamic build makes no size-dependent choice that would guard on ``num_tokens`` (its
+  calls skip guards): Inductor's matmul padding (``shape_padding``, CUDA) is off there, since its
+  heuristic compares the token count with the other sizes of a matmul whose sizes are not
+  aligned (``K > M``: Qwen2-MoE's 60-expert router and 1-wide shared-expert gate guarded
+  ``num_tokens < hidden_size``). Static builds keep it.
 - Inside ``PieceCompiler.progress()`` each build advances a progress bar (on a terminal only).
 """
 
@@ -27,6 +32,9 @@ from kiln.passes.manager import PassManager
 from kiln.progress import logs_above, progress_bar
 
 logger = logging.getLogger(__name__)
+
+# Inductor settings of the dynamic build only (see the module docstring).
+DYNAMIC_BUILD_PATCHES = {"shape_padding": False}
 
 
 def piece_key(gm: torch.fx.GraphModule, example_args: list[Any]) -> str:
@@ -149,7 +157,7 @@ class PieceCompiler:
         key = piece_key(gm, fake_args)
         if key not in self.cache:
             size_args = [i for i, a in enumerate(fake_args) if isinstance(a, torch.SymInt)]
-            dynamic = self._build(key, "dynamic", gm, fake_args, "from_tracing_context")
+            dynamic = self._build(key, "dynamic", gm, fake_args, "from_tracing_context", DYNAMIC_BUILD_PATCHES)
             self.cache[key] = CompiledPiece(key, dynamic, size_args[0] if size_args else None)
             self._sources[key] = _PieceSource(gm, fake_args, real_of, symbol)
         return self.cache[key]
@@ -174,13 +182,14 @@ class PieceCompiler:
                 args = concrete_args(src.fake_args, src.real_of, src.symbol, size)
                 piece.by_size[size] = self._build(key, f"size{size}", src.gm, args, "from_example_inputs")
 
-    def _build(self, key: str, variant: str, gm: torch.fx.GraphModule, args: list[Any], dynamic_shapes: str):
+    def _build(self, key: str, variant: str, gm: torch.fx.GraphModule, args: list[Any], dynamic_shapes: str,
+               patches: Optional[dict] = None):
         t0 = time.perf_counter()
         self.passes.label = f"piece_{key}_{variant}"
         if self._bar is not None:
             self._bar.set_postfix_str(f"piece {key[:8]} {variant}")
         artifact = standalone_compile(gm, args, dynamic_shapes=dynamic_shapes,
-                                      options={"config_patches": self.patches})
+                                      options={"config_patches": {**self.patches, **(patches or {})}})
         elapsed = time.perf_counter() - t0
         self.num_compiles += 1
         self.compile_seconds += elapsed

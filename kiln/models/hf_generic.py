@@ -11,19 +11,27 @@ attends each request over its own context, in one of two ways:
   registered in transformers' ``AttentionInterface`` (``kiln_attention_forward``): it hands the
   layer's q, k, v (after rotary) to the kiln op. transformers builds no mask for an attention
   implementation it has no mask function for, so none is computed.
-- ``compile.mode=kiln``: the model is captured with ``"sdpa"`` (``capture_scope``), so the Dynamo
-  graph holds the model's own ``scaled_dot_product_attention`` calls and its mask construction;
+- ``compile.mode=kiln``: the model is captured with ``"kiln_sdpa"`` (``capture_scope``):
+  transformers' own SDPA attention and SDPA masks, so the Dynamo graph holds the model's own
+  ``scaled_dot_product_attention`` calls and its mask construction;
   ``kiln.passes.sdpa_to_paged.SDPAToPagedAttentionPass`` swaps each call for the paged op and removes
   the mask construction left dead.
+
+Sliding windows and attention logit soft-caps are what transformers hands its attention function
+(the ``sliding_window`` and ``softcap`` arguments), layer by layer. The eager function passes them
+on to the paged op; for the captured graph, where SDPA cannot express a soft-cap and the window
+is only in the (removed) mask, the load-time probe records them per layer
+(``HFGenericForCausalLM.attention_layers``) and the attention pass writes them into each call.
 
 Rules kept here:
 - The model is built with its parameters on the meta device and its buffers (rotary tables)
   computed as transformers computes them; parameters are then allocated once on the target
   device in the target dtype and filled one checkpoint tensor at a time.
 - What kiln's attention cannot compute is refused before anything is built, with the reason
-  (``unsupported_reason``): sliding windows, soft-capping, encoder-decoder and non-causal models,
-  RoPE whose frequencies depend on the batch (dynamic NTK, long-rope), ALiBi and other position
-  biases. Never wrong tokens.
+  (``unsupported_reason``): layer kinds other than full and sliding-window attention,
+  encoder-decoder and non-causal models, RoPE whose frequencies depend on the batch (dynamic NTK,
+  long-rope), ALiBi and other position biases; and at the attention call, any argument kiln's
+  attention has no equivalent for (attention sinks, position biases). Never wrong tokens.
 - Tensor parallelism is refused: the generic model holds whole weights.
 """
 
@@ -40,7 +48,8 @@ import kiln.ops  # noqa: F401  (registers torch.ops.kiln.attend_paged)
 
 IMPLS = ("auto", "native", "transformers")
 ATTENTION_NAME = "kiln"  # the attention implementation registered in transformers' AttentionInterface
-CAPTURE_ATTENTION = "sdpa"  # what compile.mode=kiln captures, for the attention pass to rewrite
+CAPTURE_ATTENTION = "kiln_sdpa"  # what compile.mode=kiln captures (transformers' SDPA), for the attention pass
+ATTENTION_LAYER_KINDS = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -96,16 +105,10 @@ def unsupported_reason(config: Any) -> Optional[str]:
     if getattr(config, "is_encoder_decoder", False):
         return "it is an encoder-decoder model (kiln runs decoder-only causal LMs)"
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layer_types = getattr(text, "layer_types", None)
-    if layer_types and any(t != "full_attention" for t in layer_types):
-        kinds = sorted(set(layer_types) - {"full_attention"})
-        return f"it has {kinds} layers (kiln's attention has no sliding window or other layer kinds yet)"
-    window = getattr(text, "sliding_window", None)
-    if window and getattr(text, "use_sliding_window", True) and not layer_types:
-        return f"it uses sliding-window attention (sliding_window={window}), which kiln's attention lacks"
-    if getattr(text, "attn_logit_softcapping", None):
-        return (f"it soft-caps attention logits (attn_logit_softcapping={text.attn_logit_softcapping}), "
-                "which kiln's attention lacks")
+    layer_types = getattr(text, "layer_types", None) or ()
+    if any(t not in ATTENTION_LAYER_KINDS for t in layer_types):
+        kinds = sorted(set(layer_types) - set(ATTENTION_LAYER_KINDS))
+        return f"it has {kinds} layers (kiln's attention has full and sliding-window layers only)"
     if getattr(text, "alibi", False) or getattr(text, "position_embedding_type", "rope") == "alibi":
         return "it uses ALiBi position biases, which kiln's attention lacks"
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
@@ -135,11 +138,8 @@ def kiln_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
                            attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
                            dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers attention function: q [1, H, T, D], k/v [1, KVH, T, D] (after rotary) ->
-    ([1, T, H, D], None), through ``torch.ops.kiln.attend_paged`` on the layer's paged cache."""
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError(f"{type(module).__name__} asks for a sliding window, which kiln's attention lacks")
-    if kwargs.get("softcap") is not None:
-        raise ValueError(f"{type(module).__name__} asks for soft-capping, which kiln's attention lacks")
+    ([1, T, H, D], None), through ``torch.ops.kiln.attend_paged`` on the layer's paged cache, with
+    the layer's sliding window and logit soft-cap when transformers passes them."""
     for name in ("s_aux", "sinks", "position_bias"):
         if kwargs.get(name) is not None:
             raise ValueError(f"{type(module).__name__} passes {name!r} to its attention, which kiln's attention lacks")
@@ -149,15 +149,50 @@ def kiln_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
     q = query[0].transpose(0, 1).contiguous()  # [T, H, D]; the kernels' output then has q's layout
     k = key[0].transpose(0, 1)  # [T, KVH, D]
     v = value[0].transpose(0, 1)
-    o = torch.ops.kiln.attend_paged(q, k, v, module.layer_idx, float(scale))  # [T, H, D]
+    window, softcap = attention_options(type(module).__name__, kwargs)
+    options = {}
+    if window:  # passed only when set, as the native model does: other graphs stay the same
+        options["sliding_window"] = window
+    if softcap:
+        options["logit_softcap"] = softcap
+    o = torch.ops.kiln.attend_paged(q, k, v, module.layer_idx, float(scale), **options)  # [T, H, D]
     return o.unsqueeze(0), None
 
 
+def attention_options(where: str, kwargs: dict[str, Any]) -> tuple[int, float]:
+    """(sliding window, logit soft-cap) of transformers' attention arguments, 0 where unset.
+
+    transformers' window (``sliding_window=w``) lets a query see itself and the w - 1 keys before
+    it, as kiln's ``sliding_window`` does."""
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"{where} asks for sliding_window={window!r}; kiln's attention takes a positive int")
+    if softcap is not None and not float(softcap) > 0:
+        raise ValueError(f"{where} asks for softcap={softcap!r}; kiln's attention takes a positive float")
+    return int(window or 0), float(softcap or 0.0)
+
+
+def capture_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attention_mask: Optional[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, as compile.mode=kiln captures it. A soft-cap (which SDPA
+    lacks and transformers' SDPA function refuses) is left out: the attention pass replaces every
+    call with the paged op, which applies the layer's recorded soft-cap, and a graph still holding
+    an SDPA call is never run (``check_no_sdpa_left``)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kwargs.pop("softcap", None)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 def register_attention() -> None:
-    """Make ``attn_implementation="kiln"`` known to transformers (idempotent)."""
+    """Make ``attn_implementation="kiln"`` (and ``"kiln_sdpa"``, the capture's, with transformers'
+    SDPA masks) known to transformers (idempotent)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ATTENTION_NAME, kiln_attention_forward)
+    AttentionInterface.register(CAPTURE_ATTENTION, capture_attention_forward)
+    AttentionMaskInterface.register(CAPTURE_ATTENTION, sdpa_mask)
 
 
 # ---- the model ------------------------------------------------------------------------------------
@@ -175,6 +210,10 @@ class HFGenericForCausalLM(nn.Module):
         self.logit_divisor = float(getattr(text, "logits_scaling", 1.0) or 1.0)  # Granite
         self.logit_scale = float(getattr(text, "logit_scale", 1.0) or 1.0)  # Cohere
         self.final_softcap = getattr(text, "final_logit_softcapping", None)  # Gemma 2
+        # (sliding window, logit soft-cap) per layer, 0 where unset: what transformers passes each
+        # layer's attention, recorded at load (``_probe_attention_layers``); the attention pass
+        # writes them into the captured graph.
+        self.attention_layers: tuple[tuple[int, float], ...] = ()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens] int64 -> final hidden states [num_tokens, hidden]."""
@@ -297,13 +336,22 @@ def lay_out_sibling_linears(model: nn.Module) -> int:
 
 @torch.no_grad()
 def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into ``model``: by name, or, for parameters transformers holds in
+    another layout than its checkpoints, through ``CheckpointLayout``. Every parameter must be
+    filled whole, except those tied to another."""
     params = dict(model.named_parameters(remove_duplicate=False))
     persistent = {n: b for n, b in model.named_buffers() if _is_persistent(model, n)}
     targets = {**params, **persistent}
-    loaded: set[int] = set()
+    layout: Optional[CheckpointLayout] = None  # built at the first name not found
+    filled: dict[int, int] = {}  # id(parameter) -> elements copied into it
     for name, tensor in weights:
         dest = targets.get(name)
         if dest is None:
+            layout = CheckpointLayout(model) if layout is None else layout
+            param = layout.fill(name, tensor)
+            if param is not None:
+                filled[id(param)] = filled.get(id(param), 0) + tensor.numel()
+                continue
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # older checkpoints saved the rotary table; it is computed, not loaded
             raise ValueError(f"unexpected weight {name!r} for {type(model).__name__}")
@@ -311,11 +359,79 @@ def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> 
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
         dest.copy_(tensor)
         del tensor
-        loaded.add(id(dest))
-    missing = sorted(n for n, p in params.items() if id(p) not in loaded)
+        filled[id(dest)] = filled.get(id(dest), 0) + dest.numel()
+    missing = sorted(n for n, p in params.items() if filled.get(id(p), 0) < p.numel())
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"checkpoint lacks {len(missing)} weight(s): {missing[:5]}{more}")
+
+
+class CheckpointLayout:
+    """Where a checkpoint tensor goes in a parameter that transformers holds in another layout
+    than it saves (transformers 5 stacks a mixture of experts' per-expert weights into one tensor).
+
+    No per-model code: transformers' own save-time conversion (``revert_weight_conversion``) is
+    run on the parameter's element indices (``arange(numel)`` in its shape), which gives, for each
+    checkpoint name, the flat index of each of its elements in the parameter. A conversion must
+    only move elements (stack, split, chunk, transpose): the indices must stay integers and cover
+    the parameter exactly once, else the model is refused. Index maps are built per parameter at
+    its first checkpoint tensor and dropped once used (transient memory: about two int64 copies
+    of that one parameter)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.param_of: dict[str, str] = {}  # checkpoint name -> parameter name
+        self.indices: dict[str, torch.Tensor] = {}  # checkpoint name -> flat indices into its parameter
+        try:
+            from transformers.core_model_loading import revert_weight_conversion
+        except ImportError:  # a transformers without weight conversions saves what it holds
+            self.revert = None
+            return
+        self.revert = revert_weight_conversion
+        params = dict(model.named_parameters())
+        converted = set(self._revert({n: torch.empty_like(p, device="meta") for n, p in params.items()}))
+        for pname, p in params.items():
+            if pname in converted:
+                continue  # saved as held
+            for cname in self._revert({pname: torch.empty_like(p, device="meta")}):
+                self.param_of[cname] = pname
+
+    def _revert(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.revert(self.model, state) if self.revert is not None else state
+
+    def fill(self, name: str, tensor: torch.Tensor) -> Optional[nn.Parameter]:
+        """Copy checkpoint tensor ``name`` into its parameter and return it; None if ``name`` is
+        no part of a converted parameter."""
+        pname = self.param_of.get(name)
+        if pname is None:
+            return None
+        param = self.model.get_parameter(pname)
+        if name not in self.indices:
+            self._index(pname, param)
+        idx = self.indices.pop(name)
+        if tuple(idx.shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(idx.shape)}")
+        param.view(-1).index_copy_(0, idx.reshape(-1).to(param.device), tensor.reshape(-1).to(param.dtype))
+        return param
+
+    def _index(self, pname: str, param: torch.Tensor) -> None:
+        numel = param.numel()
+        dtype = torch.int32 if numel < 2**31 else torch.int64
+        pieces = self._revert({pname: torch.arange(numel, dtype=dtype).view(param.shape)})
+        seen = torch.zeros(numel, dtype=torch.int32)
+        for cname, idx in pieces.items():
+            if idx.dtype != dtype or self.param_of.get(cname) != pname:
+                raise ValueError(f"model.impl=transformers cannot load {type(self.model).__name__}: transformers "
+                                 f"converts checkpoint weight {cname!r} into {pname!r} with more than a layout change")
+            flat = idx.reshape(-1).long()
+            if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= numel):
+                seen.zero_()  # indices out of the parameter: not a layout change
+                break
+            seen.index_add_(0, flat, torch.ones(flat.numel(), dtype=torch.int32))
+        if not bool((seen == 1).all()):
+            raise ValueError(f"model.impl=transformers cannot load {type(self.model).__name__}: the checkpoint weights "
+                             f"of {pname!r} ({sorted(pieces)[:3]}...) do not cover it exactly once")
+        self.indices.update((c, i.long()) for c, i in pieces.items())
 
 
 def _is_persistent(model: nn.Module, name: str) -> bool:
@@ -352,9 +468,11 @@ def _probe_attention_layers(model: HFGenericForCausalLM) -> None:
     from transformers import AttentionInterface
 
     seen: list[int] = []
+    options: list[tuple[int, float]] = []
 
     def record(module, query, key, value, attention_mask, **kwargs):
         seen.append(getattr(module, "layer_idx", -1))
+        options.append(attention_options(type(module).__name__, kwargs))
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
 
     AttentionInterface.register(_PROBE_NAME, record)
@@ -369,6 +487,7 @@ def _probe_attention_layers(model: HFGenericForCausalLM) -> None:
         raise ValueError(f"model.impl=transformers cannot run {type(model.hf).__name__}: its attention does not go "
                          f"through transformers' attention interface once per layer in order (saw layers {seen[:8]}, "
                          f"expected 0..{model.arch.num_layers - 1}), so kiln cannot give it a paged cache")
+    model.attention_layers = tuple(options)
 
 
 def hf_config_from_dict(d: dict[str, Any]) -> Any:

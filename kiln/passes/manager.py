@@ -72,6 +72,9 @@ DumpFn = Callable[[str, str, str, str], None]
 class PassConfig:
     kernels: KernelSet = field(default_factory=reference_kernels)
     fusion: str = "auto"  # auto | on | off (see the module docstring)
+    # (sliding window, logit soft-cap) per attention layer of a captured transformers model, for
+    # SDPAToPagedAttentionPass (SDPA cannot carry them); () when no layer has either.
+    attention_layers: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.fusion not in ("auto", "on", "off"):
@@ -87,7 +90,7 @@ def build_passes(config: PassConfig) -> list[KilnPass]:
     """The one ordered list."""
     k = config.kernels
     return [
-        SDPAToPagedAttentionPass(),
+        SDPAToPagedAttentionPass(config.attention_layers),
         MergeSiblingLinearsPass(),
         AttentionBackendPass(k),
         MoEBackendPass(k),

@@ -16,11 +16,19 @@ decoder's layers run in order); where Dynamo recorded the module path, its layer
 The mask construction and the GQA repeats are then dead and removed (dead-code elimination), with
 anything else left unused.
 
+What the mask or the model's attention function did beyond causal attention, the layer's sliding
+window and logit soft-cap, the pass cannot read off SDPA: it takes them per layer
+(``layer_options``, from the model: ``HFGenericForCausalLM.attention_layers``) and passes them to
+the paged op where set::
+
+    o = kiln.attend_paged(q', k', v', layer, s, window, softcap)
+
 A call the pass cannot prove equivalent (dropout, a non-causal call without mask, q not of batch
 1, differing q/v head sizes) raises: the manager restores the graph, and ``check_no_sdpa_left``
 (called by the backend after the dynamo stage) then refuses the capture with the reason, so a
-graph never attends over only the step's tokens. Models whose attention kiln lacks (sliding
-windows, soft-capping) are refused earlier, from their config (``kiln.models.hf_generic``).
+graph never attends over only the step's tokens. So is a graph whose number of SDPA calls differs
+from the number of layers given options for. Models whose attention kiln lacks (other layer kinds,
+position biases) are refused earlier, from their config (``kiln.models.hf_generic``).
 """
 
 from __future__ import annotations
@@ -93,13 +101,21 @@ def _module_layer(node: torch.fx.Node) -> Optional[int]:
 class SDPAToPagedAttentionPass(KilnPass):
     stage = "dynamo"
 
-    def __init__(self) -> None:
+    def __init__(self, layer_options: tuple[tuple[int, float], ...] = ()) -> None:
+        # (sliding window, logit soft-cap) per layer, 0 where unset; () when no layer has either.
+        self.layer_options = tuple((int(w), float(c)) for w, c in layer_options)
         self.num_dead_removed = 0  # nodes the last run removed as dead (mask construction, GQA repeats)
+
+    def options(self) -> dict[str, Any]:
+        return {"layer_options": self.layer_options}
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         calls = [n for n in graph.nodes if is_sdpa(n)]
         if not calls:
             return 0
+        if self.layer_options and len(calls) != len(self.layer_options):
+            raise ValueError(f"{len(calls)} attention calls in the graph, but options for {len(self.layer_options)} "
+                             "layers (sliding windows, soft-caps): cannot tell which call is which layer")
         for layer, node in enumerate(calls):
             self._rewrite(graph, node, layer)
         before = len(graph.nodes)
@@ -148,7 +164,9 @@ class SDPAToPagedAttentionPass(KilnPass):
             # q in token-major layout: the kernels' output (contiguous) then matches their fake
             # (shaped like q), and Inductor writes the rotary result in that layout at no cost.
             flat[0] = call("call_method", "contiguous", (flat[0],))
-            o = call("call_function", torch.ops.kiln.attend_paged.default, (*flat, layer, scale))  # [T, H, D]
+            window, softcap = self.layer_options[layer] if self.layer_options else (0, 0.0)
+            extra = (window, softcap) if window or softcap else ()  # unset: the same graph as without options
+            o = call("call_function", torch.ops.kiln.attend_paged.default, (*flat, layer, scale, *extra))  # [T, H, D]
             out = call("call_function", torch.unsqueeze, (call("call_function", torch.transpose, (o, 0, 1)), 0))
         out.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
         node.replace_all_uses_with(out)
