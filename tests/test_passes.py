@@ -347,7 +347,7 @@ def test_uuid_tracks_source_and_options():
 
 def test_pass_list_order_and_auto_fusion():
     names = [p.name for p in build_passes(PassConfig())]
-    assert names == ["SDPAToPagedAttentionPass", "AttentionBackendPass", "MoEBackendPass", "QuantLinearPass",
+    assert names == ["SDPAToPagedAttentionPass", "MergeSiblingLinearsPass", "AttentionBackendPass", "MoEBackendPass", "QuantLinearPass",
                      "NoOpEliminationPass", "SiluMulFusionPass", "AddRMSNormFusionPass", "Fp8QuantFusionPass"]
     cpu = {p.name: p.options() for p in build_passes(PassConfig(kernels=select_kernels("cpu")))}
     cuda = {p.name: p.options() for p in build_passes(PassConfig(kernels=select_kernels("cuda")))}

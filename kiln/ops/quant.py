@@ -33,6 +33,23 @@ INT4_GROUP_SIZE = 32  # GGUF's block size, and a multiple of torch's int4 kernel
 FP8_MAX = 448.0  # the largest float8_e4m3fn
 FP8_DTYPE = torch.float8_e4m3fn
 
+# Up to this many rows the Triton W8A16 kernel beats per-token quantization + ``_scaled_mm`` on an
+# H100 at the llama3-8b shapes (benchmarks/quant_gemm.py: at 32 rows it is 3-40% faster, at 64
+# slower on two of the four).
+FP8_TRITON_MAX_ROWS = 32
+
+
+def fp8_fits(n: int, k: int, group_size: int) -> bool:
+    """Whether ``_scaled_mm`` takes an [n, k] FP8 weight."""
+    return n % 16 == 0 and k % 16 == 0
+
+
+def fp8_weight_only_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether an FP8 GEMM of input ``x`` and weight ``w`` runs the weight-only kernel (decode rows,
+    or a shape ``_scaled_mm`` cannot take) rather than per-token quantization + ``_scaled_mm``."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return rows <= FP8_TRITON_MAX_ROWS or not fp8_fits(w.shape[0], w.shape[1], -1)
+
 
 # ---- quantizers (canonical formats) ---------------------------------------------------------------
 

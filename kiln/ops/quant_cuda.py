@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.quant import define_dequant_op, define_linear_op, linear_fp8_reference, quantize_fp8_per_token
+from kiln.ops.quant import (FP8_TRITON_MAX_ROWS, define_dequant_op, define_linear_op, fp8_fits,  # noqa: F401
+                            fp8_weight_only_rows, linear_fp8_reference, quantize_fp8_per_token)
 
 
 def fp8_supported() -> bool:
     if not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
         return False
     return torch.cuda.get_device_capability() >= (8, 9)
-
-
-def fp8_fits(n: int, k: int, group_size: int) -> bool:
-    return n % 16 == 0 and k % 16 == 0
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,21 +40,10 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return triton_quantize_fp8_per_token(x)
 
 
-# Up to this many rows the Triton W8A16 kernel beats per-token quantization + ``_scaled_mm`` on an
-# H100 at the llama3-8b shapes (benchmarks/quant_gemm.py: at 32 rows it is 3-40% faster, at 64
-# slower on two of the four).
-FP8_TRITON_MAX_ROWS = 32
-
-
-def _triton_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
-    rows = x.numel() // max(x.shape[-1], 1)
-    return rows <= FP8_TRITON_MAX_ROWS or not fp8_fits(w.shape[0], w.shape[1], -1)
-
-
 def _linear_fp8_scaled_mm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     if x.device.type != "cuda":
         return linear_fp8_reference(x, w, scales, group_size)
-    if _triton_rows(x, w):
+    if fp8_weight_only_rows(x, w):
         from kiln.ops.triton_quant_gemm import triton_linear
 
         return triton_linear("fp8", x, w, scales, group_size)

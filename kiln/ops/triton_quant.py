@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kiln.ops.quant import (FP8_DTYPE, FP8_MAX, add_rms_norm_quant_fp8_reference, define_fp8_fusion_ops,
-                            linear_fp8_prequant_reference, quantize_fp8_per_token, silu_and_mul_quant_fp8_reference)
+                            fp8_weight_only_rows, linear_fp8_prequant_reference, quantize_fp8_per_token, silu_and_mul_quant_fp8_reference)
 
 _SILU_BLOCK = 1024
 
@@ -150,9 +150,7 @@ def _linear_fp8_prequant(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, sc
                          out_dtype: torch.dtype) -> torch.Tensor:
     if xq.device.type != "cuda":
         return linear_fp8_prequant_reference(xq, xs, w, scales, out_dtype)
-    from kiln.ops.quant_cuda import _triton_rows
-
-    if _triton_rows(xq, w):  # decode rows: the weight-only kernel, reading the fp8 rows as they are
+    if fp8_weight_only_rows(xq, w):  # decode rows: the weight-only kernel, reading the fp8 rows as they are
         from kiln.ops.triton_quant_gemm import triton_linear
 
         return triton_linear("fp8", xq, w, scales, -1, x_scales=xs, out_dtype=out_dtype)
