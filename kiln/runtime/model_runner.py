@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
