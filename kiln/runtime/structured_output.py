@@ -16,7 +16,8 @@ one step's token bitmask: a row of 32-bit words per sampled request, bit t set w
 come next.
 - On a GPU the fill runs on a worker thread while the step's forward runs and the engine
   detokenizes the step before; the bitmask goes up from pinned host memory without waiting for
-  the stream. Unconstrained rows (and a step with none) cost nothing on the device.
+  the stream. The mask is applied to the constrained rows only; a step with none keeps the
+  sampler's fast path.
 - A matcher is reconciled with its request before every fill: tokens sampled since are accepted,
   and if the request holds fewer tokens than the matcher has accepted it rolls back (or is rebuilt
   from the request's tokens). So preemption, n > 1 (one matcher per sample), prefix caching (which
