@@ -12,7 +12,8 @@ full CUDA graphs on a GPU):
 - grammar compile time per schema (xgrammar, the engine's own ``GrammarCompiler``, first compile
   and cached), for a list of schemas of increasing difficulty, and the one-time tokenizer scan.
 
-Each run is done twice and the second timed (the first warms graphs and caches). Results:
+Each run is done once to warm graphs and caches, then ``--repeats`` times, and the median timed;
+then once more with the engine's host phases timed (the per-step breakdown). Results:
 ``$OUT/structured.json`` (or ``--out``) and a markdown table, printed last.
 
     PYTHONPATH=$PWD python benchmarks/structured.py                                # GPU defaults
@@ -61,8 +62,41 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--mode", default="kiln")
     p.add_argument("--cudagraph", default="full")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each; the median is reported")
     p.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     return p.parse_args(argv)
+
+
+def step_breakdown(llm, prompts, params) -> dict[str, float]:
+    """Mean milliseconds per engine step in each phase of one more (untimed) generate: the host
+    side of a step, phase by phase. ``fill`` runs on its own thread where the runner has one."""
+    engine = llm.engine
+    runner = engine.executor.runner
+    targets = {"step": (engine, "step"), "schedule": (engine.scheduler, "schedule"),
+               "update": (engine.scheduler, "update"), "process (detokenize)": (engine, "_process"),
+               "runner.launch": (runner, "launch"), "runner.collect": (runner, "collect"),
+               "sampler.launch": (runner.sampler, "launch"), "bitmask fill": (runner.bitmasks, "fill")}
+    totals = dict.fromkeys(targets, 0.0)
+    num_steps = [0]
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            num_steps[0] += name == "step"
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                totals[name] += time.perf_counter() - t0
+        return wrapper
+
+    for name, (obj, attr) in targets.items():
+        setattr(obj, attr, timed(name, getattr(obj, attr)))
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        for obj, attr in targets.values():
+            delattr(obj, attr)  # the class's method again
+    return {name: 1e3 * total / max(num_steps[0], 1) for name, total in totals.items()}
 
 
 def timed_generate(llm, prompts, params) -> tuple[float, int, list[str]]:
@@ -111,9 +145,13 @@ def main(argv=None) -> None:
     runs = {}
     for name, params in (("unconstrained", plain), ("json_schema", constrained)):
         timed_generate(llm, prompts, params)  # warm-up
-        elapsed, num_tokens, reasons = timed_generate(llm, prompts, params)
+        timings = [timed_generate(llm, prompts, params) for _ in range(args.repeats)]
+        elapsed, num_tokens, reasons = sorted(timings)[len(timings) // 2]
         runs[name] = {"seconds": elapsed, "output_tokens": num_tokens, "tok_s": num_tokens / elapsed,
-                      "all_length": all(r == "length" for r in reasons)}
+                      "all_length": all(r == "length" for r in reasons),
+                      "ms_per_step": 1e3 * elapsed / args.max_tokens}
+    for name, params in (("unconstrained", plain), ("json_schema", constrained)):
+        runs[name]["host_ms_per_step"] = step_breakdown(llm, prompts, params)
     overhead = runs["unconstrained"]["tok_s"] / runs["json_schema"]["tok_s"] - 1
     result = {"device": device, "model": args.model, "dtype": args.dtype, "batch": args.batch,
               "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "mode": args.mode,
@@ -128,6 +166,11 @@ def main(argv=None) -> None:
              "| run | output tok/s | tokens | s | all hit max_tokens |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {k} | {v['tok_s']:.1f} | {v['output_tokens']} | {v['seconds']:.2f} | {v['all_length']} |"
               for k, v in runs.items()]
+    lines += ["", "Host time per engine step, ms (one more run of each, timed phase by phase; nested phases "
+              "overlap: launch holds the fill where it runs inline, collect the sampling where it runs there):", "",
+              "| phase | " + " | ".join(runs) + " |", "| --- |" + " --- |" * len(runs)]
+    lines += [f"| {phase} | " + " | ".join(f"{v['host_ms_per_step'][phase]:.3f}" for v in runs.values()) + " |"
+              for phase in next(iter(runs.values()))["host_ms_per_step"]]
     lines += ["", f"JSON-schema overhead: {100 * overhead:+.1f}% (unconstrained tok/s over constrained)",
               f"tokenizer scan (once per engine): {tokenizer_scan_s:.2f} s", "",
               "| schema | compile ms (cold) | ms (cached) |", "| --- | --- | --- |"]

@@ -92,6 +92,23 @@ def test_include_stop_str_in_output(tokenizer):
     assert detok.text == "".join(deltas) == "The answer is 4"
 
 
+def test_min_tokens_holds_back_stop_strings(tokenizer):
+    """As in vLLM: a stop string counts once more than min_tokens tokens are out, if it ends in
+    text after that (it may begin before)."""
+    text = "one two one two one two"
+    ids = tokenizer.encode(text)
+    first_two = next(k for k in range(1, len(ids) + 1) if tokenizer.decode(ids[:k]).endswith("two"))
+    assert first_two < len(ids) - 2
+    detok, _ = stop_run(tokenizer, text, stop=["two"], min_tokens=first_two - 1)
+    assert detok.stop_string == "two" and detok.text == "one "
+    detok, _ = stop_run(tokenizer, text, stop=["two"], min_tokens=first_two)
+    assert detok.stop_string == "two" and detok.text == "one two one "
+    detok, _ = stop_run(tokenizer, text, stop=["two one"], min_tokens=first_two)
+    assert detok.stop_string == "two one" and detok.text == "one "
+    detok, deltas = stop_run(tokenizer, text, stop=["two"], min_tokens=len(ids))
+    assert detok.stop_string is None and "".join(deltas) + detok.flush() == text
+
+
 def test_earliest_stop_string_wins(tokenizer):
     detok, _ = stop_run(tokenizer, "one two three four", stop=["four", "two", "three"])
     assert detok.stop_string == "two"

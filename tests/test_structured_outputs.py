@@ -233,6 +233,16 @@ def test_logit_bias_forces_a_token_and_min_tokens_holds_back_eos(smol, client):
     held = client.chat.completions.create(model=SMOL, messages=messages, max_tokens=k + 12, temperature=0,
                                           extra_body={"min_tokens": k + 6})
     assert held.usage.completion_tokens >= k + 6
+    # Stop strings wait for min_tokens too (vLLM's rule): the first one that ends after token m counts.
+    prompt, m = "1, 2, 3,", 5
+    full = client.completions.create(model=SMOL, prompt=prompt, max_tokens=20, temperature=0,
+                                     extra_body={"return_token_ids": True}).choices[0]
+    before_m = len(tokenizer.decode(full.token_ids[:m]))
+    assert full.finish_reason == "length" and "," in full.text[:before_m] and "," in full.text[before_m:]
+    for min_tokens, want in ((0, full.text[:full.text.index(",")]), (m, full.text[:full.text.index(",", before_m)])):
+        out = client.completions.create(model=SMOL, prompt=prompt, max_tokens=20, temperature=0, stop=[","],
+                                        extra_body={"min_tokens": min_tokens}).choices[0]
+        assert (out.text, out.finish_reason) == (want, "stop"), min_tokens
 
 
 def test_continuous_usage_stats(client):

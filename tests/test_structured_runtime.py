@@ -101,3 +101,47 @@ def test_batched_fill_equals_one_by_one(tokenizer, compiler):
     for row, req in enumerate(reqs):
         alone = GrammarBitmasks(compiler).fill([req])
         assert (alone is None and len(_allowed(together, row, vocab)) == vocab) or torch.equal(alone[0], together[row])
+
+
+def test_background_batched_fill_follows_one_matcher_per_request(tokenizer, compiler):
+    """The engine's GPU path (fills on the worker thread, one batched accept per step) gives each
+    row the bitmask a lone matcher fed token by token gives; a refused token frees that row only."""
+    import random
+
+    vocab, rng = len(tokenizer), random.Random(0)
+    # Grammars no 16 tokens can complete, so every row stays open.
+    specs = [StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string", "minLength": 300}},
+                                           "required": ["a"]}),
+             None, StructuredOutputsParams(regex="[a-z ]{300}"),
+             StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}, "minItems": 40})]
+    reqs = [Request(str(i), [1], SamplingParams(structured_outputs=s)) for i, s in enumerate(specs)]
+    batched = GrammarBitmasks(compiler, background=True)
+    alone = {i: GrammarBitmasks(compiler) for i, s in enumerate(specs) if s is not None}
+    for step in range(16):
+        got = batched.start_fill(reqs).result()
+        for row, req in enumerate(reqs):
+            want = alone[row].fill([req]) if row in alone else None
+            allowed = _allowed(got, row, vocab)
+            assert allowed == (_allowed(want, 0, vocab) if want is not None and not (row == 2 and step > 5)
+                               else set(range(vocab))), (step, row)
+            # Row 2 takes a token its grammar refuses at step 5; from then on it is unconstrained.
+            token = 0 if (row == 2 and step == 5) else rng.choice(sorted(allowed - {tokenizer.eos_token_id}))
+            req.output_token_ids.append(token)
+    batched.shutdown()
+
+
+def test_json_schema_objects_take_only_their_listed_properties(tokenizer, compiler):
+    """``strict`` or not, a schema compiles one way (vLLM enforces it regardless too): an object
+    without ``additionalProperties`` takes only the properties it lists, as OpenAI's strict mode
+    asks, so no output carries a key the client did not name; every output still validates."""
+    from kiln.entrypoints.openai.protocol import ChatCompletionRequest
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    keys = {ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], response_format={
+        "type": "json_schema", "json_schema": {"name": "n", "schema": schema, **strict}}).structured_outputs_params().key
+        for strict in ({}, {"strict": True}, {"strict": False})}
+    assert len(keys) == 1
+    req = Request("s", [1], SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)))
+    req.output_token_ids = tokenizer.encode('{"a": 7', add_special_tokens=False)
+    allowed = {tokenizer.decode([t]) for t in _allowed(GrammarBitmasks(compiler).fill([req]), 0, len(tokenizer))}
+    assert allowed == {*"0123456789", "}"}  # no ", " to a second key

@@ -59,6 +59,10 @@ class IncrementalDetokenizer:
         self._decode = fast_decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.stop_strings: list[str] = list(params.stop or [])
+        # As in vLLM: a stop string counts only once more than min_tokens tokens are out, and only
+        # if it ends in text that came after that.
+        self.min_tokens = params.min_tokens
+        self._num_tokens = 0
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.stop_string: Optional[str] = None
         self._vocab_size = len(tokenizer)
@@ -92,11 +96,13 @@ class IncrementalDetokenizer:
         """Take one output token; return the text it releases (often "", never taken back)."""
         if self._finished:
             return ""
+        self._num_tokens += 1
+        checked = len(self._pending)  # text before this token's was searched already (or exempt)
         if self._in_vocab(token_id):
             self._ids.append(token_id)
             self._decode_window(force=False)
-        if self.stop_strings:
-            self._find_stop()
+        if self.stop_strings and self._num_tokens > self.min_tokens:
+            self._find_stop(checked)
         return self._release(final=self._finished)
 
     def flush(self) -> str:
@@ -134,11 +140,11 @@ class IncrementalDetokenizer:
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
 
-    def _find_stop(self) -> None:
-        """Cut the pending text at the earliest stop string in it, if any."""
+    def _find_stop(self, checked: int) -> None:
+        """Cut the pending text at the earliest stop string that ends past ``checked``, if any."""
         best: Optional[tuple[int, str]] = None
         for stop in self.stop_strings:
-            index = self._pending.find(stop)
+            index = self._pending.find(stop, max(0, checked - len(stop) + 1))
             if index >= 0 and (best is None or index < best[0]):
                 best = (index, stop)
         if best is None:

@@ -32,8 +32,8 @@ def apply_logits_processors(logits: torch.Tensor, requests: list[Request],
         pairs = [(i, t, b) for i in bias_rows for t, b in params[i].logit_bias.items() if t < vocab]
         if pairs:
             rows, ids, values = zip(*pairs)
-            logits.index_put_((_ids(rows, dev), _ids(ids, dev)),
-                              torch.tensor(values, dtype=logits.dtype, device=dev), accumulate=True)
+            logits.index_put_((_ids(rows, dev), _ids(ids, dev)), host_to_device(values, dev, logits.dtype),
+                              accumulate=True)
     if min_rows:
         pairs = [(i, t) for i in min_rows for t in _stop_ids(requests[i]) if 0 <= t < vocab]
         if pairs:
@@ -43,7 +43,9 @@ def apply_logits_processors(logits: torch.Tensor, requests: list[Request],
         import xgrammar as xgr
 
         constrained = [i for i, p in enumerate(params) if p.structured_outputs is not None]
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(dev, non_blocking=True), indices=constrained)
+        indices = None if len(constrained) == len(params) else host_to_device(constrained, dev, torch.int32)
+        # The bitmask's host memory is pinned on a GPU: the upload does not wait for the stream.
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(dev, non_blocking=True), indices=indices)
     return logits
 
 
@@ -55,4 +57,13 @@ def _stop_ids(request: Request) -> list[int]:
 
 
 def _ids(values, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    return host_to_device(values, device, torch.int64)
+
+
+def host_to_device(values: list, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A small host list on ``device``. On CUDA through pinned memory, without waiting: a plain
+    (pageable) copy would synchronize the stream, i.e. wait for the forward just launched."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

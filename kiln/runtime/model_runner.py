@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -34,6 +35,7 @@ from kiln.runtime.input_batch import InputBatch
 from kiln.runtime.kv_sizing import KVShape
 from kiln.runtime.ngram_proposer import NgramProposer
 from kiln.runtime.rejection_sampler import VerifiedTokens, verify
+from kiln.runtime.request import Request
 from kiln.runtime.sampler import SampledTokens, Sampler, host_to_device
 from kiln.runtime.structured_output import GrammarBitmasks, GrammarCompiler
 from kiln.runtime.scheduler_output import SchedulerOutput
@@ -65,8 +67,22 @@ class LaunchedStep:
     samples: Optional[SampledTokens] = None  # None: nothing sampled here (no row, or rank > 0)
     verified: Optional[VerifiedTokens] = None  # instead of samples, when proposed tokens were verified
     num_proposed: list[int] = field(default_factory=list)  # per verified request: proposed tokens, fillers not counted
+    constrained: Optional[ConstrainedStep] = None  # instead of samples, when a grammar constrains a row
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     embeddings: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass
+class ConstrainedStep:
+    """A step a grammar constrains: sampled in ``collect``, once the bitmask filled meanwhile is ready."""
+
+    logits: torch.Tensor  # [num_sampled, vocab]
+    requests: list[Request]
+    greedy_ids: Optional[torch.Tensor]
+    bitmask: Future  # of GrammarBitmasks.fill(requests)
+
+    def sample(self, sampler: Sampler) -> SampledTokens:
+        return sampler.launch(self.logits, self.requests, self.greedy_ids, self.bitmask.result())
 
 
 class ModelRunner:
@@ -131,7 +147,8 @@ class ModelRunner:
             self.proposer.bind_kv_caches(self.draft_kv_caches)
         self.sampler = Sampler(seed=model_config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, _stop_ids(self.arch.eos_token_id))
-        self.bitmasks = GrammarBitmasks(self.grammars)
+        on_gpu = self.device.type == "cuda"
+        self.bitmasks = GrammarBitmasks(self.grammars, pin_memory=on_gpu, background=on_gpu)
         self._pool_sums: dict[str, tuple[torch.Tensor, int]] = {}  # mean pooling across prefill chunks
         num_usable = self.num_blocks - 1  # block 0 is the pool's null block (kiln.runtime.block_pool)
         logger.info("KV cache: %d usable blocks of %d tokens (%d tokens of context; 1 more block is reserved) "
@@ -179,7 +196,9 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Prepare the inputs and enqueue forward, logits and sampling; on a GPU it returns while
-        they run. Everything read from the requests is read here: ``collect`` reads none of it."""
+        they run. Everything read from the requests is read here, except in a step a grammar
+        constrains: its bitmask fill and sampling read them until ``collect`` (the engine changes a
+        request only after its step is collected)."""
         if sched.is_empty:
             return LaunchedStep()
         drafts = self.proposer.propose(sched) if self.proposer is not None else {}
@@ -209,9 +228,13 @@ class ModelRunner:
             return LaunchedStep(request_ids, verified=verify(self.sampler, logits, requests, draft_lists),
                                 num_proposed=[num_proposed.get(rid, 0) for rid in request_ids],
                                 prompt_logprobs=prompt_logprobs, embeddings=embeddings)
-        # On a GPU the forward is still running: the grammar bitmask is filled on the CPU meanwhile.
-        bitmask = self.bitmasks.fill(requests)
-        return LaunchedStep(request_ids, self.sampler.launch(logits, requests, greedy_ids, bitmask),
+        if self.bitmasks.constrains(requests):
+            # On a GPU the forward is still running: the bitmask is filled on a worker thread
+            # meanwhile, while the engine processes the previous step; collect samples.
+            constrained = ConstrainedStep(logits, requests, greedy_ids, self.bitmasks.start_fill(requests))
+            return LaunchedStep(request_ids, constrained=constrained, prompt_logprobs=prompt_logprobs,
+                                embeddings=embeddings)
+        return LaunchedStep(request_ids, self.sampler.launch(logits, requests, greedy_ids),
                             prompt_logprobs=prompt_logprobs, embeddings=embeddings)
 
     def _pool(self, sched: SchedulerOutput, hidden: torch.Tensor) -> dict[str, list[float]]:
@@ -261,9 +284,10 @@ class ModelRunner:
             counts = {rid: (p, min(a, p)) for rid, p, a in zip(ids, launched.num_proposed, v.num_accepted) if p}
             return RunnerOutput(dict(zip(ids, v.token_ids)), dict(zip(ids, v.logprobs)), counts,
                                 prompt_logprobs=launched.prompt_logprobs, embeddings=launched.embeddings)
-        if launched.samples is None:
+        samples = launched.constrained.sample(self.sampler) if launched.constrained is not None else launched.samples
+        if samples is None:
             return RunnerOutput(prompt_logprobs=launched.prompt_logprobs, embeddings=launched.embeddings)
-        out = launched.samples.result()
+        out = samples.result()
         return RunnerOutput(dict(zip(launched.request_ids, out.token_ids)),
                             dict(zip(launched.request_ids, out.logprobs)),
                             prompt_logprobs=launched.prompt_logprobs, embeddings=launched.embeddings)

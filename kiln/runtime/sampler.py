@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from kiln.runtime.logits_processors import apply_logits_processors
+from kiln.runtime.logits_processors import apply_logits_processors, host_to_device
 from kiln.runtime.request import Request
 from kiln.sampling_params import SamplingParams
 
@@ -261,12 +261,3 @@ def _launch_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, params: list[Sa
     if max_n:
         out.top_logprobs, out.top_ids = logprobs.topk(max_n, dim=-1)  # [num_rows, max_n]
     return out
-
-
-def host_to_device(values: list, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """A small host list on ``device``. On CUDA through pinned memory, without waiting: a plain
-    (pageable) copy would synchronize the stream, i.e. wait for the forward just launched."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)

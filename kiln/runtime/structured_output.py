@@ -14,6 +14,10 @@ Two parts, each with its rules:
 ``GrammarBitmasks`` (rank 0's model runner) keeps one matcher per constrained request and fills
 one step's token bitmask: a row of 32-bit words per sampled request, bit t set when token t may
 come next.
+- On a GPU the fill runs on a worker thread while the step's forward runs and the engine
+  detokenizes the step before; the bitmask goes up from pinned host memory without waiting for
+  the stream. The mask is applied to the constrained rows only; a step with none keeps the
+  sampler's fast path.
 - A matcher is reconciled with its request before every fill: tokens sampled since are accepted,
   and if the request holds fewer tokens than the matcher has accepted it rolls back (or is rebuilt
   from the request's tokens). So preemption, n > 1 (one matcher per sample), prefix caching (which
@@ -100,6 +104,8 @@ class GrammarCompiler:
         try:
             if kind == "json":
                 # Compact JSON (no free whitespace): a small model cannot pad its way past max_tokens.
+                # strict_mode: an object without additionalProperties takes only its listed keys
+                # (OpenAI's strict: true), whatever the request's strict says.
                 grammar = compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
             elif kind == "json_object":  # any object, compact like the schemas
                 grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
@@ -135,37 +141,119 @@ class _Matcher:
 
 
 class GrammarBitmasks:
-    """Per-request matchers and one step's bitmask; lives with the sampler (rank 0)."""
+    """Per-request matchers and one step's bitmask; lives with the sampler (rank 0).
 
-    def __init__(self, compiler: GrammarCompiler):
+    ``start_fill`` is called once per step, after the step's forward is enqueued, and its future
+    is read before the step is sampled. On a GPU the fill runs on one worker thread (xgrammar
+    releases the GIL, and fills the rows on its own threads), so it overlaps both the forward and
+    the engine's host work on the previous step; on the CPU it runs at once. The bitmask lives in
+    one of two reused host buffers (pinned on a GPU, so its upload does not wait for the stream):
+    a buffer is rewritten two steps later, long after that step was read back.
+    """
+
+    def __init__(self, compiler: GrammarCompiler, pin_memory: bool = False, background: bool = False):
+        """On a GPU both: pinned host buffers, and fills on the worker thread."""
         self.compiler = compiler
+        self.pin_memory = pin_memory
+        self.background = background
         self._matchers: dict[str, _Matcher] = {}
         self._batch = None  # xgrammar.BatchGrammarMatcher, made on first use
+        self._buffers: list[torch.Tensor] = []  # [max rows, ceil(vocab / 32)] int32 each, grown on demand
+        self._turn = 0
+        self._worker: Optional[ThreadPoolExecutor] = None  # one thread: fills stay in step order
 
     def forget(self, request_id: str) -> None:
+        """Drop a finished request's matcher; call it between steps (never while a fill runs)."""
         self._matchers.pop(request_id, None)
+
+    @staticmethod
+    def constrains(requests: list[Request]) -> bool:
+        return any(r.sampling_params.structured_outputs is not None for r in requests)
+
+    def start_fill(self, requests: list[Request]) -> Future:
+        """A future of ``fill(requests)``, run on the worker thread (``background``) or at once.
+        The requests must not change until the future is read (the engine changes them only after
+        the step), and ``forget`` must wait for it too."""
+        if not self.background:
+            future: Future = Future()
+            future.set_result(self.fill(requests))
+            return future
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-bitmask")
+        return self._worker.submit(self.fill, requests)
 
     def fill(self, requests: list[Request]) -> Optional[torch.Tensor]:
         """The bitmask of one step's sampled rows ([num_rows, ceil(vocab / 32)] int32 on the CPU),
-        or None when no row is constrained. Rows without a constraint allow every token."""
+        or None when no row is constrained. Rows without a live constraint allow every token. The
+        tensor is a reused buffer: valid until the fill after next."""
         rows = [i for i, r in enumerate(requests) if r.sampling_params.structured_outputs is not None]
         if not rows:
             return None
-        import xgrammar as xgr
-
-        bitmask = xgr.allocate_token_bitmask(len(requests), self.compiler.vocab_size)  # all allowed
-        states = [(i, self._synced(requests[i])) for i in rows]
-        live = [(i, state.matcher) for i, state in states if not state.broken]
-        if len(live) == 1:
-            live[0][1].fill_next_token_bitmask(bitmask, live[0][0])
-        elif live:  # xgrammar fills the rows on its own threads
+        bitmask = self._buffer(len(requests))
+        live = self._synced([requests[i] for i in rows])
+        live_rows = [i for i, state in zip(rows, live) if not state.broken]
+        if len(live_rows) < len(requests):
+            open_rows = sorted(set(range(len(requests))) - set(live_rows))
+            bitmask[open_rows] = -1  # all allowed
+        matchers = [state.matcher for state in live if not state.broken]
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(bitmask, live_rows[0])
+        elif matchers:  # xgrammar fills the rows on its own threads
             if self._batch is None:
+                import xgrammar as xgr
+
                 self._batch = xgr.BatchGrammarMatcher()
-            self._batch.batch_fill_next_token_bitmask([m for _, m in live], bitmask, [i for i, _ in live])
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, live_rows)
         return bitmask
 
-    def _synced(self, request: Request) -> _Matcher:
-        """The request's matcher, having accepted exactly the request's output tokens."""
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+    def _buffer(self, num_rows: int) -> torch.Tensor:
+        """The next of the two host buffers, as its first ``num_rows`` rows."""
+        if not self._buffers or self._buffers[0].shape[0] < num_rows:
+            words = (self.compiler.vocab_size + 31) // 32
+            rows = max(num_rows, 2 * self._buffers[0].shape[0] if self._buffers else 8)
+            self._buffers = [torch.full((rows, words), -1, dtype=torch.int32, pin_memory=self.pin_memory)
+                             for _ in range(2)]
+        self._turn ^= 1
+        return self._buffers[self._turn][:num_rows]
+
+    def _synced(self, requests: list[Request]) -> list[_Matcher]:
+        """Each request's matcher, having accepted exactly the request's output tokens. The usual
+        step (one new token per matcher) is accepted in one batched call."""
+        import xgrammar as xgr
+
+        states = [self._rewound(r) for r in requests]
+        outputs = [r.output_token_ids for r in requests]
+        behind = [k for k, s in enumerate(states) if not s.broken and s.num_accepted < len(outputs[k])]
+        one_behind = [k for k in behind if states[k].num_accepted == len(outputs[k]) - 1
+                      and not states[k].matcher.is_terminated()]
+        if len(one_behind) > 1:
+            accepted = xgr.BatchGrammarMatcher.batch_accept_token([states[k].matcher for k in one_behind],
+                                                                  [outputs[k][-1] for k in one_behind])
+            for k, ok in zip(one_behind, accepted):
+                self._accepted(states[k], outputs[k][-1], ok, requests[k].request_id)
+        for k in behind:
+            state, output = states[k], outputs[k]
+            while state.num_accepted < len(output) and not state.broken:
+                token = output[state.num_accepted]
+                ok = not state.matcher.is_terminated() and state.matcher.accept_token(token)
+                self._accepted(state, token, ok, requests[k].request_id)
+        return states
+
+    @staticmethod
+    def _accepted(state: _Matcher, token: int, ok: bool, request_id: str) -> None:
+        if not ok:
+            logger.warning("request %s: its grammar refused token %d; the rest of its output is "
+                           "unconstrained", request_id, token)
+            state.broken = True
+        state.num_accepted += 1
+
+    def _rewound(self, request: Request) -> _Matcher:
+        """The request's matcher (made on first use), rolled back to at most the request's output."""
         import xgrammar as xgr
 
         state = self._matchers.get(request.request_id)
@@ -181,11 +269,4 @@ class GrammarBitmasks:
             grammar = self.compiler.compile(request.sampling_params.structured_outputs)
             state = _Matcher(xgr.GrammarMatcher(grammar, override_stop_tokens=self.compiler.stop_token_ids))
             self._matchers[request.request_id] = state
-        while state.num_accepted < len(output) and not state.broken:
-            token = output[state.num_accepted]
-            if state.matcher.is_terminated() or not state.matcher.accept_token(token):
-                logger.warning("request %s: its grammar refused token %d; the rest of its output is "
-                               "unconstrained", request.request_id, token)
-                state.broken = True
-            state.num_accepted += 1
         return state

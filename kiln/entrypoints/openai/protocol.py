@@ -105,7 +105,9 @@ class JsonSchemaFormat(_Request):
     name: Text = "response"
     description: Optional[Text] = None
     json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
-    strict: Optional[bool] = None  # the schema is enforced either way
+    # Accepted; the schema is enforced either way (as in vLLM), objects taking only their listed
+    # properties unless additionalProperties says otherwise (kiln.runtime.structured_output).
+    strict: Optional[bool] = None
 
 
 class ResponseFormat(_Request):
