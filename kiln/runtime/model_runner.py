@@ -301,6 +301,10 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.forget(request_id)
 
+    def shutdown(self) -> None:
+        """Stop the runner's helper thread (the grammar bitmask worker)."""
+        self.bitmasks.shutdown()
+
 
 def verify_shape(spec: SpeculativeConfig, sched: SchedulerConfig) -> VerifyShape:
     """The verify steps speculation can make: k + 1 tokens for each of up to max_batch_size requests."""

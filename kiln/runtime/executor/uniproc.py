@@ -57,6 +57,9 @@ class UniProcExecutor(Executor):
             forgets, self._forgets = self._forgets, []
             self.forget(forgets)
 
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+
     def forget(self, request_ids: list[str]) -> None:
         if self._in_flight:
             self._forgets.extend(request_ids)
