@@ -218,9 +218,9 @@ def profile_decode(generate, steps: int) -> dict:
 def profile_table(system: str, prof: dict, top: int = 40) -> str:
     rows = [[name[:100], v["calls"], v["us"], 100 * v["us"] / max(prof["kernel_us"], 1e-9)]
             for name, v in list(prof["kernels"].items())[:top]]
-    return (f"{system}: decode step {prof['step_ms_wall']:.3f} ms wall (under the profiler), "
-            f"{prof['kernel_us'] / 1e3:.3f} ms of kernels\n\n" + console_table(["kernel", "calls/step", "us/step", "%"], rows)
-            + "\n")
+    head = (f"{system}: decode step {prof['step_ms_wall']:.3f} ms wall (under the profiler), "
+            f"{prof['kernel_us'] / 1e3:.3f} ms of kernels")
+    return head + "\n\n" + console_table(["kernel", "calls/step", "us/step", "%"], rows) + "\n"
 
 
 def write(out: Path, meta: dict, records: list[dict]) -> str:
