@@ -38,7 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="llama3-8b", help="random preset")
     p.add_argument("--systems", default="none,fp8+kv,int4",
                    help="model.quantization values (none: the bf16 baseline), '+kv' adds cache.dtype=fp8, "
-                        "':tinygemm' runs int4 through torch's tinygemm kernel instead of the Triton one")
+                        "':tinygemm' runs int4 through torch's tinygemm kernel instead of the Triton one, "
+                        "':prequant' makes fp8's joined norm/activation + GEMM ops quantize decode rows too")
     p.add_argument("--offline-systems", default="",
                    help="comma-separated systems that also run the offline throughput (default: all)")
     p.add_argument("--gemm-table", default="",
@@ -50,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--tp-prompt-len", type=int, default=128)
     p.add_argument("--tp-output-len", type=int, default=128)
+    p.add_argument("--profile-tokens", type=int, default=0,
+                   help="also profile this many batch-1 decode steps (torch.profiler; best with --cudagraph none) "
+                        "and write each system's kernel table to <out>/quant_gpu-profile-<system>.txt")
     p.add_argument("--deadline-s", type=float, default=150.0)
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     return p.parse_args(argv)
@@ -110,11 +114,18 @@ def run_system(system: str, args, bandwidth: float) -> dict:
     saved = dict(registry.REGISTRY)
     if int4_kernel == "tinygemm":
         registry.REGISTRY["linear_int4"] = (("cuda", registry._cuda_int4),) + saved["linear_int4"]
+    triton_quant = None
+    if int4_kernel == "prequant":
+        from kiln.ops import triton_quant
+
+        triton_quant.QUANTIZE_DECODE_ROWS = True
     try:
         return _run_system(system + (":" + int4_kernel if int4_kernel else ""), quantization, kv, args, bandwidth)
     finally:
         registry.REGISTRY.clear()
         registry.REGISTRY.update(saved)
+        if triton_quant is not None:
+            triton_quant.QUANTIZE_DECODE_ROWS = False
 
 
 def _run_system(system: str, quantization: str, kv: str, args, bandwidth: float) -> dict:
@@ -156,6 +167,10 @@ def _run_system(system: str, quantization: str, kv: str, args, bandwidth: float)
               "b1_step_ms": 1e3 * step, "b1_tok_s": 1 / step,
               "b1_roofline_pct": 100 * (1 / step) / (bandwidth / weight_bytes), "first_tokens": tokens[0][:16]}
     record.update(offline_tok_s=float("nan"), offline_s=float("nan"), linear_kernel=llm_kernel(model))
+    if args.profile_tokens > 0:
+        record["profile"] = profile_decode(lambda n: generate(one, n, repeats=1), args.profile_tokens)
+        (Path(args.out) / f"quant_gpu-profile-{system.replace(':', '-').replace('+', '-')}.txt").write_text(
+            profile_table(system, record["profile"]))
     offline = not args.offline_systems or system in args.offline_systems.split(",")
     if args.num_requests > 0 and offline:  # 0: batch 1 only
         many = prompts(args.num_requests, args.tp_prompt_len, seed=1)
@@ -166,6 +181,46 @@ def _run_system(system: str, quantization: str, kv: str, args, bandwidth: float)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return record
+
+
+def profile_decode(generate, steps: int) -> dict:
+    """GPU time per kernel name and decode step: a run of 1 + ``steps`` new tokens minus a run of 1
+    (the prefill), each under torch.profiler, divided by ``steps``. Kernels inside CUDA graphs may
+    not be seen: profile with ``--cudagraph none``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()  # on the CPU (a smoke run): the top-level ops instead of kernels
+    activity, device_type = ((ProfilerActivity.CUDA, torch.autograd.DeviceType.CUDA) if cuda
+                             else (ProfilerActivity.CPU, torch.autograd.DeviceType.CPU))
+
+    def kernels(n: int) -> tuple[dict, float]:
+        with profile(activities=[activity]) as prof:
+            t, _ = generate(n)
+        totals: dict[str, list] = {}
+        for e in prof.events():
+            if e.device_type == device_type and (cuda or e.cpu_parent is None):
+                entry = totals.setdefault(e.name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += e.time_range.elapsed_us()
+        return totals, t
+
+    prefill, t1 = kernels(1)
+    full, tn = kernels(1 + steps)
+    per_step = {}
+    for name, (count, us) in full.items():
+        c0, us0 = prefill.get(name, (0, 0.0))
+        if count > c0:
+            per_step[name] = {"calls": (count - c0) / steps, "us": (us - us0) / steps}
+    return {"step_ms_wall": 1e3 * (tn - t1) / steps, "kernel_us": sum(v["us"] for v in per_step.values()),
+            "kernels": dict(sorted(per_step.items(), key=lambda kv: -kv[1]["us"]))}
+
+
+def profile_table(system: str, prof: dict, top: int = 40) -> str:
+    rows = [[name[:100], v["calls"], v["us"], 100 * v["us"] / max(prof["kernel_us"], 1e-9)]
+            for name, v in list(prof["kernels"].items())[:top]]
+    head = (f"{system}: decode step {prof['step_ms_wall']:.3f} ms wall (under the profiler), "
+            f"{prof['kernel_us'] / 1e3:.3f} ms of kernels")
+    return head + "\n\n" + console_table(["kernel", "calls/step", "us/step", "%"], rows) + "\n"
 
 
 def write(out: Path, meta: dict, records: list[dict]) -> str:
@@ -179,6 +234,7 @@ def write(out: Path, meta: dict, records: list[dict]) -> str:
               f"offline {meta['num_requests']}x{meta['tp_prompt_len']}/{meta['tp_output_len']} tok/s", "offline x bf16",
               "start-up s"]
     rows = [[("bf16" if r["quantization"] == "none" else r["quantization"] + f" ({r['linear_kernel']})")
+             + (" " + r["system"].partition(":")[2] if ":" in r["system"] else "")
              + (" + fp8 KV" if r["kv_cache"] == "fp8" else ""),
              r["kv_cache_tokens"], r["weight_gb_per_step"], r["b1_step_ms"],
              r["b1_tok_s"], r.get("b1_speedup", ""), r["b1_roofline_pct"], r["offline_tok_s"],
@@ -212,7 +268,8 @@ def main(argv=None) -> None:
             print(f"deadline: {system} not run", flush=True)
             continue
         records.append(run_system(system, args, bandwidth))
-        print(f"{system}: {records[-1]} ({time.perf_counter() - t0:.0f} s in)", flush=True)
+        shown = {k: v for k, v in records[-1].items() if k != "profile"}
+        print(f"{system}: {shown} ({time.perf_counter() - t0:.0f} s in)", flush=True)
         table = write(out, meta, records)
     print(table)
 

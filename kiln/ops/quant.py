@@ -339,3 +339,63 @@ def define_fp8_fusion_ops(namespace: str, add_rms_norm_quant, silu_and_mul_quant
 
 add_rms_norm_quant_fp8, silu_and_mul_quant_fp8, linear_fp8_prequant = define_fp8_fusion_ops(
     "kiln", add_rms_norm_quant_fp8_reference, silu_and_mul_quant_fp8_reference, linear_fp8_prequant_reference)
+
+
+# ---- the FP8 GEMM joined with the op that feeds it ---------------------------------------------------
+# What ``Fp8QuantFusionPass`` writes: one op for "add + RMSNorm -> FP8 GEMM" and one for "SiLU-and-mul
+# -> FP8 GEMM". The op, not the graph, picks the kernels by the row count it is called with (the
+# dynamic build serves decode and prefill alike): at weight-only rows (``fp8_weight_only_rows``) the
+# plain norm / activation and the W8A16 GEMM, which reads the rows in the model dtype, so no
+# activation quantization runs; above, the norm / activation that writes fp8 rows and their scales,
+# and the GEMM on those rows. The references compute what the unfused ops do.
+
+def add_rms_norm_linear_fp8_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                      w: torch.Tensor, scales: torch.Tensor,
+                                      out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear_fp8(weight * rms_norm(residual + x)) in ``out_dtype``, residual + x)."""
+    from kiln.ops.layernorm import add_rms_norm_reference
+
+    normed, new_residual = add_rms_norm_reference(x, residual, weight, eps)
+    return linear_fp8_reference(normed, w, scales, -1).to(out_dtype), new_residual
+
+
+def silu_and_mul_linear_fp8_reference(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
+                                      out_dtype: torch.dtype) -> torch.Tensor:
+    """linear_fp8(silu(x[:, :d]) * x[:, d:]) in ``out_dtype``."""
+    from kiln.ops.activation import silu_and_mul_reference
+
+    return linear_fp8_reference(silu_and_mul_reference(x), w, scales, -1).to(out_dtype)
+
+
+def define_fp8_fused_linear_ops(namespace: str, norm_linear, silu_linear) -> tuple:
+    """``namespace::add_rms_norm_linear_fp8`` and ``namespace::silu_and_mul_linear_fp8``."""
+
+    def add_rms_norm_linear_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                w: torch.Tensor, scales: torch.Tensor,
+                                out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        y, new_residual = norm_linear(x, residual, weight, eps, w, scales, out_dtype)
+        return y, new_residual
+
+    def silu_and_mul_linear_fp8(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
+                                out_dtype: torch.dtype) -> torch.Tensor:
+        return silu_linear(x, w, scales, out_dtype)
+
+    norm_op = torch.library.custom_op(f"{namespace}::add_rms_norm_linear_fp8", add_rms_norm_linear_fp8,
+                                      mutates_args=())
+    silu_op = torch.library.custom_op(f"{namespace}::silu_and_mul_linear_fp8", silu_and_mul_linear_fp8,
+                                      mutates_args=())
+
+    @norm_op.register_fake
+    def _(x, residual, weight, eps, w, scales, out_dtype):
+        return (x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype),
+                x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype)))
+
+    @silu_op.register_fake
+    def _(x, w, scales, out_dtype):
+        return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)
+
+    return norm_op, silu_op
+
+
+add_rms_norm_linear_fp8, silu_and_mul_linear_fp8 = define_fp8_fused_linear_ops(
+    "kiln", add_rms_norm_linear_fp8_reference, silu_and_mul_linear_fp8_reference)

@@ -13,16 +13,30 @@ separate quantization pass over the activations runs::
 
 The ops ``kiln_triton::add_rms_norm_quant_fp8`` and ``kiln_triton::silu_and_mul_quant_fp8`` have the
 schemas of the references in ``kiln.ops.quant``; ``check_against_reference`` compares them.
+
+``Fp8QuantFusionPass`` writes the joined ops ``kiln_triton::add_rms_norm_linear_fp8`` and
+``kiln_triton::silu_and_mul_linear_fp8`` (norm / activation and the GEMM it feeds). They pick by
+the row count of the call: above ``FP8_TRITON_MAX_ROWS``, the kernels above and the GEMM on fp8
+rows; at decode rows, where the GEMM is the weight-only (W8A16) kernel that needs no quantized
+activations, the plain ``add_rms_norm`` / ``silu_and_mul`` kernels (``kiln.ops.triton_norm``: the
+activation one spreads a row over many programs, where the quantizing one sweeps it in one) and the
+GEMM on the model-dtype rows.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.quant import (FP8_DTYPE, FP8_MAX, add_rms_norm_quant_fp8_reference, define_fp8_fusion_ops,
-                            fp8_weight_only_rows, linear_fp8_prequant_reference, quantize_fp8_per_token, silu_and_mul_quant_fp8_reference)
+from kiln.ops.quant import (FP8_DTYPE, FP8_MAX, add_rms_norm_linear_fp8_reference, add_rms_norm_quant_fp8_reference,
+                            define_fp8_fused_linear_ops, define_fp8_fusion_ops, fp8_weight_only_rows,
+                            linear_fp8_prequant_reference, quantize_fp8_per_token, silu_and_mul_linear_fp8_reference,
+                            silu_and_mul_quant_fp8_reference)
+from kiln.ops.triton_norm import triton_add_rms_norm, triton_silu_and_mul
+from kiln.ops.triton_quant_gemm import triton_linear
 
 _SILU_BLOCK = 1024
 
@@ -151,8 +165,6 @@ def _linear_fp8_prequant(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, sc
     if xq.device.type != "cuda":
         return linear_fp8_prequant_reference(xq, xs, w, scales, out_dtype)
     if fp8_weight_only_rows(xq, w):  # decode rows: the weight-only kernel, reading the fp8 rows as they are
-        from kiln.ops.triton_quant_gemm import triton_linear
-
         return triton_linear("fp8", xq, w, scales, -1, x_scales=xs, out_dtype=out_dtype)
     mm_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scales.float().reshape(1, -1), out_dtype=mm_dtype)
@@ -161,6 +173,47 @@ def _linear_fp8_prequant(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, sc
 
 add_rms_norm_quant_fp8, silu_and_mul_quant_fp8, linear_fp8_prequant = define_fp8_fusion_ops(
     "kiln_triton", triton_add_rms_norm_quant_fp8, triton_silu_and_mul_quant_fp8, _linear_fp8_prequant)
+
+# Whether the joined ops quantize the rows at weight-only (decode) row counts too, as the unjoined
+# fusion did (the W8A16 kernel then reads fp8 rows and their scales); off, they feed it the rows in
+# the model dtype and no quantization runs. A switch for benchmarks/quant_gpu.py's comparison.
+QUANTIZE_DECODE_ROWS = False
+
+
+def joined_op_quantizes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a joined op with GEMM input rows ``x`` (or the rows that produce them) and weight ``w``
+    quantizes the rows: above the weight-only rows, or always with ``QUANTIZE_DECODE_ROWS``."""
+    return QUANTIZE_DECODE_ROWS or not fp8_weight_only_rows(x, w)
+
+
+def _runs_triton(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _add_rms_norm_linear_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                             w: torch.Tensor, scales: torch.Tensor,
+                             out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _runs_triton(x):
+        return add_rms_norm_linear_fp8_reference(x, residual, weight, eps, w, scales, out_dtype)
+    if joined_op_quantizes(x, w):
+        xq, xs, new_residual = triton_add_rms_norm_quant_fp8(x, residual, weight, eps)
+        return _linear_fp8_prequant(xq, xs, w, scales, out_dtype), new_residual
+    normed, new_residual = triton_add_rms_norm(x, residual, weight, eps)
+    return triton_linear("fp8", normed, w, scales, -1, out_dtype=out_dtype), new_residual
+
+
+def _silu_and_mul_linear_fp8(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
+                             out_dtype: torch.dtype) -> torch.Tensor:
+    if not _runs_triton(x):
+        return silu_and_mul_linear_fp8_reference(x, w, scales, out_dtype)
+    if joined_op_quantizes(x, w):
+        xq, xs = triton_silu_and_mul_quant_fp8(x)
+        return _linear_fp8_prequant(xq, xs, w, scales, out_dtype)
+    return triton_linear("fp8", triton_silu_and_mul(x), w, scales, -1, out_dtype=out_dtype)
+
+
+add_rms_norm_linear_fp8, silu_and_mul_linear_fp8 = define_fp8_fused_linear_ops(
+    "kiln_triton", _add_rms_norm_linear_fp8, _silu_and_mul_linear_fp8)
 
 
 def check_against_reference(num_tokens: int, hidden: int, intermediate: int, dtype: torch.dtype,

@@ -12,8 +12,8 @@ The list (``build_passes``) runs in order; each pass says where it runs (``KilnP
 4. ``NoOpEliminationPass`` (post_grad): views, slices and casts that return their input.
 5. ``SiluMulFusionPass`` (post_grad): ``silu(gate) * up`` -> ``kiln.silu_and_mul``.
 6. ``AddRMSNormFusionPass`` (post_grad): residual add + RMSNorm -> ``kiln.add_rms_norm``.
-7. ``Fp8QuantFusionPass`` (post_grad): add + RMSNorm or SiLU-and-mul feeding an FP8 GEMM also
-   quantizes the rows it writes.
+7. ``Fp8QuantFusionPass`` (post_grad): add + RMSNorm or SiLU-and-mul and the FP8 GEMM it feeds
+   -> one op, which quantizes the rows it writes at prefill row counts.
 
 ``run_dynamo(gm)`` applies the dynamo-stage passes to the captured graph before it is split;
 the manager itself is Inductor's ``post_grad_custom_pre_pass`` (a ``CustomGraphPass``) and applies
@@ -103,14 +103,14 @@ def build_passes(config: PassConfig) -> list[KilnPass]:
 
 
 def _fp8_fusion_ops(kernels: KernelSet) -> Optional[tuple]:
-    """The Triton norm/activation + quant kernels where the FP8 GEMM is the CUDA one (``_scaled_mm``,
-    or the Triton kernel reading the fp8 rows at decode); None (the references) elsewhere."""
+    """The Triton norm/activation + FP8 GEMM ops where the FP8 GEMM is the CUDA one (``_scaled_mm`` on
+    fp8 rows, or the weight-only Triton kernel at decode rows); None (the references) elsewhere."""
     if kernels.device_type != "cuda" or kernels.linear_fp8.name == "reference":
         return None
     import kiln.ops.triton_quant  # noqa: F401  (defines the ops)
 
     t = torch.ops.kiln_triton
-    return t.add_rms_norm_quant_fp8, t.silu_and_mul_quant_fp8, t.linear_fp8_prequant
+    return t.add_rms_norm_linear_fp8, t.silu_and_mul_linear_fp8
 
 
 def _snapshot(graph: torch.fx.Graph) -> torch.fx.Graph:
