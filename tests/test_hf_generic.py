@@ -66,7 +66,8 @@ NEW_TOKENS = 32
 
 def _random_hf(config, seed: int = 0):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # eager: transformers' reference attention (its SDPA path drops Gemma 2's soft-cap in some versions)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.1)
@@ -237,7 +238,11 @@ def test_sdpa_pass_replaces_attention_and_removes_the_mask(checkpoints, generic,
     expected = {"qwen3": [(0, scale), (1, scale)], "gemma2": [(0, scale, 6, 2.0), (1, scale, 0, 2.0)]}[family]
     assert [len(a) for a in seen["layers"]] == [len(e) for e in expected]
     assert [x for a in seen["layers"] for x in a] == pytest.approx([x for e in expected for x in e])
-    assert not {"diff", "cumsum", "arange", "expand", "scaled_dot_product_attention"} & set(seen["after"])
+    left = {"diff", "cumsum", "arange", "scaled_dot_product_attention"} & set(seen["after"])
+    assert not left, f"mask construction or SDPA left after the pass: {sorted(left)}"
+    # The GQA repeats of k and v (an expand each, per layer) are gone; an expand of the rotary
+    # table may stay (some transformers versions trace one).
+    assert list(seen["after"]).count("expand") <= list(seen["before"]).count("expand") - 2 * 2
     logits = split_rows(loaded.model.compute_logits(hidden), step)
     for i, p in enumerate(prompts):
         torch.testing.assert_close(logits[i], _hf_logits(hf, p), atol=1e-4, rtol=1e-4)
