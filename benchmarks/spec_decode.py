@@ -324,6 +324,7 @@ def repeat_workload(args, record: Recorder) -> None:
     from kiln import LLM, SamplingParams
 
     model = "smollm2-135m-instruct"
+    args.mode = args.cudagraph = "auto"  # the engines below take the device's defaults (recorded as such)
     chats = [[{"role": "user", "content": f"Repeat the following text exactly, word for word.\n\n{t}"}]
              for t in REPEAT_TEXTS]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0)
