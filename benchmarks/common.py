@@ -22,6 +22,48 @@ from kiln.bench.report import (  # noqa: F401  (re-exported for the scripts)
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
+def copy_bandwidth(num_bytes: int = 2**30, iters: int = 20) -> float:
+    """Bytes read + written per second by a device-to-device copy (median of ``iters`` timed copies
+    after a warm-up), the ceiling of a decode step that reads every weight once; on the CPU, a
+    128 MiB memcpy."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    num_bytes = num_bytes if cuda else 2**27
+    x = torch.empty(num_bytes, dtype=torch.uint8, device="cuda" if cuda else "cpu")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    times = []
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            y.copy_(x)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            y.copy_(x)
+            times.append(time.perf_counter() - t0)
+    del x, y
+    return 2 * num_bytes / sorted(times)[iters // 2]
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes one decode step reads of a kiln model: its parameters and quantized weight buffers,
+    all but the embedding table unless it is the tied LM head (a step reads one row of it)."""
+    from kiln.models.quantize import QuantLinear
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, QuantLinear)
+                 for b in (m.qweight, m.scales))
+    if model.lm_head is not None:
+        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
+
+
 @contextmanager
 def timed() -> Iterator[dict]:
     """``with timed() as t: ...`` then ``t["s"]`` holds the elapsed seconds."""

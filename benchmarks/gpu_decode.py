@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from common import append_table_rows, console_table, make_record
+from common import append_table_rows, console_table, copy_bandwidth, make_record, weight_bytes_per_step  # noqa: F401
 
 MAX_MODEL_LEN = 2048
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512)  # up to the throughput run's batch
@@ -59,32 +59,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deadline-s", type=float, default=1e9, help="start no new phase after this many seconds")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and markdown")
     return p.parse_args(argv)
-
-
-def copy_bandwidth(num_bytes: int = 2**30, iters: int = 20) -> float:
-    """Device-to-device copy, bytes read + written per second (median of ``iters`` timed copies)."""
-    x = torch.randn(num_bytes // 4, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        y.copy_(x)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del x, y
-    return 2 * num_bytes / sorted(times)[len(times) // 2]
-
-
-def weight_bytes_per_step(model) -> int:
-    """Bytes of the weights one decode step reads: all but the embedding table, unless it is tied."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if model.lm_head is not None:
-        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    return total
 
 
 def make_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:

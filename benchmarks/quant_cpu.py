@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from common import console_table, device_name
+from common import console_table, device_name, weight_bytes_per_step
 
 SYSTEMS = {
     "fp32": ("none", "float32"), "bf16": ("none", "bfloat16"), "int8": ("int8", "float32"),
@@ -49,19 +49,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     return p.parse_args(argv)
-
-
-def weight_bytes_per_step(model) -> int:
-    """Parameters and buffers a decode step reads: all but the RoPE table and, when the LM head is
-    its own matrix, the embedding table (a step reads one row of it)."""
-    from kiln.models.quantize import QuantLinear
-
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    total += sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, QuantLinear)
-                 for b in (m.qweight, m.scales))
-    if model.lm_head is not None:
-        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    return total
 
 
 def run_system(name: str, mode: str, args) -> dict:

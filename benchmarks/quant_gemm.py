@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import console_table, device_name
+from common import console_table, copy_bandwidth, device_name
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GROUP = 32
@@ -42,20 +42,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deadline-s", type=float, default=150.0)
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     return p.parse_args(argv)
-
-
-def copy_bandwidth(num_bytes: int = 2**30, iters: int = 20) -> float:
-    x = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        y.copy_(x)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * num_bytes / sorted(times)[iters // 2]
 
 
 def graph_time(fn, copies: int, reps: int = 5) -> float:

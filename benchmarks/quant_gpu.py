@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from common import console_table, device_name
+from common import console_table, copy_bandwidth, device_name, weight_bytes_per_step
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -62,36 +62,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def copy_bandwidth(num_bytes: int = 2**30, iters: int = 20) -> float:
-    """Device-to-device copy, bytes read + written per second (median); on the CPU, a memcpy."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        num_bytes = 2**27
-    x = torch.randn(num_bytes // 4, device=device)
-    y = torch.empty_like(x)
-    times = []
-    for _ in range(iters + 3):
-        sync()
-        t0 = time.perf_counter()
-        y.copy_(x)
-        sync()
-        times.append(time.perf_counter() - t0)
-    del x, y
-    return 2 * num_bytes / sorted(times[3:])[iters // 2]
-
-
-def weight_bytes_per_step(model) -> int:
-    """Parameters and quantized buffers one decode step reads (the embedding table only when tied)."""
-    from kiln.models.quantize import QuantLinear
-
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    total += sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, QuantLinear)
-                 for b in (m.qweight, m.scales))
-    if model.lm_head is not None:
-        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    return total
 
 
 def llm_kernel(model) -> str:
