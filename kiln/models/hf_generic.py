@@ -26,7 +26,10 @@ is only in the (removed) mask, the load-time probe records them per layer
 Rules kept here:
 - The model is built with its parameters on the meta device and its buffers (rotary tables)
   computed as transformers computes them; parameters are then allocated once on the target
-  device in the target dtype and filled one checkpoint tensor at a time.
+  device in the target dtype and filled one checkpoint tensor at a time. The ``nn.Linear``
+  children of a module that share an input size (q/k/v, gate/up) get one buffer, end to end
+  (``lay_out_sibling_linears``), so that ``MergeSiblingLinearsPass`` runs those that read the
+  same input as one GEMM.
 - What kiln's attention cannot compute is refused before anything is built, with the reason
   (``unsupported_reason``): layer kinds other than full and sliding-window attention,
   encoder-decoder and non-causal models, RoPE whose frequencies depend on the batch (dynamic NTK,
