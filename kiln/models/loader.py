@@ -26,8 +26,10 @@ import dataclasses
 import hashlib
 import json
 import os
+import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
@@ -40,6 +42,7 @@ from kiln.models.parallel import SINGLE, TensorParallel
 from kiln.models.quantize import (apply_quantization, checkpoint_quantization, dequantize_fp8_checkpoint,
                                   resolve_quantization)
 from kiln.models.registry import REGISTERED_MODELS, TOKENIZER_DIR_ENV, TOKENIZER_DONOR
+from kiln.models.weight_reader import iter_files_to_device
 from kiln.ops.registry import KernelSet, select_kernels
 from kiln.progress import progress_bar
 
@@ -55,6 +58,45 @@ class LoadedModel:
     name: str
     hf_dir: Optional[str]  # None for random weights
     max_model_len: int
+    filling: Optional["WeightFill"] = None  # weights still being read (load_model(background=True))
+
+    def wait_for_weights(self) -> float:
+        """Block until every weight is in place (re-raising what went wrong while reading them);
+        the seconds the read took, 0 when nothing was in flight."""
+        if self.filling is None:
+            return 0.0
+        seconds = self.filling.wait()
+        self.filling = None
+        return seconds
+
+
+class WeightFill:
+    """``model.load_weights(weights)`` on a thread of its own. The model's tensors are allocated
+    (empty) before it starts and only their contents change, so the compiler can trace and compile
+    the model meanwhile: compiling reads shapes, dtypes and addresses, never values."""
+
+    def __init__(self, fill: Callable[[], None], device: torch.device) -> None:
+        self._error: Optional[BaseException] = None
+        self.seconds = 0.0
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                torch.cuda.set_device(device)  # the current device is per thread
+                fill()
+                torch.cuda.synchronize()  # the copies have landed before anyone is told so
+            except BaseException as e:  # re-raised by wait(), on the caller's thread
+                self._error = e
+            self.seconds = time.perf_counter() - t0
+
+        self._thread = threading.Thread(target=run, name="kiln-load-weights", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> float:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self.seconds
 
 
 def resolve_device(device: str) -> torch.device:
@@ -90,9 +132,15 @@ def kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype, device: torch.dev
 
 
 def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, dtype: torch.dtype,
-               tp: TensorParallel = SINGLE, kernels: Optional[KernelSet] = None) -> LoadedModel:
+               tp: TensorParallel = SINGLE, kernels: Optional[KernelSet] = None,
+               background: bool = False) -> LoadedModel:
     """The model (this rank's shard under tensor parallelism), its tokenizer and limits; quantized
-    (``model_config.quantization``) into the layouts of ``kernels`` (default: the device's)."""
+    (``model_config.quantization``) into the layouts of ``kernels`` (default: the device's).
+
+    ``background``: where the weights only fill tensors already allocated (a checkpoint of kiln's
+    own model family on CUDA, not quantized at load), return while a thread still reads them
+    (``LoadedModel.filling``); the caller compiles meanwhile and calls ``wait_for_weights`` before
+    the first forward."""
     kernels = kernels or select_kernels(torch.device(device).type)
     spec = model_config.model
     gguf_path = None
@@ -126,9 +174,15 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     model = build_empty_model(arch, device, dtype, tp)
     scheme = resolve_quantization(model_config.quantization, hf_dir, gguf_path)
     weights = iter_safetensors(hf_dir, device)
-    if checkpoint_quantization(hf_dir) == "fp8":  # any scheme: FP8 tensors load dequantized first
+    fp8_checkpoint = checkpoint_quantization(hf_dir) == "fp8"
+    if fp8_checkpoint:  # any scheme: FP8 tensors load dequantized first
         weights = dequantize_fp8_checkpoint(weights, dtype)
-    model.load_weights(progress_bar(weights, desc=f"loading {name}", total=_num_tensors(hf_dir), unit="tensor"))
+    weights = progress_bar(weights, desc=f"loading {name}", total=_num_tensors(hf_dir), unit="tensor")
+    if background and scheme == "none" and not fp8_checkpoint and torch.device(device).type == "cuda":
+        model.quantization = "none"
+        return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len,
+                           WeightFill(lambda: model.load_weights(weights), next(model.parameters()).device))
+    model.load_weights(weights)
     apply_quantization(model, scheme, kernels, gguf_path if tp.size == 1 else None)
     return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len)
 
@@ -203,18 +257,20 @@ def _tensor_seed(seed: int, name: str) -> int:
 
 
 def iter_safetensors(hf_dir: str, device: Union[str, torch.device] = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor on ``device``) for every tensor of the checkpoint, one shard open at a time. On
-    CUDA safetensors reads each tensor from the memory-mapped file straight into GPU memory: no
-    CPU copy of the weights is made."""
+    """(name, tensor on ``device``) for every tensor of the checkpoint. On CUDA the files are read
+    by several threads through pinned buffers straight into GPU memory (``weight_reader``): no CPU
+    copy of the weights is made. On the CPU, safetensors maps one shard at a time."""
     from safetensors import safe_open
 
     device = torch.device(device)
+    paths = [os.path.join(hf_dir, fname) for fname in _safetensors_files(hf_dir)]
     if device.type == "cuda":
-        device = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
-    else:
-        device = "cpu"
-    for fname in _safetensors_files(hf_dir):
-        with safe_open(os.path.join(hf_dir, fname), framework="pt", device=device) as f:
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        yield from iter_files_to_device(paths, device)
+        return
+    for path in paths:
+        with safe_open(path, framework="pt", device="cpu") as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
 

@@ -1,0 +1,123 @@
+"""The threaded safetensors reader gives the same tensors as the safetensors library."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln.models import weight_reader
+from kiln.models.weight_reader import iter_files_to_device, read_header
+
+
+def _random_tensors(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    return {
+        "a.weight": torch.randn(37, 129, generator=gen).to(torch.bfloat16),  # several chunks when chunks are small
+        "b.bias": torch.randn(5, generator=gen),
+        "c.ids": torch.randint(-1000, 1000, (3, 4, 5), generator=gen, dtype=torch.int64),
+        "d.empty": torch.empty(0, 7),
+        "e.scale": torch.randn((), generator=gen, dtype=torch.float64),
+        "f.fp8": torch.randn(16, 8, generator=gen).to(torch.float8_e4m3fn),
+        "g.half": torch.randn(300, generator=gen).half(),
+    }
+
+
+@pytest.mark.parametrize("chunk_bytes,num_buffers", [(64, 2), (1000, 3), (1 << 20, 16)])
+def test_reader_matches_safetensors(tmp_path, monkeypatch, chunk_bytes, num_buffers):
+    monkeypatch.setattr(weight_reader, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(weight_reader, "NUM_BUFFERS", num_buffers)
+    gen = torch.Generator().manual_seed(chunk_bytes)
+    files = []
+    for i in range(2):
+        tensors = {f"s{i}.{k}": v for k, v in _random_tensors(gen).items()}
+        path = str(tmp_path / f"shard{i}.safetensors")
+        save_file(tensors, path, metadata={"format": "pt"})
+        files.append(path)
+    expected = {k: v for path in files for k, v in load_file(path).items()}
+    got = dict(iter_files_to_device(files, torch.device("cpu")))
+    assert set(got) == set(expected)
+    for name, want in expected.items():
+        assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
+        assert torch.equal(got[name].reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
+
+
+def test_reader_yields_in_storage_order_and_stops_early(tmp_path):
+    path = str(tmp_path / "m.safetensors")
+    save_file(_random_tensors(torch.Generator().manual_seed(1)), path)
+    names = [e.name for e in read_header(path)]
+    starts = [e.start for e in read_header(path)]
+    assert starts == sorted(starts)
+    reader = iter_files_to_device([path], torch.device("cpu"))
+    first = next(reader)
+    assert first[0] == names[0]
+    reader.close()  # leaves no read running on a closed file
+
+
+def test_reader_refuses_a_file_that_is_not_safetensors(tmp_path):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ValueError, match="unreadable safetensors header"):
+        list(iter_files_to_device([str(path)], torch.device("cpu")))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_reader_to_gpu_matches_safetensors(tmp_path, monkeypatch):
+    monkeypatch.setattr(weight_reader, "CHUNK_BYTES", 4096)
+    path = str(tmp_path / "m.safetensors")
+    tensors = _random_tensors(torch.Generator().manual_seed(2))
+    tensors["big"] = torch.randn(1000, 333)
+    save_file(tensors, path)
+    for name, t in iter_files_to_device([path], torch.device("cuda")):
+        assert t.is_cuda
+        assert torch.equal(t.cpu().reshape(-1).view(torch.uint8), tensors[name].reshape(-1).view(torch.uint8)), name
+
+
+def _checkpoint(tmp_path):
+    from benchmarks.startup import write_checkpoint
+
+    return write_checkpoint("tiny", tmp_path / "ckpt")
+
+
+def test_background_load_is_synchronous_off_the_gpu(tmp_path):
+    from kiln.config import ModelConfig
+    from kiln.models.loader import load_model
+
+    ckpt = _checkpoint(tmp_path)
+    loaded = load_model(ModelConfig(model=str(ckpt)), str(tmp_path / "cache"), torch.device("cpu"), torch.float32,
+                        background=True)
+    assert loaded.filling is None and loaded.wait_for_weights() == 0.0
+    assert all(torch.isfinite(p).all() for p in loaded.model.parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_background_load_gives_the_same_weights(tmp_path):
+    from kiln.config import ModelConfig
+    from kiln.models.loader import load_model
+
+    ckpt = _checkpoint(tmp_path)
+    args = (ModelConfig(model=str(ckpt)), str(tmp_path / "cache"), torch.device("cuda"), torch.bfloat16)
+    plain = load_model(*args).model.state_dict()
+    loaded = load_model(*args, background=True)
+    assert loaded.filling is not None
+    assert loaded.wait_for_weights() > 0 and loaded.filling is None
+    got = loaded.model.state_dict()
+    assert set(got) == set(plain)
+    for name, t in plain.items():
+        assert torch.equal(got[name], t), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_background_load_reraises_what_went_wrong(tmp_path):
+    from kiln.config import ModelConfig
+    from kiln.models.loader import load_model
+
+    ckpt = _checkpoint(tmp_path)
+    shard = next(ckpt.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    del tensors["model.norm.weight"]  # a checkpoint that lacks a weight
+    save_file(tensors, str(shard))
+    loaded = load_model(ModelConfig(model=str(ckpt)), str(tmp_path / "cache"), torch.device("cuda"), torch.bfloat16,
+                        background=True)
+    with pytest.raises(ValueError, match="checkpoint lacks 1 weight.*model.norm.weight"):
+        loaded.wait_for_weights()
