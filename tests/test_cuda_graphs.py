@@ -399,6 +399,42 @@ def test_graphs_that_leave_no_room_fail_at_start_saying_what_to_drop():
         _check_graphs_leave_room(est, -est.bytes(), shape, 8192)  # not even one size fits
 
 
+def test_piece_graphs_beside_full_graphs_take_a_thinner_size_list():
+    from kiln.compiler.cudagraph import GraphMode, piecewise_capture_sizes
+    from kiln.config import default_capture_sizes
+
+    sizes = default_capture_sizes(512)
+    both = piecewise_capture_sizes(sizes, {GraphMode.FULL, GraphMode.PIECEWISE})
+    assert both == (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512)
+    assert piecewise_capture_sizes(sizes, {GraphMode.PIECEWISE}) == sizes  # alone they take every batch
+    assert piecewise_capture_sizes((3, 5, 100, 300), {GraphMode.FULL, GraphMode.PIECEWISE}) == (3, 5, 300)
+    assert piecewise_capture_sizes(default_capture_sizes(100), {GraphMode.FULL, GraphMode.PIECEWISE})[-1] == 100
+
+
+def test_memory_profile_cache_round_trip_and_key(tmp_path, monkeypatch, caplog):
+    from kiln.compiler import ArtifactCache, GraphMemoryEstimate
+    from kiln.runtime.kv_sizing import MemoryProfile, MemoryProfileCache
+
+    artifacts = ArtifactCache(str(tmp_path), "m")
+    cache = MemoryProfileCache(artifacts, "key1", max_num_seqs=512, total_memory=80)
+    assert cache.load() is None
+    profile = MemoryProfile(123 << 20, GraphMemoryEstimate((1, 2, 512), 600 << 20, 4 << 20, 2))
+    cache.store(profile)
+    assert MemoryProfileCache(artifacts, "key1", max_num_seqs=512, total_memory=80).load() == profile
+    # another compiled forward, scheduler or card: not the same profile
+    assert MemoryProfileCache(artifacts, "key2", max_num_seqs=512, total_memory=80).load() is None
+    assert MemoryProfileCache(artifacts, "key1", max_num_seqs=256, total_memory=80).load() is None
+    no_graphs = MemoryProfileCache(artifacts, "key1", max_num_seqs=1, total_memory=80)
+    no_graphs.store(MemoryProfile(7, None))
+    assert no_graphs.load() == MemoryProfile(7, None)
+    cache.path.write_text("{not json")  # a damaged file is a miss, with a warning
+    assert cache.load() is None and "unreadable memory profile" in caplog.text
+    monkeypatch.setenv("KILN_CACHE_READ_ONLY", "1")  # a read-only cache is never written
+    ro = MemoryProfileCache(artifacts, "key3")
+    ro.store(profile)
+    assert not ro.path.exists()
+
+
 def test_weak_refs_leave_cpu_tensors_alone():
     from kiln.compiler.cudagraph import weak_refs
 
@@ -432,10 +468,12 @@ def test_default_config_captures_every_size_and_sizes_the_kv_cache_after_the_gra
     runner = llm.engine.executor.runner
     assert (runner.compile_config.mode, runner.compile_config.cudagraph) == ("kiln", "full_and_piecewise")
     assert runner.compiled.full_graphs.sizes == list((1, 2, 4) + tuple(range(8, 513, 8)))
-    assert sorted(runner.compiled.piecewise_graphs.captured_sizes) == runner.compiled.full_graphs.sizes
+    assert sorted(runner.compiled.piecewise_graphs.captured_sizes) == [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320,
+                                                                       384, 448, 512]
     assert runner.graph_estimate is not None
     assert 0 < runner.compiled.graph_memory_bytes <= runner.graph_estimate.bytes()
-    assert any("CUDA graphs profiled" in r.getMessage() for r in caplog.records)
+    assert any("CUDA graphs profiled" in r.getMessage() or "memory profile from the cache" in r.getMessage()
+               for r in caplog.records)
     prompts = _prompts(runner.arch.vocab_size)
     with_graphs = _greedy(llm, prompts, 8)
     full, pieces = runner.compiled.full_graphs, runner.compiled.piecewise_graphs

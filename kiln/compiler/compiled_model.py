@@ -37,7 +37,7 @@ from torch import nn
 
 from kiln.compiler.artifact_cache import ArtifactCache
 from kiln.compiler.capture import KilnForward
-from kiln.compiler.cudagraph import FullCUDAGraphs, GraphMode, wanted_graph_modes
+from kiln.compiler.cudagraph import FullCUDAGraphs, GraphMode, piecewise_capture_sizes, wanted_graph_modes
 from kiln.compiler.forward import build_forward, build_now, compile_seconds
 from kiln.compiler.inputs import InputBuffers, InputLimits, ModelInputs, VerifyShape
 from kiln.compiler.piecewise import GraphRecorder, PiecewiseCUDAGraphs
@@ -165,7 +165,8 @@ class CompiledModel:
                 self.verify_graphs = self._verify_graphs(self.config.capture_sizes)
                 self.verify_graphs.capture(self._capture_scope, self.kv_caches, pool)
         if GraphMode.PIECEWISE in modes:
-            self.piecewise_graphs = PiecewiseCUDAGraphs(self.forward, self.inputs, self.config.capture_sizes, record)
+            self.piecewise_graphs = PiecewiseCUDAGraphs(self.forward, self.inputs,
+                                                        piecewise_capture_sizes(self.config.capture_sizes, modes), record)
             self.piecewise_graphs.capture(self._capture_scope, self.kv_caches, pool)
 
     def _verify_graphs(self, capture_sizes) -> FullCUDAGraphs:
@@ -231,7 +232,7 @@ class CompiledModel:
         if GraphMode.FULL in modes:
             sizes |= {s for s in self.config.capture_sizes if s <= min(buf.max_num_reqs, buf.max_num_tokens)}
         if GraphMode.PIECEWISE in modes:
-            sizes |= {s for s in self.config.capture_sizes if s <= buf.max_num_tokens}
+            sizes |= {s for s in piecewise_capture_sizes(self.config.capture_sizes, modes) if s <= buf.max_num_tokens}
         return sorted(sizes)
 
     @property

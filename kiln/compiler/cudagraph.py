@@ -60,6 +60,18 @@ def wanted_graph_modes(cudagraph: str, has_pieces: bool = True) -> set[GraphMode
     return wanted
 
 
+def piecewise_capture_sizes(capture_sizes: tuple[int, ...], modes: set[GraphMode]) -> tuple[int, ...]:
+    """The sizes piece graphs are captured at. Alone they take every batch: all of ``capture_sizes``.
+    Beside full graphs, which take every decode-only batch, they serve batches with a prefill, whose
+    padded rows cost GEMM work that is nearly free while the step is bound by reading the weights
+    (up to a few hundred rows) and attention never sees: sizes up to 8, powers of two up to 128,
+    multiples of 64, and the largest, so a start captures about 14 piece sets instead of 67."""
+    if GraphMode.FULL not in modes or not capture_sizes:
+        return tuple(capture_sizes)
+    keep = {s for s in capture_sizes if s <= 8 or (s <= 128 and s & (s - 1) == 0) or s % 64 == 0}
+    return tuple(sorted(keep | {max(capture_sizes)}))
+
+
 def weak_ref(t: Any) -> Any:
     """A CUDA tensor viewing ``t``'s memory without keeping it allocated; anything else as is.
 
@@ -148,8 +160,7 @@ class FullCUDAGraphs:
             buf.upload(size * q, size)
             meta = buf.metadata(size * q, size, size if q == 1 else 0, [q] * size, [q] * size)
             with scope(ForwardContext(attn=meta, kv_caches=kv_caches)):
-                for _ in range(2):  # warm-up: Triton JIT, cuBLAS handles, lazy allocations
-                    self._run(size)
+                self._run(size)  # warm-up: Triton JIT, cuBLAS handles, lazy allocations
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):

@@ -16,14 +16,18 @@ Cache layout, one tensor per layer (``kiln.ops.attention``)::
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
+import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from kiln.compiler import CompiledModel, GraphMemoryEstimate, ModelInputs
+from kiln.compiler import ArtifactCache, CompiledModel, GraphMemoryEstimate, ModelInputs
 from kiln.config import CacheConfig
 
 logger = logging.getLogger(__name__)
@@ -143,3 +147,52 @@ def profile_activation_bytes(compiled: CompiledModel, shape: KVShape, max_model_
     logger.info("profiled forward: %d tokens in %d requests, peak activations %.2f GiB",
                 max_num_tokens, num_reqs, peak / 2**30)
     return peak
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What start-up profiled before sizing the KV cache."""
+
+    activation_bytes: int
+    graphs: Optional[GraphMemoryEstimate]
+
+
+class MemoryProfileCache:
+    """Profiled start-up memory kept beside the compile cache, ``<cache.dir>/memory/<key>.json``, so
+    a warm start skips the profile (two forwards of the largest step and two graph captures). The
+    key is the compiled forward's artifact key (model, compile config, kiln's source, torch, device)
+    with everything else the profile depends on: the scheduler's limits, the KV layout, the card's
+    total memory. Like the compile cache it is only written where writable, never while loading."""
+
+    KIND = "memory"
+
+    def __init__(self, artifacts: ArtifactCache, compile_key: str, **shape: Any) -> None:
+        self.artifacts = artifacts
+        desc = json.dumps({"compile": compile_key, **shape}, sort_keys=True, default=str)
+        self.path = artifacts.dir.parent / self.KIND / f"{hashlib.sha256(desc.encode()).hexdigest()[:20]}.json"
+
+    def load(self) -> Optional[MemoryProfile]:
+        try:
+            data = json.loads(self.path.read_text())
+            graphs = data["graphs"]
+            return MemoryProfile(int(data["activation_bytes"]), None if graphs is None else GraphMemoryEstimate(
+                tuple(graphs["sizes"]), int(graphs["largest_bytes"]), int(graphs["per_size_bytes"]),
+                int(graphs["num_extra_graphs"])))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logger.warning("ignoring the unreadable memory profile %s: %s", self.path, e)
+            return None
+
+    def store(self, profile: MemoryProfile) -> None:
+        if not self.artifacts.writable():
+            return
+        data = {"activation_bytes": profile.activation_bytes,
+                "graphs": None if profile.graphs is None else dataclasses.asdict(profile.graphs)}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.parent / f".{self.path.name}.{os.getpid()}"  # hidden: never listed as an entry
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            logger.warning("could not store the memory profile %s: %s", self.path, e)

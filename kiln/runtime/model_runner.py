@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from kiln.compiler import ArtifactCache, CompiledModel, InputLimits, VerifyShape
+from kiln.compiler.artifact_cache import use_kernel_caches
 from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, resolve_for_device
 from kiln.models.loader import LoadedModel, kv_cache_dtype, load_model, resolve_device, resolve_dtype
 from kiln.models.parallel import SINGLE, TensorParallel, local_num_kv_heads, min_over_ranks
@@ -99,9 +100,12 @@ class ModelRunner:
         compile_config, scheduler_config = resolve_for_device(compile_config, scheduler_config or SchedulerConfig(),
                                                               self.device.type)
         self.compile_config = compile_config
+        if self.device.type == "cuda":  # before anything JIT-compiles: kernels land in kiln's cache dir
+            use_kernel_caches(cache_config.resolved_dir)
         t0 = time.perf_counter()
+        # A checkpoint's weights may still be read while the model compiles (a cold start).
         self.loaded: LoadedModel = load_model(model_config, cache_config.resolved_dir, self.device, self.dtype, tp,
-                                             self.kernels)
+                                             self.kernels, background=True)
         load_seconds = time.perf_counter() - t0
         self.model, self.arch, self.tokenizer = self.loaded.model, self.loaded.arch, self.loaded.tokenizer
         self.max_model_len = self.loaded.max_model_len
@@ -109,6 +113,9 @@ class ModelRunner:
         limits = InputLimits(sched.max_num_batched_tokens, sched.max_num_seqs, -(-self.max_model_len // self.block_size))
         self.compiled = CompiledModel(self.model, compile_config, self.kernels, limits, self.max_model_len,
                                       ArtifactCache(cache_config.resolved_dir, self._artifact_name()))
+        t_wait = time.perf_counter()
+        load_seconds += self.loaded.wait_for_weights()
+        wait_seconds = time.perf_counter() - t_wait
         self.input_batch = InputBatch(self.compiled.inputs, self.block_size)
         self.kv_shape = KVShape(self.arch.num_layers, self.block_size, local_num_kv_heads(self.arch, tp),
                                 self.arch.head_dim, kv_cache_dtype(cache_config.dtype, self.dtype, self.device))
@@ -119,16 +126,7 @@ class ModelRunner:
         activation_bytes, self.graph_estimate = 0, None
         t_profile = time.perf_counter()
         if self.device.type == "cuda":
-            activation_bytes = kv_sizing.profile_activation_bytes(
-                self.compiled, self.kv_shape, self.max_model_len, sched.max_num_batched_tokens, sched.max_num_seqs)
-            if isinstance(self.proposer, DraftProposer):  # runs before the target's forward, never beside it
-                draft = self.proposer
-                activation_bytes = max(activation_bytes, kv_sizing.profile_activation_bytes(
-                    draft.compiled, draft.kv_shape, self.max_model_len, draft.compiled.inputs.max_num_tokens,
-                    sched.max_num_seqs))
-            if cache_config.num_blocks is None and cache_config.kv_cache_memory_gib is None:
-                self.graph_estimate = self.compiled.profile_graph_memory(
-                    kv_sizing.allocate_kv_caches(self.kv_shape, 2, self.device))
+            activation_bytes, self.graph_estimate = self._profile_memory(cache_config, sched)
         t_kv = time.perf_counter()
         profile_seconds = t_kv - t_profile
         self.num_blocks, self.kv_caches = self._make_kv_caches(cache_config, activation_bytes)
@@ -155,12 +153,51 @@ class ModelRunner:
                     "in %.2f GiB; CUDA graphs %.2f GiB", num_usable, self.block_size, num_usable * self.block_size,
                     self.num_blocks * self.kv_shape.bytes_per_block / 2**30,
                     self.compiled.graph_memory_bytes / 2**30)
-        self.startup_seconds = {"load_weights_s": load_seconds, **self.compiled.startup_seconds(),
+        self.startup_seconds = {"load_weights_s": load_seconds, "weights_wait_s": wait_seconds,
+                                **self.compiled.startup_seconds(),
                                 "profile_s": profile_seconds, "kv_alloc_s": kv_seconds,
                                 "ready_s": time.perf_counter() - t_start}
-        logger.info("start-up: load weights %.2f s, Dynamo %.2f s, Inductor %.2f s, compile cache load %.2f s, "
+        logger.info("start-up: load weights %.2f s (%.2f s of it not hidden behind compiling), Dynamo %.2f s, Inductor %.2f s, compile cache load %.2f s, "
                     "CUDA graphs %.2f s, memory profile %.2f s, KV allocation %.2f s; ready in %.2f s",
                     *self.startup_seconds.values())
+
+    def _profile_memory(self, cache_config: CacheConfig, sched: SchedulerConfig
+                        ) -> tuple[int, Optional[kv_sizing.GraphMemoryEstimate]]:
+        """Peak activation bytes of the largest step, and what the CUDA graphs will take (when the
+        KV cache is sized from the free memory): profiled, or read from a warm start's cache."""
+        want_graphs = cache_config.num_blocks is None and cache_config.kv_cache_memory_gib is None
+        cache = self._memory_profile_cache(sched, want_graphs)
+        cached = cache.load() if cache is not None else None
+        if cached is not None:
+            logger.info("memory profile from the cache: peak activations %.2f GiB, CUDA graphs %.2f GiB",
+                        cached.activation_bytes / 2**30, cached.graphs.bytes() / 2**30 if cached.graphs else 0.0)
+            return cached.activation_bytes, cached.graphs
+        activation_bytes = kv_sizing.profile_activation_bytes(
+            self.compiled, self.kv_shape, self.max_model_len, sched.max_num_batched_tokens, sched.max_num_seqs)
+        if isinstance(self.proposer, DraftProposer):  # runs before the target's forward, never beside it
+            draft = self.proposer
+            activation_bytes = max(activation_bytes, kv_sizing.profile_activation_bytes(
+                draft.compiled, draft.kv_shape, self.max_model_len, draft.compiled.inputs.max_num_tokens,
+                sched.max_num_seqs))
+        graphs = None
+        if want_graphs:
+            graphs = self.compiled.profile_graph_memory(kv_sizing.allocate_kv_caches(self.kv_shape, 2, self.device))
+        if cache is not None:
+            cache.store(kv_sizing.MemoryProfile(activation_bytes, graphs))
+        return activation_bytes, graphs
+
+    def _memory_profile_cache(self, sched: SchedulerConfig, want_graphs: bool
+                              ) -> Optional[kv_sizing.MemoryProfileCache]:
+        """Where the profile of this forward and shape is kept: only for a forward from the compile
+        cache (its key names the model, compile config and kiln's source), without a draft model."""
+        entry = getattr(self.compiled.forward, "cache", None)
+        if entry is None or isinstance(self.proposer, DraftProposer):
+            return None
+        return kv_sizing.MemoryProfileCache(
+            entry.cache, entry.key, max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len, kv_shape=repr(self.kv_shape),
+            graphs=want_graphs, verify=repr(self.compiled.verify_shape),
+            total_memory=torch.cuda.get_device_properties(self.device).total_memory)
 
     def _make_kv_caches(self, cache_config: CacheConfig, activation_bytes: int) -> tuple[int, list[torch.Tensor]]:
         """Size the cache after the activations and the CUDA graphs, the same on every rank, and allocate it."""
