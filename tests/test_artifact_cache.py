@@ -317,6 +317,10 @@ def test_cache_inspect_export_clear(tmp_path, capsys):
     (root / "models" / "smol-abc").mkdir(parents=True)
     (root / "models" / "smol-abc" / "config.json").write_text("{}")
     (root / "compile" / ".tmp-dead-1").mkdir()  # a writer that died
+    (root / "memory").mkdir()
+    (root / "memory" / "0123abcd.json").write_text('{"activation_bytes": 1, "graphs": null}')  # a file entry
+    (root / "kernels" / "triton" / "k1").mkdir(parents=True)
+    (root / "kernels" / "triton" / "k1" / "kernel.cubin").write_bytes(b"cubin")
 
     assert cache_cmd.main(["ls", f"cache.dir={root}"]) == 0
     out = capsys.readouterr().out
@@ -328,11 +332,14 @@ def test_cache_inspect_export_clear(tmp_path, capsys):
     assert cache_cmd.main(["export", str(tmp_path / "out"), f"cache.dir={root}"]) == 0
     assert verify_entry(tmp_path / "out" / "compile" / entry.key) is None
     assert (tmp_path / "out" / "models" / "smol-abc" / "config.json").exists()
+    assert (tmp_path / "out" / "memory" / "0123abcd.json").read_text().startswith('{"activation_bytes"')
+    assert (tmp_path / "out" / "kernels" / "triton" / "k1" / "kernel.cubin").read_bytes() == b"cubin"
     assert not (tmp_path / "out" / "compile" / ".tmp-dead-1").exists()
     assert cache_cmd.main(["export", str(tmp_path / "out.tar.gz"), f"cache.dir={root}"]) == 0
     with tarfile.open(tmp_path / "out.tar.gz") as tar:
         names = tar.getnames()
     assert f"compile/{entry.key}/{MANIFEST}" in names and "models/smol-abc/config.json" in names
+    assert "memory/0123abcd.json" in names and "kernels/triton/k1/kernel.cubin" in names
     assert cache_cmd.main(["export", str(tmp_path / "out"), f"cache.dir={root}"]) == 1  # not empty
     capsys.readouterr()
 
@@ -342,3 +349,27 @@ def test_cache_inspect_export_clear(tmp_path, capsys):
     assert cache_cmd.main(["inspect", f"cache.dir={root}"]) == 2
     assert cache_cmd.main(["clear", f"cache.dir={root}"]) == 0
     assert list((root / "compile").iterdir()) == []  # the leftover went too
+    assert list((root / "memory").iterdir()) == [] and list((root / "kernels").iterdir()) == []
+
+
+def test_kernel_caches_go_into_the_cache_dir_unless_the_environment_names_them(tmp_path, monkeypatch):
+    from kiln.compiler.artifact_cache import KERNEL_CACHE_ENVS, use_kernel_caches
+
+    for env in KERNEL_CACHE_ENVS:
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice stays
+    chosen = use_kernel_caches(str(tmp_path / "cache"))
+    assert chosen == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache" / "kernels" / "inductor")}
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+    assert (tmp_path / "cache" / "kernels" / "inductor").is_dir()
+
+    # A read-only cache dir: a writable copy in a temp dir, with what the cache held.
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    (tmp_path / "cache" / "kernels" / "triton" / "k").mkdir(parents=True)
+    (tmp_path / "cache" / "kernels" / "triton" / "k" / "a.cubin").write_bytes(b"x")
+    monkeypatch.setenv("KILN_CACHE_READ_ONLY", "1")
+    chosen = use_kernel_caches(str(tmp_path / "cache"))
+    triton_dir = Path(chosen["TRITON_CACHE_DIR"])
+    assert tmp_path not in triton_dir.parents and (triton_dir / "k" / "a.cubin").read_bytes() == b"x"
+    assert os.environ["TRITON_CACHE_DIR"] == str(triton_dir)

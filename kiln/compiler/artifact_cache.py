@@ -43,6 +43,7 @@ import os
 import platform
 import secrets
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -208,6 +209,34 @@ def read_factors(entry_dir: Path) -> Optional[dict[str, Any]]:
         return json.loads((entry_dir / FACTORS).read_text())
     except (OSError, ValueError):
         return None
+
+
+# ---- Triton's and Inductor's own caches -----------------------------------------------------------
+KERNELS = "kernels"  # <cache.dir>/kernels/{triton,inductor}
+KERNEL_CACHE_ENVS = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
+
+
+def use_kernel_caches(cache_dir: str) -> dict[str, str]:
+    """Point Triton's and Inductor's caches (JIT-compiled kernels, autotuning results) into
+    ``<cache_dir>/kernels/`` unless the environment already names them, before anything compiles;
+    then a restart, or another machine given the cache dir (``kiln cache export``), also finds the
+    kernels kiln's own ops and Inductor's dynamic builds compile at their first run (several
+    seconds on a GPU). A read-only cache dir is copied to a temp dir first (those caches write as
+    they go). Returns what was set."""
+    chosen = {}
+    base = Path(cache_dir).expanduser() / KERNELS
+    for env, sub in KERNEL_CACHE_ENVS.items():
+        if os.environ.get(env):
+            continue
+        target = base / sub
+        if not ArtifactCache(cache_dir, "").writable():
+            scratch = Path(tempfile.mkdtemp(prefix=f"kiln-{sub}-"))
+            if target.is_dir():
+                shutil.copytree(target, scratch, dirs_exist_ok=True, symlinks=True)
+            target = scratch
+        target.mkdir(parents=True, exist_ok=True)
+        os.environ[env] = chosen[env] = str(target)
+    return chosen
 
 
 # ---- the cache ----------------------------------------------------------------------------------

@@ -13,6 +13,10 @@ The cache directory is ``CacheConfig.resolved_dir`` ($KILN_CACHE_DIR or ~/.cache
     <dir>/models/<name>/      converted models (Hugging Face directories)
     <dir>/tokenizers/<name>/  converted tokenizers (borrowed by random:<preset> models)
     <dir>/compile/<key>/      compiled forwards (``kiln.compiler.artifact_cache``)
+    <dir>/memory/<key>.json   profiled start-up memory of a compiled forward (``kiln.runtime.kv_sizing``)
+    <dir>/kernels/triton/, <dir>/kernels/inductor/
+                              Triton's and Inductor's own caches, on a GPU unless the environment
+                              names them (``use_kernel_caches``)
 
 An entry is one child of a kind directory (``KINDS``) and its key is ``<kind>/<name>``. Only those
 kinds are listed, exported or removed, so a mistyped ``cache.dir`` (say, a home directory) loses
@@ -35,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-KINDS = ("models", "tokenizers", "compile")
+KINDS = ("models", "tokenizers", "compile", "memory", "kernels")
 USAGE = "usage: kiln cache <ls | inspect KEY | clear [KEY] | export PATH> [cache.dir=PATH] [other overrides]"
 _TARBALL_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 FACTORS_FILE = "factors.json"  # kiln.compiler.artifact_cache.FACTORS (tests/test_cli.py checks they agree)
@@ -197,7 +201,11 @@ def cmd_export(root: Path, dest: Optional[str]) -> int:
             print(f"kiln: error: {out} exists and is not an empty directory", file=sys.stderr)
             return 1
         for e in chosen:
-            shutil.copytree(e.path, out / e.key, symlinks=True)
+            if e.path.is_dir() and not e.path.is_symlink():
+                shutil.copytree(e.path, out / e.key, symlinks=True)
+            else:
+                (out / e.key).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(e.path, out / e.key, follow_symlinks=False)
     use = "extract it and use that directory" if out.name.endswith(_TARBALL_SUFFIXES) else "use it"
     print(f"exported {len(chosen)} entries ({human_bytes(sum(e.size_bytes for e in chosen))}) to {out}; "
           f"on the other machine, {use} as cache.dir (or $KILN_CACHE_DIR)")
