@@ -5,7 +5,10 @@ Every start is a fresh process building ``LLM(model, compile.mode=kiln)`` and ge
 - ``cold``: nothing compiled anywhere: an empty kiln compile cache, and empty Inductor, Triton and
   temp dirs (Inductor keeps its precompiled C++ header under the temp dir), as on a new machine.
 - ``warm``: the kiln cache dir the cold start filled, with empty Inductor, Triton and temp dirs
-  again: a restarted container whose image ships the cache (``kiln cache export``).
+  again: a restarted container whose image ships the cache (``kiln cache export``). On a GPU kiln
+  keeps Triton's and Inductor's caches in its cache dir, so the warm start finds those too.
+- ``restart`` (``--restart``): a warm start that also keeps the cold start's Inductor, Triton and
+  temp dirs, as a restart on the same machine.
 
 Converted weights are shared by both (linked from the usual cache dir), so neither pays for a
 conversion. Each row has time to first token (interpreter start included), the engine's start-up
@@ -38,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # benchmarks.common, when run as a script
@@ -45,7 +49,7 @@ sys.path.insert(0, str(REPO))  # benchmarks.common, when run as a script
 from benchmarks.common import console_table, make_record, save_results  # noqa: E402
 
 SHARED_KINDS = ("models", "tokenizers")  # converted once, linked into every start's cache dir
-PHASES = ("load_weights_s", "dynamo_s", "inductor_s", "cache_load_s", "cudagraph_s", "profile_s", "kv_alloc_s",
+PHASES = ("load_weights_s", "weights_wait_s", "dynamo_s", "inductor_s", "cache_load_s", "cudagraph_s", "profile_s", "kv_alloc_s",
           "ready_s")
 
 
@@ -53,9 +57,16 @@ def child(opts: dict) -> None:
     """One start: build the engine, generate one token, print the timings as one JSON line."""
     import logging
 
+    marks = {"child_start_wall": time.time()}
+    import torch
+
+    marks["torch_wall"] = time.time()
+    if opts["device"] != "cpu" and torch.cuda.is_available():
+        torch.cuda.init()
+    marks["cuda_wall"] = time.time()
     from kiln import LLM, SamplingParams
 
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(relativeCreated)7.0f ms %(name)s: %(message)s")
 
     t_import = time.time()
     llm = LLM(model=opts["model"], compile={"mode": opts.get("mode", "kiln"), "cudagraph": opts["cudagraph"]},
@@ -67,20 +78,25 @@ def child(opts: dict) -> None:
     first_token = time.time()
     runner = llm.engine.executor.runner
     print("RESULT " + json.dumps({
-        "ready_wall": ready, "first_token_wall": first_token, "import_done_wall": t_import,
+        "ready_wall": ready, "first_token_wall": first_token, "import_done_wall": t_import, **marks,
         "token": out[0].outputs[0].token_ids[0],
         "cache_hit": bool(getattr(runner.compiled.forward, "cache_hit", False)), **runner.startup_seconds,
     }), flush=True)
 
 
-def start(opts: dict, scratch: Path, run: str) -> dict:
-    """One start in a fresh process with fresh Inductor, Triton and temp dirs."""
-    fresh = {name: scratch / f"{run}-{name}" for name in ("inductor", "triton", "tmp")}
+def start(opts: dict, scratch: Path, run: str, machine: Optional[str] = None) -> dict:
+    """One start in a fresh process with fresh Inductor, Triton and temp dirs, or with those of the
+    earlier start ``machine`` (a restart on the same machine, whose Triton and Inductor caches
+    survived)."""
+    fresh = {name: scratch / f"{machine or run}-{name}" for name in ("inductor", "triton", "tmp")}
     for path in fresh.values():
-        path.mkdir(parents=True)
+        path.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(fresh["inductor"]), "TRITON_CACHE_DIR": str(fresh["triton"]),
            "TMPDIR": str(fresh["tmp"]),
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    if _on_gpu(opts["device"]):  # kiln keeps them in its cache dir there (use_kernel_caches), fresh for cold
+        env.pop("TORCHINDUCTOR_CACHE_DIR")
+        env.pop("TRITON_CACHE_DIR")
     env.pop("KILN_CACHE_READ_ONLY", None)
     t0 = time.time()
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(opts)],
@@ -90,13 +106,28 @@ def start(opts: dict, scratch: Path, run: str) -> dict:
         raise RuntimeError(f"{run} start failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     result = json.loads(lines[-1][len("RESULT "):])
     result["first_token_s"] = result["first_token_wall"] - result["ready_wall"]
-    result["import_s"] = result.pop("import_done_wall") - t0  # interpreter, torch and kiln imports
+    # interpreter, torch and kiln imports, split into interpreter start, torch, CUDA init, kiln
+    result["interpreter_s"] = result["child_start_wall"] - t0
+    result["torch_import_s"] = result["torch_wall"] - result.pop("child_start_wall")
+    result["cuda_init_s"] = result["cuda_wall"] - result.pop("torch_wall")
+    result["kiln_import_s"] = result["import_done_wall"] - result.pop("cuda_wall")
+    result["import_s"] = result.pop("import_done_wall") - t0
     result["ttft_s"] = result.pop("first_token_wall") - t0
     result["process_to_ready_s"] = result.pop("ready_wall") - t0
+    if os.environ.get("KILN_STARTUP_LOG_DIR"):  # every log line of the start, with its time
+        Path(os.environ["KILN_STARTUP_LOG_DIR"], f"{run}.log").write_text(proc.stderr)
     for line in proc.stderr.splitlines():
         if "compile cache" in line or "start-up:" in line:
             print(f"  [{run}] {line.split(': ', 1)[-1]}")
     return result
+
+
+def _on_gpu(device: str) -> bool:
+    if device == "cpu":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def write_checkpoint(preset: str, out_dir: Path, shard_bytes: int = 5 * 2**30) -> Path:
@@ -187,11 +218,15 @@ def main() -> None:
     parser.add_argument("--cudagraph", default="none", choices=CUDAGRAPH_MODES)
     parser.add_argument("--mode", default="kiln", choices=("auto", "kiln"), help="compile.mode (auto: kiln on CUDA)")
     parser.add_argument("--checkpoint", help="write a random PRESET as an HF checkpoint and start from it")
-    parser.add_argument("--checkpoint-dir", default=None, help="where --checkpoint writes (default: a temp dir)")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="where --checkpoint writes (default: a temp dir); a checkpoint already there is reused")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--out", default=None, help="also write the records as JSON / markdown here")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--repeats", type=int, default=1, help="warm starts to time (the best is reported)")
+    parser.add_argument("--restart", action="store_true",
+                        help="also time a warm start that keeps the cold start's Triton and Inductor caches "
+                             "(a restart on the same machine; the plain warm start is a fresh machine)")
     parser.add_argument("--no-save", action="store_true", help="print only; write no results files")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -201,7 +236,10 @@ def main() -> None:
     source = Path(default_cache_dir()).expanduser()
     scratch = Path(tempfile.mkdtemp(prefix="kiln-startup-"))
     checkpoint = None
-    if args.checkpoint:
+    if args.checkpoint and args.checkpoint_dir and (Path(args.checkpoint_dir) / "model.safetensors.index.json").exists():
+        checkpoint = Path(args.checkpoint_dir)  # written by an earlier run
+        args.model = str(checkpoint)
+    elif args.checkpoint:
         t0 = time.time()
         checkpoint = write_checkpoint(args.checkpoint, Path(args.checkpoint_dir or scratch / "checkpoint"))
         print(f"wrote {checkpoint} in {time.time() - t0:.1f} s "
@@ -216,6 +254,7 @@ def main() -> None:
             drop_page_cache(checkpoint)
         cold = start(opts, scratch, "cold")
         warms = [start(opts, scratch, f"warm{i}") for i in range(args.repeats)]
+        restart = start(opts, scratch, "restart", machine="cold") if args.restart else None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     warm = min(warms, key=lambda r: r["ttft_s"])
@@ -223,19 +262,21 @@ def main() -> None:
         raise RuntimeError(f"expected a cold miss and a warm hit, got {cold['cache_hit']=} {warm['cache_hit']=}")
     if warm["token"] != cold["token"]:
         raise RuntimeError(f"warm start generated {warm['token']}, cold {cold['token']}")
-    report(args, cold, warm)
+    report(args, cold, warm, restart)
 
 
-def report(args, cold: dict, warm: dict) -> None:
-    header = ["start", "ttft_s", "process_to_ready_s", "import_s", *PHASES, "first_token_s"]
-    rows = [[name, *(round(r[k], 2) for k in header[1:])] for name, r in (("cold", cold), ("warm", warm))]
+def report(args, cold: dict, warm: dict, restart: Optional[dict] = None) -> None:
+    header = ["start", "ttft_s", "process_to_ready_s", "import_s", "interpreter_s", "torch_import_s", "cuda_init_s",
+              "kiln_import_s", *PHASES, "first_token_s"]
+    starts = [("cold", cold), ("warm", warm)] + ([("restart", restart)] if restart else [])
+    rows = [[name, *(round(r[k], 2) for k in header[1:])] for name, r in starts]
     ratio = warm["ttft_s"] / cold["ttft_s"]
     print(console_table(header, rows))
     print(f"warm / cold time to first token: {ratio:.2f}")
     if args.no_save and not args.out:
         return
     records = []
-    for name, r in (("cold", cold), ("warm", warm)):
+    for name, r in starts:
         metrics = {k: round(r[k], 3) for k in header[1:]}
         metrics["warm_over_cold_ttft"] = round(ratio, 3)
         model = f"checkpoint:{args.checkpoint}" if args.checkpoint else args.model
