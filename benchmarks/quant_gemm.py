@@ -78,16 +78,15 @@ def sweep_configs(scheme: str, m: int):
     """(block_m, block_n, block_k, num_warps, num_stages) x split-K per scheme and row bucket."""
     from kiln.ops.triton_quant_gemm import GemmConfig
 
-    if m == 1 and scheme == "fp8":
-        tiles = [(1, bn, bk, nw, ns) for bn, bk, nw, ns in [
-            (8, 1024, 4, 3), (8, 512, 2, 3), (8, 2048, 4, 3), (16, 512, 4, 3), (16, 1024, 8, 3), (4, 1024, 2, 3),
-            (4, 2048, 4, 3), (8, 1024, 2, 3), (8, 512, 1, 3), (16, 2048, 8, 3), (32, 512, 8, 3)]]
-        splits = (1, 2)
+    if m == 1 and scheme == "fp8":  # num_stages > 1 pipelines the weight loads through shared memory
+        tiles = [(1, bn, bk, nw, ns) for bn, bk, nw in [(8, 512, 2), (4, 1024, 2), (8, 1024, 4), (16, 512, 4),
+                                                        (8, 1024, 2), (4, 2048, 4)] for ns in (1, 2, 3, 4)]
+        splits = (1,)
     elif m == 1:  # the word-wise GEMV
-        tiles = [(1, bn, bk, nw, 3) for bn, bk, nw in [
-            (16, 512, 4), (32, 256, 4), (32, 512, 4), (64, 256, 4), (64, 128, 4), (128, 128, 4), (128, 256, 8),
-            (64, 256, 8), (64, 512, 8), (32, 256, 2)]]
-        splits = (1, 2, 4)
+        tiles = [(1, bn, bk, nw, ns) for bn, bk, nw in [
+            (32, 256, 2), (64, 256, 4), (64, 512, 8), (16, 1024, 4), (32, 256, 4), (64, 128, 4), (16, 512, 4),
+            (128, 256, 8)] for ns in (1, 3)]
+        splits = (1, 4)
     elif scheme == "int4":  # the tensor-core kernel, rows padded to 16
         bm = max(16, 1 << (m - 1).bit_length())
         tiles = [(bm, bn, bk, nw, 3) for bn, bk, nw in [(64, 256, 4), (64, 512, 4), (128, 256, 4), (128, 256, 8),

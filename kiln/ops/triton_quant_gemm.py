@@ -48,7 +48,7 @@ class GemmConfig:
 @triton.jit
 def _channel_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_wn, stride_ym,
                     X_SCALED: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr = 1):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -61,7 +61,7 @@ def _channel_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, y_ptr, M, N, K, k_split, stride
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     if BLOCK_M == 1:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):  # weight loads pipelined (cp.async)
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 x = tl.load(x_ptr + pid_m * stride_xm + offs_k).to(tl.float32)
@@ -290,7 +290,7 @@ def _nibble_pairs(v, USE_ASM: tl.constexpr):
 @triton.jit
 def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, y_ptr, N, K, k_split, stride_wn,
                       GROUP: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
-                      EXACT: tl.constexpr,
+                      EXACT: tl.constexpr, STAGES: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One row: y[n] = sum_k x[k] ((q[n,k] - 8) s + z), the weight read as int32 words [N, K/8].
 
@@ -312,7 +312,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, y_ptr, N, K, k_split, stride_wn,
     sz_cols = sz_ptr + offs_n[:, None] * 2
     offs_j = tl.arange(0, WORDS)
     acc_g = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):  # weight loads pipelined (cp.async)
         offs_g = k0 // GROUP + tl.arange(0, NG)
         if EVEN_K:
             wd = tl.load(w_rows + (k0 // 8 + offs_j)[None, :], mask=n_ok[:, None], other=0)
@@ -517,7 +517,7 @@ def triton_linear(scheme: str, x: torch.Tensor, w: torch.Tensor, scales: torch.T
             _int4_gemv_kernel[grid](x2, w.view(torch.int32), scales, y, n, k, k_split, w.stride(0) // 4,
                                     GROUP=group_size, ATOMIC=flags["ATOMIC"], EVEN_K=flags["EVEN_K"],
                                     USE_ASM=os.environ.get("TRITON_INTERPRET") != "1",
-                                    EXACT=x2.dtype not in (torch.bfloat16, torch.float16),
+                                    EXACT=x2.dtype not in (torch.bfloat16, torch.float16), STAGES=cfg.num_stages,
                                     BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
                                     num_stages=cfg.num_stages)
         elif cfg.block_m >= 16 and _int4_words_fit(w, k, group_size):
@@ -531,5 +531,5 @@ def triton_linear(scheme: str, x: torch.Tensor, w: torch.Tensor, scales: torch.T
     else:
         xs = x_scales if x_scales is not None else scales  # unused when not X_SCALED
         _channel_kernel[grid](x2, w, scales, xs, y, m, n, k, k_split, x2.stride(0), w.stride(0), y.stride(0),
-                              X_SCALED=x_scales is not None, **flags)
+                              X_SCALED=x_scales is not None, STAGES=cfg.num_stages, **flags)
     return y.to(out_dtype).reshape(*x.shape[:-1], n)
