@@ -399,10 +399,11 @@ def triton_dequant_int4(w: torch.Tensor, scales_zeros: torch.Tensor, group_size:
 # o 4096x4096, gate_up 28672x4096, down 4096x14336); int8 reads the fp8 rows.
 _QKV, _O, _GATE_UP, _DOWN = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)
 MEASURED: dict[tuple[str, int, int, int], GemmConfig] = {
-    ("fp8", 1, *_QKV): GemmConfig(1, 8, 512, 1, num_warps=2),
-    ("fp8", 1, *_O): GemmConfig(1, 8, 1024, 1),
-    ("fp8", 1, *_GATE_UP): GemmConfig(1, 8, 1024, 1),
-    ("fp8", 1, *_DOWN): GemmConfig(1, 8, 1024, 1),
+    # one row: num_stages > 1 pipelines the weight loads (cp.async through shared memory)
+    ("fp8", 1, *_QKV): GemmConfig(1, 8, 512, 1, num_warps=2, num_stages=3),
+    ("fp8", 1, *_O): GemmConfig(1, 8, 512, 1, num_warps=2, num_stages=4),
+    ("fp8", 1, *_GATE_UP): GemmConfig(1, 8, 1024, 1, num_stages=3),
+    ("fp8", 1, *_DOWN): GemmConfig(1, 8, 1024, 1, num_stages=3),
     ("fp8", 16, *_QKV): GemmConfig(16, 32, 256, 1),
     ("fp8", 16, *_O): GemmConfig(16, 32, 256, 1),
     ("fp8", 16, *_GATE_UP): GemmConfig(16, 32, 128, 1),
@@ -411,11 +412,15 @@ MEASURED: dict[tuple[str, int, int, int], GemmConfig] = {
     ("fp8", 32, *_O): GemmConfig(32, 64, 128, 8),
     ("fp8", 32, *_GATE_UP): GemmConfig(32, 64, 128, 1),
     ("fp8", 32, *_DOWN): GemmConfig(32, 64, 128, 8),
-    ("int4", 1, *_QKV): GemmConfig(1, 16, 1024, 1),
-    ("int4", 1, *_O): GemmConfig(1, 16, 2048, 1, num_warps=8),
-    ("int4", 1, *_GATE_UP): GemmConfig(1, 16, 512, 1),
-    ("int4", 1, *_DOWN): GemmConfig(1, 16, 512, 4),
-    **{("int4", 16, *shape): GemmConfig(16, 128, 128, 8) for shape in (_QKV, _O, _GATE_UP, _DOWN)},
+    # the word-wise GEMV at one row (its loads unpipelined), the tensor-core tile at 2-16
+    ("int4", 1, *_QKV): GemmConfig(1, 16, 1024, 1, num_stages=1),
+    ("int4", 1, *_O): GemmConfig(1, 16, 2048, 1, num_warps=8, num_stages=1),
+    ("int4", 1, *_GATE_UP): GemmConfig(1, 16, 1024, 1, num_stages=1),
+    ("int4", 1, *_DOWN): GemmConfig(1, 16, 1024, 4, num_stages=1),
+    ("int4", 16, *_QKV): GemmConfig(16, 64, 256, 4),
+    ("int4", 16, *_O): GemmConfig(16, 64, 256, 4),
+    ("int4", 16, *_GATE_UP): GemmConfig(16, 64, 256, 2),
+    ("int4", 16, *_DOWN): GemmConfig(16, 64, 256, 4),
 }
 
 M_BUCKETS = (1, 16, 32, 64)
@@ -442,7 +447,7 @@ def default_config(scheme: str, m: int, n: int, k: int, group_size: int = 32) ->
     16- or 32-row dot tile up to 32, and split-K until about two programs per SM run."""
     bm = m_bucket(m)
     if bm == 1:
-        bn, bk = (64, 256) if scheme == "int4" else (8, 1024 if k >= 4096 else 512)
+        bn, bk = (16, 1024 if k >= 4096 else 256) if scheme == "int4" else (8, 1024 if k >= 4096 else 512)
     elif bm <= 32:
         bn, bk = (128 if scheme == "int4" else 32 if bm == 16 else 64), 128
     else:
@@ -454,7 +459,9 @@ def default_config(scheme: str, m: int, n: int, k: int, group_size: int = 32) ->
     # Split-K costs a zeroed float32 output and a cast: only for layers too narrow to fill the GPU.
     while tiles * split < TARGET_PROGRAMS // (4 if bm == 1 else 1) and k // (2 * split) >= 4 * bk:
         split *= 2
-    return GemmConfig(bm, bn, bk, split, num_warps=4 if bm <= 32 else 8)
+    # One row: fp8 pipelines its weight loads, the int4 GEMV measured faster without.
+    stages = 1 if bm == 1 and scheme == "int4" else 3
+    return GemmConfig(bm, bn, bk, split, num_warps=4 if bm <= 32 else 8, num_stages=stages)
 
 
 def config_for(scheme: str, m: int, n: int, k: int, group_size: int = 32) -> GemmConfig:
