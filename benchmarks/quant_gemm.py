@@ -149,6 +149,10 @@ def main(argv=None) -> None:
             add("kiln op int4 (kiln_cuda::linear_int4_triton)",
                 graph_time(lambda i: linear_int4_triton(x, *int4[i], GROUP), len(int4)), bytes_["int4"])
             if m not in (1, 16):
+                # Above the op's Triton row limit: the int4 tensor-core tile against the op's dequant + cuBLAS.
+                cfg = config_for("int4", m, n, k, GROUP)
+                add("kiln triton int4 (chosen)", graph_time(
+                    lambda i: triton_linear("int4", x, *int4[i], GROUP, config=cfg), len(int4)), bytes_["int4"], cfg)
                 print(f"{name} M={m}: " + ", ".join(f"{r['system']} {r['us']:.1f}us" for r in records
                                                     if r["shape"] == name and r["m"] == m), flush=True)
                 continue

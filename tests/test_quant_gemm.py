@@ -145,7 +145,7 @@ def test_gpu_gemm_matches_reference(scheme, rows):
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
 @pytest.mark.parametrize("scheme", ["fp8", "int8", "int4"])
-@pytest.mark.parametrize("rows", [1, 8, 300])
+@pytest.mark.parametrize("rows", [1, 8, 48, 300])
 def test_gpu_kernel_set_ops_match_reference(scheme, rows):
     """The KernelSet's op for each scheme: weight-only at decode rows, ``_scaled_mm`` (FP8 with
     per-token activations) above ``FP8_TRITON_MAX_ROWS``."""

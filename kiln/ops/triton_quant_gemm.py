@@ -5,23 +5,34 @@ the weight's bytes. These kernels read the weight in its stored precision (1 byt
 a value), dequantize in registers and multiply by activations kept in the model dtype (W8A16,
 W4A16: no activation quantization), so a layer costs its quantized bytes and little else::
 
-    kernel           weight                         scales                      y[m, n]
-    _channel_kernel  fp8 / int8 [N, K]              [N] (and optional xs [M])   sum_k x[m,k] w[n,k] * s[n] (* xs[m])
-    _int4_kernel     uint8 [N, K/2] (kiln.ops.quant) [K/g, N, 2]: scale, zero   sum_k x[m,k] ((q[n,k] - 8) s + z)
+    kernel             weight                           scales                    y[m, n]
+    _channel_kernel    fp8 / int8 [N, K]                [N] (and optional xs [M])  sum_k x[m,k] w[n,k] * s[n] (* xs[m])
+    _int4_gemv_kernel  uint8 [N, K/2] read as int32     [K/g, N, 2]: scale, zero   sum_k x[k] ((q[n,k] - 8) s + z), M = 1
+    _int4_dot_kernel   words [N, K/8] (8 nibbles each)  [K/g, N, 2]                the same, rows padded to 16, tensor cores
+    _int4_kernel       uint8 [N, K/2] (kiln.ops.quant)  [K/g, N, 2]                the same, groups not a multiple of 8
 
-Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``. With ``BLOCK_M == 1`` (M = 1) a program
-multiplies elementwise into a [BLOCK_N, BLOCK_K] float32 accumulator and reduces it once at the
-end (no tensor cores, no padding of the single row); with ``BLOCK_M >= 16`` it dequantizes the tile
-to the dot dtype and uses ``tl.dot``. ``SPLIT_K > 1`` splits K over programs that add their partial
-rows into a zeroed float32 output (``tl.atomic_add``), for layers with too few columns to fill the
-GPU. int4 nibbles become floats with the exponent trick (``(q | 0x4B000000)`` read as float32 is
-``2^23 + q``), cheaper than an integer conversion; the even and odd columns of a byte are kept in
-two tiles (x read at stride 2), so no interleave is needed.
+Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``. ``_channel_kernel`` with ``BLOCK_M == 1``
+(M = 1) multiplies elementwise into a [BLOCK_N, BLOCK_K] float32 accumulator and reduces it once
+at the end; ``num_stages > 1`` pipelines its weight loads (cp.async through shared memory), which
+took the H100 from 70-88% to 78-96% of copy bandwidth. With ``BLOCK_M >= 16`` it dequantizes the
+tile to the dot dtype and uses ``tl.dot``. ``SPLIT_K > 1`` splits K over programs that add their
+partial rows into a zeroed float32 output (``tl.atomic_add``), for layers with too few columns to
+fill the GPU.
+
+int4 decodes two nibbles per 32-bit op: in a word shifted right by 4i, ``(v & 0x000F000F) |
+0x43004300`` (one LOP3) is the bf16 pair (128 + q[8j+i], 128 + q[8j+4+i]), exact because 128..143
+share bf16 128's exponent (the FasterTransformer / Marlin "magic number"). The GEMV turns the pair
+into two float32s (a shift, and the word itself, whose low half adds a known offset) and
+accumulates ``x (128 + q)`` with FMAs, taking the offsets and the group's scale and zero off once
+per group: about 5 ops a weight byte where decoding byte by byte took 14, which had made the
+kernel ALU-bound. The dot kernel finishes the pair in bf16x2 (``fma.rn.bf16x2``: minus 136, then
+times s plus z, in inline PTX) and feeds the bf16 tile to ``tl.dot`` (wgmma) as its A operand.
+Under ``TRITON_INTERPRET=1`` (no PTX) both compute the same values in plain Triton.
 
 Tile sizes come from ``config_for(scheme, M, N, K)``: a table measured on an H100 for the
 llama3-8b shapes and a rule for other shapes. ``triton_linear`` is the entry point;
 ``kiln.ops.quant_cuda`` decides per call (on the host-side row count, fixed per captured CUDA graph)
-whether it or ``torch._scaled_mm`` runs.
+whether it or ``torch._scaled_mm`` / a dequantized cuBLAS GEMM runs.
 """
 
 from __future__ import annotations
