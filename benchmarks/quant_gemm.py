@@ -39,6 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="1,4,16,32,64")
     p.add_argument("--sweep", action="store_true", help="time every tile configuration of the sweep")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
+    p.add_argument("--schemes", default="fp8,int4", help="Triton kernels to time (and sweep)")
     p.add_argument("--deadline-s", type=float, default=150.0)
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     return p.parse_args(argv)
@@ -73,22 +75,29 @@ def graph_time(fn, copies: int, reps: int = 5) -> float:
 
 
 def sweep_configs(scheme: str, m: int):
+    """(block_m, block_n, block_k, num_warps, num_stages) x split-K per scheme and row bucket."""
     from kiln.ops.triton_quant_gemm import GemmConfig
 
-    if m == 1 and scheme == "fp8":  # (block_n, block_k, num_warps)
-        tiles = [(8, 1024, 4), (8, 2048, 4), (16, 512, 4), (16, 1024, 4), (16, 1024, 8), (16, 2048, 8),
-                 (32, 512, 4), (32, 1024, 8), (8, 512, 2), (16, 512, 2)]
-        splits = (1, 2)
-    elif m == 1:
-        tiles = [(8, 1024, 4), (16, 512, 4), (16, 1024, 4), (16, 1024, 8), (32, 512, 4), (32, 256, 4),
-                 (32, 1024, 8), (16, 2048, 8)]
+    if m == 1 and scheme == "fp8":  # num_stages > 1 pipelines the weight loads through shared memory
+        tiles = [(1, bn, bk, nw, ns) for bn, bk, nw in [(8, 512, 2), (4, 1024, 2), (8, 1024, 4), (16, 512, 4),
+                                                        (8, 1024, 2), (4, 2048, 4)] for ns in (1, 2, 3, 4)]
+        splits = (1,)
+    elif m == 1:  # the word-wise GEMV
+        tiles = [(1, bn, bk, nw, ns) for bn, bk, nw in [
+            (32, 256, 2), (64, 256, 4), (64, 512, 8), (16, 1024, 4), (32, 256, 4), (64, 128, 4), (16, 512, 4),
+            (128, 256, 8)] for ns in (1, 3)]
+        splits = (1, 4)
+    elif scheme == "int4":  # the tensor-core kernel, rows padded to 16
+        bm = max(16, 1 << (m - 1).bit_length())
+        tiles = [(bm, bn, bk, nw, 3) for bn, bk, nw in [(64, 256, 4), (64, 512, 4), (128, 256, 4), (128, 256, 8),
+                                                        (32, 256, 4)]]
         splits = (1, 2, 4)
     else:
-        tiles = [(32, 128, 4), (64, 128, 4), (128, 128, 4), (32, 256, 4)]
+        bm = max(16, 1 << (m - 1).bit_length())
+        tiles = [(bm, bn, bk, 4, 3) for bn, bk in [(32, 128), (64, 128), (128, 128), (32, 256)]]
         splits = (1, 4, 8)
-    bm = 1 if m == 1 else max(16, 1 << (m - 1).bit_length())
-    for (bn, bk, nw), split in itertools.product(tiles, splits):
-        yield GemmConfig(bm, bn, bk, split, num_warps=nw)
+    for (bm, bn, bk, nw, ns), split in itertools.product(tiles, splits):
+        yield GemmConfig(bm, bn, bk, split, num_warps=nw, num_stages=ns)
 
 
 def main(argv=None) -> None:
@@ -105,6 +114,8 @@ def main(argv=None) -> None:
     records, best = [], {}
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, (n, k) in SHAPES.items():
+        if name not in args.shapes.split(","):
+            continue
         w = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
         copies = max(2, -(-(160 << 20) // (n * k * 2)))  # bf16 copies past the 50 MB L2 twice over
         bf16 = [w.clone() for _ in range(copies)]
@@ -138,19 +149,32 @@ def main(argv=None) -> None:
             add("kiln op int4 (kiln_cuda::linear_int4_triton)",
                 graph_time(lambda i: linear_int4_triton(x, *int4[i], GROUP), len(int4)), bytes_["int4"])
             if m not in (1, 16):
+                # Above the op's Triton row limit: the int4 tensor-core tile against the op's dequant + cuBLAS.
+                cfg = config_for("int4", m, n, k, GROUP)
+                add("kiln triton int4 (chosen)", graph_time(
+                    lambda i: triton_linear("int4", x, *int4[i], GROUP, config=cfg), len(int4)), bytes_["int4"], cfg)
                 print(f"{name} M={m}: " + ", ".join(f"{r['system']} {r['us']:.1f}us" for r in records
                                                     if r["shape"] == name and r["m"] == m), flush=True)
                 continue
             for scheme, weights in (("fp8", fp8), ("int4", int4)):
+                if scheme not in args.schemes.split(","):
+                    continue
+                want = quant.linear_reference(scheme)(x, *weights[0], GROUP) if scheme == "int4" else (
+                    x.float() @ quant.dequant_fp8_reference(*weights[0], GROUP, torch.float32).t())
                 configs = list(sweep_configs(scheme, m)) if args.sweep and m in (1, 16) else []
                 configs.append(config_for(scheme, m, n, k, GROUP))
                 results = []
                 for cfg in dict.fromkeys(configs):
                     try:
+                        got = triton_linear(scheme, x, *weights[0], GROUP, config=cfg)
                         sec = graph_time(lambda i: triton_linear(scheme, x, *weights[i], GROUP, config=cfg),
                                          len(weights), reps=3)
                     except Exception as e:  # a tile that does not compile (shared memory) is skipped
                         print(f"{scheme} {name} M={m} {cfg}: {type(e).__name__}", flush=True)
+                        continue
+                    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                    if not err < 1e-2:  # a wrong kernel is not a fast one
+                        print(f"{scheme} {name} M={m} {cfg}: WRONG, relative error {err:.3g}", flush=True)
                         continue
                     results.append((sec, cfg))
                 sec, cfg = min(results, key=lambda r: r[0])

@@ -50,7 +50,8 @@ def test_quant_gemm_kernels_in_triton_interpreter():
 # (rows, N, K, config): the GEMV tile, split-K with K not a multiple of the tile, the dot tile
 # with and without split-K, more rows than one dot tile.
 INTERPRETED_CASES = [(1, 40, 256, (1, 16, 64, 1)), (1, 20, 256, (1, 8, 128, 1)), (1, 40, 192, (1, 16, 128, 2)), (5, 40, 256, (16, 16, 64, 3)),
-                     (5, 72, 320, (16, 32, 64, 1)), (20, 24, 128, (16, 16, 64, 1))]
+                     (5, 72, 320, (16, 32, 64, 1)), (20, 24, 128, (16, 16, 64, 1)),
+                     (1, 40, 192, (16, 32, 128, 1)), (1, 72, 448, (16, 64, 128, 2))]
 
 
 @pytest.mark.skipif(not RUN_KERNELS_HERE or DEVICE == "cuda", reason="CPU: runs in the Triton interpreter")
@@ -68,6 +69,20 @@ def test_interpreted_gemm_matches_reference(scheme, rows, n, k, cfg):
     # Each output row depends on its own input row only.
     got_first = triton_linear(scheme, x[:1], w, s, 32, config=GemmConfig(*cfg) if cfg[0] > 1 else None)
     assert _rel(got_first, got[:1]) < 1e-5
+
+
+@pytest.mark.skipif(not RUN_KERNELS_HERE or DEVICE == "cuda", reason="CPU: runs in the Triton interpreter")
+@pytest.mark.parametrize("n,k,cfg", [(40, 256, (1, 16, 64, 1)), (72, 448, (1, 32, 128, 2))])
+def test_interpreted_int4_gemv_bf16_rows(n, k, cfg):
+    """bf16 rows take the GEMV's cheaper high-nibble float (the whole word, its offset taken off per
+    group): within 1e-4 of the reference in float32 output."""
+    from kiln.ops.triton_quant_gemm import GemmConfig, triton_linear
+
+    gen = torch.Generator().manual_seed(n + k)
+    w, sz = _weights("int4", n, k, gen)
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+    got = triton_linear("int4", x, w, sz, 32, out_dtype=torch.float32, config=GemmConfig(*cfg))
+    assert _rel(got, _weight_only_reference("int4", x, w, sz, 32)) < 1e-4
 
 
 @pytest.mark.skipif(not RUN_KERNELS_HERE or DEVICE == "cuda", reason="CPU: runs in the Triton interpreter")
@@ -130,7 +145,7 @@ def test_gpu_gemm_matches_reference(scheme, rows):
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
 @pytest.mark.parametrize("scheme", ["fp8", "int8", "int4"])
-@pytest.mark.parametrize("rows", [1, 8, 300])
+@pytest.mark.parametrize("rows", [1, 8, 48, 300])
 def test_gpu_kernel_set_ops_match_reference(scheme, rows):
     """The KernelSet's op for each scheme: weight-only at decode rows, ``_scaled_mm`` (FP8 with
     per-token activations) above ``FP8_TRITON_MAX_ROWS``."""

@@ -11,7 +11,7 @@ other shapes take the Triton kernel at every row count. The choice reads the hos
 so a captured CUDA graph (one row count) always replays the kernel it was captured with.
 
 int8 and int4 (canonical layouts, group scales): the Triton kernels up to ``INT_TRITON_MAX_ROWS``
-rows; above, the weight is dequantized to the model dtype (int4: one Triton launch) and multiplied
+(int4: ``INT4_TRITON_MAX_ROWS``) rows; above, the weight is dequantized to the model dtype (int4: one Triton launch) and multiplied
 by cuBLAS, which at prefill row counts costs less than dequantizing inside the GEMM's tiles.
 torch's int4 tinygemm (``aten._weight_int4pack_mm``, its own tiled layout) is the ``tinygemm``
 kernel.
@@ -141,13 +141,16 @@ def int4_triton_fits(n: int, k: int, group_size: int) -> bool:
     return group_size % 2 == 0 and group_size >= 2 and k % group_size == 0
 
 
-# Above this many rows the int8/int4 weight is dequantized for a dense GEMM (H100, llama3-8b shapes:
+# Above this many rows the int8 weight is dequantized for a dense GEMM (H100, llama3-8b shapes:
 # dequantizing in the tiles is ALU-bound, at 32 rows 2-4x slower than bf16 cuBLAS).
 INT_TRITON_MAX_ROWS = 16
+# int4's tensor-core tile (bf16x2 dequantization) beats dequantization + cuBLAS at 32 and 64 rows on
+# all four llama3-8b shapes (H100: 1.3-2.2x, benchmarks/results/quant_gemm-int4-*); above, unmeasured.
+INT4_TRITON_MAX_ROWS = 64
 
 
-def _dense_rows(x: torch.Tensor) -> bool:
-    return x.numel() // max(x.shape[-1], 1) > INT_TRITON_MAX_ROWS
+def _dense_rows(x: torch.Tensor, max_rows: int = INT_TRITON_MAX_ROWS) -> bool:
+    return x.numel() // max(x.shape[-1], 1) > max_rows
 
 
 def _linear_int8_triton(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -170,7 +173,7 @@ def _linear_int4_triton(x: torch.Tensor, w: torch.Tensor, scales_zeros: torch.Te
         return linear_int4_reference(x, w, scales_zeros, group_size)
     from kiln.ops.triton_quant_gemm import triton_dequant_int4, triton_linear
 
-    if _dense_rows(x):
+    if _dense_rows(x, INT4_TRITON_MAX_ROWS):
         return torch.nn.functional.linear(x, triton_dequant_int4(w, scales_zeros, group_size, x.dtype))
 
     return triton_linear("int4", x, w, scales_zeros, group_size)

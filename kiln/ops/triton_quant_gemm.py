@@ -5,23 +5,34 @@ the weight's bytes. These kernels read the weight in its stored precision (1 byt
 a value), dequantize in registers and multiply by activations kept in the model dtype (W8A16,
 W4A16: no activation quantization), so a layer costs its quantized bytes and little else::
 
-    kernel           weight                         scales                      y[m, n]
-    _channel_kernel  fp8 / int8 [N, K]              [N] (and optional xs [M])   sum_k x[m,k] w[n,k] * s[n] (* xs[m])
-    _int4_kernel     uint8 [N, K/2] (kiln.ops.quant) [K/g, N, 2]: scale, zero   sum_k x[m,k] ((q[n,k] - 8) s + z)
+    kernel             weight                           scales                    y[m, n]
+    _channel_kernel    fp8 / int8 [N, K]                [N] (and optional xs [M])  sum_k x[m,k] w[n,k] * s[n] (* xs[m])
+    _int4_gemv_kernel  uint8 [N, K/2] read as int32     [K/g, N, 2]: scale, zero   sum_k x[k] ((q[n,k] - 8) s + z), M = 1
+    _int4_dot_kernel   words [N, K/8] (8 nibbles each)  [K/g, N, 2]                the same, rows padded to 16, tensor cores
+    _int4_kernel       uint8 [N, K/2] (kiln.ops.quant)  [K/g, N, 2]                the same, groups not a multiple of 8
 
-Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``. With ``BLOCK_M == 1`` (M = 1) a program
-multiplies elementwise into a [BLOCK_N, BLOCK_K] float32 accumulator and reduces it once at the
-end (no tensor cores, no padding of the single row); with ``BLOCK_M >= 16`` it dequantizes the tile
-to the dot dtype and uses ``tl.dot``. ``SPLIT_K > 1`` splits K over programs that add their partial
-rows into a zeroed float32 output (``tl.atomic_add``), for layers with too few columns to fill the
-GPU. int4 nibbles become floats with the exponent trick (``(q | 0x4B000000)`` read as float32 is
-``2^23 + q``), cheaper than an integer conversion; the even and odd columns of a byte are kept in
-two tiles (x read at stride 2), so no interleave is needed.
+Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``. ``_channel_kernel`` with ``BLOCK_M == 1``
+(M = 1) multiplies elementwise into a [BLOCK_N, BLOCK_K] float32 accumulator and reduces it once
+at the end; ``num_stages > 1`` pipelines its weight loads (cp.async through shared memory), which
+took the H100 from 70-88% to 78-96% of copy bandwidth. With ``BLOCK_M >= 16`` it dequantizes the
+tile to the dot dtype and uses ``tl.dot``. ``SPLIT_K > 1`` splits K over programs that add their
+partial rows into a zeroed float32 output (``tl.atomic_add``), for layers with too few columns to
+fill the GPU.
+
+int4 decodes two nibbles per 32-bit op: in a word shifted right by 4i, ``(v & 0x000F000F) |
+0x43004300`` (one LOP3) is the bf16 pair (128 + q[8j+i], 128 + q[8j+4+i]), exact because 128..143
+share bf16 128's exponent (the FasterTransformer / Marlin "magic number"). The GEMV turns the pair
+into two float32s (a shift, and the word itself, whose low half adds a known offset) and
+accumulates ``x (128 + q)`` with FMAs, taking the offsets and the group's scale and zero off once
+per group: about 5 ops a weight byte where decoding byte by byte took 14, which had made the
+kernel ALU-bound. The dot kernel finishes the pair in bf16x2 (``fma.rn.bf16x2``: minus 136, then
+times s plus z, in inline PTX) and feeds the bf16 tile to ``tl.dot`` (wgmma) as its A operand.
+Under ``TRITON_INTERPRET=1`` (no PTX) both compute the same values in plain Triton.
 
 Tile sizes come from ``config_for(scheme, M, N, K)``: a table measured on an H100 for the
 llama3-8b shapes and a rule for other shapes. ``triton_linear`` is the entry point;
 ``kiln.ops.quant_cuda`` decides per call (on the host-side row count, fixed per captured CUDA graph)
-whether it or ``torch._scaled_mm`` runs.
+whether it or ``torch._scaled_mm`` / a dequantized cuBLAS GEMM runs.
 """
 
 from __future__ import annotations
@@ -48,7 +59,7 @@ class GemmConfig:
 @triton.jit
 def _channel_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_wn, stride_ym,
                     X_SCALED: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr = 1):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -61,7 +72,7 @@ def _channel_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, y_ptr, M, N, K, k_split, stride
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     if BLOCK_M == 1:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):  # weight loads pipelined (cp.async)
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 x = tl.load(x_ptr + pid_m * stride_xm + offs_k).to(tl.float32)
@@ -183,6 +194,180 @@ def _int4_kernel(x_ptr, w_ptr, sz_ptr, y_ptr, M, N, K, k_split, stride_xm, strid
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+# Two weights of an int4 word per 32-bit op (the "magic number" trick of FasterTransformer / Marlin):
+# ``(v & 0x000F000F) | 0x43004300`` is the bf16 pair (128 + q_lo, 128 + q_hi), exact since 128..143
+# share bf16 128's exponent; one packed FMA takes off 136 ((q - 8) exactly), one more applies the
+# group's scale and zero. Per pair of elements a, b: in v_a, v_b (int32, the word shifted so the two
+# nibbles sit at bits 0 and 16), s, z (bf16 pairs); out lo = nibbles at bit 0, hi = nibbles at bit 16.
+@triton.jit
+def _int4_words(wd, s, z, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, NG: tl.constexpr, GROUP: tl.constexpr,
+                USE_ASM: tl.constexpr):
+    """int32 words [BLOCK_N, WORDS] (8 nibbles each, nibble i = column 8j + i) and their groups'
+    scales and zeros [BLOCK_N, NG] -> the dequantized columns 8j + i (lo) and 8j + 4 + i (hi), i < 4,
+    each [BLOCK_N, 4 WORDS] in column order (j, i)."""
+    v = tl.reshape(wd[:, :, None] >> (4 * tl.arange(0, 4))[None, None, :], (BLOCK_N, 4 * WORDS))
+    s2 = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG, GROUP // 2)), (BLOCK_N, 4 * WORDS))
+    z2 = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, NG, GROUP // 2)), (BLOCK_N, 4 * WORDS))
+    if USE_ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 ta, tb, l, h, one, bias;
+            mov.b32 one, 0x3F803F80;
+            mov.b32 bias, 0xC308C308;
+            lop3.b32 ta, $2, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 tb, $3, 0x000F000F, 0x43004300, 0xEA;
+            prmt.b32 l, ta, tb, 0x5410;
+            prmt.b32 h, ta, tb, 0x7632;
+            fma.rn.bf16x2 l, l, one, bias;
+            fma.rn.bf16x2 h, h, one, bias;
+            fma.rn.bf16x2 $0, l, $4, $5;
+            fma.rn.bf16x2 $1, h, $4, $5;
+            }""", "=r,=r,r,r,r,r", [v, s2, z2],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+    else:  # the interpreter (no PTX) and non-bf16 scales: the same values in float32
+        s2 = s2.to(tl.float32)
+        z2 = z2.to(tl.float32)
+        lo = ((v & 0xF) - 8).to(tl.float32) * s2 + z2
+        hi = (((v >> 16) & 0xF) - 8).to(tl.float32) * s2 + z2
+    return lo, hi
+
+
+@triton.jit
+def _int4_dot_kernel(x_ptr, w_ptr, sz_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_wn, stride_ym,
+                     GROUP: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+                     USE_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """int4 on the tensor cores: y^T [BLOCK_N, BLOCK_M] += W tile (dequantized to bf16 in registers,
+    the dot's A operand) @ x^T, rows of x padded to BLOCK_M = 16 by masking. ``w_ptr`` is the
+    [N, K/2] uint8 weight read as int32 words [N, K/8] (``stride_wn`` in words)."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    NG: tl.constexpr = BLOCK_K // GROUP
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(K, k_lo + k_split)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    sz_cols = sz_ptr + offs_n[:, None] * 2
+    # Column c of a dequantized half is word c // 4, nibble c % 4 (lo) or c % 4 + 4 (hi).
+    cols = tl.arange(0, 4 * WORDS)
+    k_of_col = 8 * (cols // 4) + cols % 4
+    x_cols = x_ptr + offs_m[None, :] * stride_xm
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_w = k0 // 8 + tl.arange(0, WORDS)
+        offs_g = k0 // GROUP + tl.arange(0, NG)
+        k_lo_cols = k0 + k_of_col
+        if EVEN_K:
+            wd = tl.load(w_rows + offs_w[None, :], mask=n_ok[:, None], other=0)
+            sz_ok = n_ok[:, None]
+            x_ok = m_ok[None, :]
+        else:
+            wd = tl.load(w_rows + offs_w[None, :], mask=n_ok[:, None] & (8 * offs_w < k_hi)[None, :], other=0)
+            sz_ok = n_ok[:, None] & (offs_g * GROUP < k_hi)[None, :]
+            x_ok = m_ok[None, :] & (k_lo_cols < k_hi)[:, None]
+        sz = sz_cols + offs_g[None, :] * (2 * N)
+        s = tl.load(sz, mask=sz_ok, other=0.0)
+        z = tl.load(sz + 1, mask=sz_ok, other=0.0)
+        lo, hi = _int4_words(wd, s, z, BLOCK_N, WORDS, NG, GROUP, USE_ASM)
+        x_lo = tl.load(x_cols + k_lo_cols[:, None], mask=x_ok, other=0.0)  # [4 WORDS, BLOCK_M]
+        x_hi = tl.load(x_cols + k_lo_cols[:, None] + 4, mask=x_ok, other=0.0)
+        if DOT_F32:
+            acc = tl.dot(lo.to(tl.float32), x_lo.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(hi.to(tl.float32), x_hi.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(lo.to(tl.bfloat16), x_lo.to(tl.bfloat16), acc)
+            acc = tl.dot(hi.to(tl.bfloat16), x_hi.to(tl.bfloat16), acc)
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, acc, mask=n_ok[:, None] & m_ok[None, :], sem="relaxed")
+    else:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _nibble_pairs(v, USE_ASM: tl.constexpr):
+    """``(v & 0x000F000F) | 0x43004300`` in one LOP3 (ptxas leaves Triton's and + or as two)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;", "=r,r", [v],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return (v & 0x000F000F) | 0x43004300
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, y_ptr, N, K, k_split, stride_wn,
+                      GROUP: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+                      EXACT: tl.constexpr, STAGES: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row: y[n] = sum_k x[k] ((q[n,k] - 8) s + z), the weight read as int32 words [N, K/8].
+
+    Two nibbles per 32-bit op: ``(v & 0x000F000F) | 0x43004300`` holds the bf16 pair (128 + q_i,
+    128 + q_(i+4)) of word v shifted by 4i (exact: 128..143 share bf16 128's exponent); the low half
+    shifted up is the float32 128 + q_i, the word itself is the float32 128 + q_(i+4) plus a known
+    offset, and both multiply into float32 sums t = sum x (128 + q). Per group, the offsets come off
+    once: sum x ((q - 8) s + z) = (t - offsets) s + z sum x. About 5 integer/float ops per weight byte
+    where the byte-wise path takes 14, so the GEMV is bound by memory, not by the ALU."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    NG: tl.constexpr = BLOCK_K // GROUP
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(K, k_lo + k_split)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    sz_cols = sz_ptr + offs_n[:, None] * 2
+    offs_j = tl.arange(0, WORDS)
+    acc_g = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):  # weight loads pipelined (cp.async)
+        offs_g = k0 // GROUP + tl.arange(0, NG)
+        if EVEN_K:
+            wd = tl.load(w_rows + (k0 // 8 + offs_j)[None, :], mask=n_ok[:, None], other=0)
+            sz_ok = n_ok[:, None]
+            x_ok = offs_j >= 0
+        else:
+            x_ok = k0 + 8 * offs_j < k_hi
+            wd = tl.load(w_rows + (k0 // 8 + offs_j)[None, :], mask=n_ok[:, None] & x_ok[None, :], other=0)
+            sz_ok = n_ok[:, None] & (offs_g * GROUP < k_hi)[None, :]
+        x_words = x_ptr + k0 + 8 * offs_j
+        t = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+        x_lo_sum = tl.zeros((WORDS,), dtype=tl.float32)
+        x_hi_sum = tl.zeros((WORDS,), dtype=tl.float32)
+        for i in tl.static_range(4):
+            x_lo = tl.load(x_words + i, mask=x_ok, other=0.0).to(tl.float32)  # column 8j + i
+            x_hi = tl.load(x_words + i + 4, mask=x_ok, other=0.0).to(tl.float32)  # column 8j + 4 + i
+            pair = _nibble_pairs(wd >> (4 * i), USE_ASM)
+            lo = (pair << 16).to(tl.float32, bitcast=True)  # 128 + q[8j + i], exactly
+            if EXACT:
+                hi = (pair & -65536).to(tl.float32, bitcast=True)  # 128 + q[8j + 4 + i]
+            else:  # the word as a float32: 128 + q[8j + 4 + i] + (0x4300 + q[8j + i]) / 2^16
+                hi = pair.to(tl.float32, bitcast=True)
+            t = t + lo * x_lo[None, :]  # two FMAs, no separate multiply
+            t = t + hi * x_hi[None, :]
+            x_lo_sum += x_lo
+            x_hi_sum += x_hi
+        t_g = tl.sum(tl.reshape(t, (BLOCK_N, NG, GROUP // 8)), axis=2)
+        x_lo_g = tl.sum(tl.reshape(x_lo_sum, (NG, GROUP // 8)), axis=1)
+        x_hi_g = tl.sum(tl.reshape(x_hi_sum, (NG, GROUP // 8)), axis=1)
+        # sum x (q - 8) = t - 136 sum x_lo - (136 + 0x4300 / 2^16) sum x_hi, up to q[8j + i] / 2^16 per
+        # weight (under 2.3e-4 of a quantization step, far below bf16 activations' rounding).
+        offset = 136.0 * x_lo_g + (136.0 if EXACT else 136.26171875) * x_hi_g
+        x_g = x_lo_g + x_hi_g
+        sz = sz_cols + offs_g[None, :] * (2 * N)
+        s = tl.load(sz, mask=sz_ok, other=0.0).to(tl.float32)
+        z = tl.load(sz + 1, mask=sz_ok, other=0.0).to(tl.float32)
+        acc_g += (t_g - offset[None, :]) * s + z * x_g[None, :]
+    acc = tl.sum(acc_g, axis=1)
+    if ATOMIC:
+        tl.atomic_add(y_ptr + offs_n, acc, mask=n_ok, sem="relaxed")
+    else:
+        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
 @triton.jit
 def _int4_dequant_kernel(w_ptr, sz_ptr, out_ptr, N, K, stride_wn, stride_on,
                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -225,10 +410,11 @@ def triton_dequant_int4(w: torch.Tensor, scales_zeros: torch.Tensor, group_size:
 # o 4096x4096, gate_up 28672x4096, down 4096x14336); int8 reads the fp8 rows.
 _QKV, _O, _GATE_UP, _DOWN = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)
 MEASURED: dict[tuple[str, int, int, int], GemmConfig] = {
-    ("fp8", 1, *_QKV): GemmConfig(1, 8, 512, 1, num_warps=2),
-    ("fp8", 1, *_O): GemmConfig(1, 8, 1024, 1),
-    ("fp8", 1, *_GATE_UP): GemmConfig(1, 8, 1024, 1),
-    ("fp8", 1, *_DOWN): GemmConfig(1, 8, 1024, 1),
+    # one row: num_stages > 1 pipelines the weight loads (cp.async through shared memory)
+    ("fp8", 1, *_QKV): GemmConfig(1, 8, 512, 1, num_warps=2, num_stages=3),
+    ("fp8", 1, *_O): GemmConfig(1, 8, 512, 1, num_warps=2, num_stages=4),
+    ("fp8", 1, *_GATE_UP): GemmConfig(1, 8, 1024, 1, num_stages=3),
+    ("fp8", 1, *_DOWN): GemmConfig(1, 8, 1024, 1, num_stages=3),
     ("fp8", 16, *_QKV): GemmConfig(16, 32, 256, 1),
     ("fp8", 16, *_O): GemmConfig(16, 32, 256, 1),
     ("fp8", 16, *_GATE_UP): GemmConfig(16, 32, 128, 1),
@@ -237,11 +423,15 @@ MEASURED: dict[tuple[str, int, int, int], GemmConfig] = {
     ("fp8", 32, *_O): GemmConfig(32, 64, 128, 8),
     ("fp8", 32, *_GATE_UP): GemmConfig(32, 64, 128, 1),
     ("fp8", 32, *_DOWN): GemmConfig(32, 64, 128, 8),
-    ("int4", 1, *_QKV): GemmConfig(1, 16, 1024, 1),
-    ("int4", 1, *_O): GemmConfig(1, 16, 2048, 1, num_warps=8),
-    ("int4", 1, *_GATE_UP): GemmConfig(1, 16, 512, 1),
-    ("int4", 1, *_DOWN): GemmConfig(1, 16, 512, 4),
-    **{("int4", 16, *shape): GemmConfig(16, 128, 128, 8) for shape in (_QKV, _O, _GATE_UP, _DOWN)},
+    # the word-wise GEMV at one row (its loads unpipelined), the tensor-core tile at 2-16
+    ("int4", 1, *_QKV): GemmConfig(1, 16, 1024, 1, num_stages=1),
+    ("int4", 1, *_O): GemmConfig(1, 16, 2048, 1, num_warps=8, num_stages=1),
+    ("int4", 1, *_GATE_UP): GemmConfig(1, 16, 1024, 1, num_stages=1),
+    ("int4", 1, *_DOWN): GemmConfig(1, 16, 1024, 4, num_stages=1),
+    ("int4", 16, *_QKV): GemmConfig(16, 64, 256, 4),
+    ("int4", 16, *_O): GemmConfig(16, 64, 256, 4),
+    ("int4", 16, *_GATE_UP): GemmConfig(16, 64, 256, 2),
+    ("int4", 16, *_DOWN): GemmConfig(16, 64, 256, 4),
 }
 
 M_BUCKETS = (1, 16, 32, 64)
@@ -268,7 +458,7 @@ def default_config(scheme: str, m: int, n: int, k: int, group_size: int = 32) ->
     16- or 32-row dot tile up to 32, and split-K until about two programs per SM run."""
     bm = m_bucket(m)
     if bm == 1:
-        bn, bk = (16, 512) if scheme == "int4" else (8, 1024 if k >= 4096 else 512)
+        bn, bk = (16, 1024 if k >= 4096 else 256) if scheme == "int4" else (8, 1024 if k >= 4096 else 512)
     elif bm <= 32:
         bn, bk = (128 if scheme == "int4" else 32 if bm == 16 else 64), 128
     else:
@@ -280,7 +470,9 @@ def default_config(scheme: str, m: int, n: int, k: int, group_size: int = 32) ->
     # Split-K costs a zeroed float32 output and a cast: only for layers too narrow to fill the GPU.
     while tiles * split < TARGET_PROGRAMS // (4 if bm == 1 else 1) and k // (2 * split) >= 4 * bk:
         split *= 2
-    return GemmConfig(bm, bn, bk, split, num_warps=4 if bm <= 32 else 8)
+    # One row: fp8 pipelines its weight loads, the int4 GEMV measured faster without.
+    stages = 1 if bm == 1 and scheme == "int4" else 3
+    return GemmConfig(bm, bn, bk, split, num_warps=4 if bm <= 32 else 8, num_stages=stages)
 
 
 def config_for(scheme: str, m: int, n: int, k: int, group_size: int = 32) -> GemmConfig:
@@ -312,6 +504,12 @@ def _launch_args(x2: torch.Tensor, n: int, k: int, cfg: GemmConfig, out_dtype: t
     return y, k_split, grid, flags
 
 
+def _int4_words_fit(w: torch.Tensor, k: int, group_size: int) -> bool:
+    """Whether the tensor-core kernel takes this weight: whole words per group and per row."""
+    return group_size % 8 == 0 and k % 8 == 0 and w.stride(-1) == 1 and w.stride(0) % 4 == 0 and (
+        w.storage_offset() % 4 == 0)
+
+
 def triton_linear(scheme: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group_size: int,
                   x_scales: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
                   config: Optional[GemmConfig] = None) -> torch.Tensor:
@@ -333,10 +531,23 @@ def triton_linear(scheme: str, x: torch.Tensor, w: torch.Tensor, scales: torch.T
     if scheme == "int4":
         if cfg.block_k % group_size or group_size % 2:
             raise ValueError(f"int4 BLOCK_K {cfg.block_k} must be a multiple of the group size {group_size}")
-        _int4_kernel[grid](x2, w, scales, y, m, n, k, k_split, x2.stride(0), w.stride(0), y.stride(0),
-                           GROUP=group_size, **flags)
+        if cfg.block_m == 1 and _int4_words_fit(w, k, group_size):
+            _int4_gemv_kernel[grid](x2, w.view(torch.int32), scales, y, n, k, k_split, w.stride(0) // 4,
+                                    GROUP=group_size, ATOMIC=flags["ATOMIC"], EVEN_K=flags["EVEN_K"],
+                                    USE_ASM=os.environ.get("TRITON_INTERPRET") != "1",
+                                    EXACT=x2.dtype not in (torch.bfloat16, torch.float16), STAGES=cfg.num_stages,
+                                    BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+                                    num_stages=cfg.num_stages)
+        elif cfg.block_m >= 16 and _int4_words_fit(w, k, group_size):
+            # the uint8 [N, K/2] weight read as int32 words [N, K/8]
+            use_asm = not flags["DOT_F32"] and x2.dtype == torch.bfloat16 and scales.dtype == torch.bfloat16
+            _int4_dot_kernel[grid](x2, w.view(torch.int32), scales, y, m, n, k, k_split, x2.stride(0),
+                                   w.stride(0) // 4, y.stride(0), GROUP=group_size, USE_ASM=use_asm, **flags)
+        else:
+            _int4_kernel[grid](x2, w, scales, y, m, n, k, k_split, x2.stride(0), w.stride(0), y.stride(0),
+                               GROUP=group_size, **flags)
     else:
         xs = x_scales if x_scales is not None else scales  # unused when not X_SCALED
         _channel_kernel[grid](x2, w, scales, xs, y, m, n, k, k_split, x2.stride(0), w.stride(0), y.stride(0),
-                              X_SCALED=x_scales is not None, **flags)
+                              X_SCALED=x_scales is not None, STAGES=cfg.num_stages, **flags)
     return y.to(out_dtype).reshape(*x.shape[:-1], n)
