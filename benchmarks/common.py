@@ -59,8 +59,12 @@ def weight_bytes_per_step(model) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     total += sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, QuantLinear)
                  for b in (m.qweight, m.scales))
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     if model.lm_head is not None:
-        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+        total -= nbytes(model.embed_tokens.weight)
+    head = getattr(model, "head_weight", None)  # the LM head's copy a step reads instead (CPU, quantized)
+    if head is not None:
+        total += nbytes(head) - nbytes(model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight)
     return total
 
 

@@ -62,8 +62,11 @@ def _decode_step_timings_inner(runner, num_requests: int, iters: int) -> dict[st
         query_lens_cpu=[1] * num_requests, seq_lens_cpu=seq_lens,
     )
     ids, pos = torch.full((num_requests,), 1234), torch.full((num_requests,), context_len - 1)
-    with forward_context(ForwardContext(attn=meta, kv_caches=runner.kv_caches)):
+    with forward_context(ForwardContext(attn=meta, kv_caches=runner.kv_caches)) as ctx:
         times = runner.compiled.forward.time_call_paths(ids, pos, iters)
+        # The eager model with the attention kernel the engine gives it (the context's impl; left
+        # unset, the op would run the pure-torch reference and the eager row would be too slow).
+        ctx.attention_impl = runner.compiled.kernels.attention.impl
         times["eager_model"] = _mean_us(lambda: runner.model(ids, pos), iters)
     return times
 

@@ -12,6 +12,8 @@ Systems (``model.quantization`` / ``model.dtype``), all kiln ``compile.mode=eage
 For each, batch 1 and batch ``--batch`` (16): ``--prompt-len`` prompt tokens per request,
 ``--output-len`` new tokens, greedy with ``ignore_eos``. The decode step time is
 ``(t(output_len) - t(1)) / (output_len - 1)`` (prefill cancels); tok/s is requests / step time.
+All systems are built first, then timed in ``--repeats`` interleaved rounds (each number a median),
+so a shared machine's load changes hit every system alike; the load average is recorded.
 Also reported: the bytes of weights one step reads (decoder linears as stored, the tied embedding
 as the LM head) and the speed-up over fp32 in the same run.
 
@@ -25,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -46,75 +49,108 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="rounds over all systems; each number is a median")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, one per core)")
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    p.add_argument("--stem", default="quant_cpu")
     return p.parse_args(argv)
 
 
-def run_system(name: str, mode: str, args) -> dict:
-    from kiln import LLM, SamplingParams
+def build_system(name: str, mode: str, args):
+    from kiln import LLM
 
     quantization, dtype = SYSTEMS[name]
-    llm = LLM(model={"model": args.model, "quantization": quantization, "dtype": dtype, "max_model_len": 1024},
-              compile={"mode": mode}, scheduler={"max_num_seqs": max(args.batch, 1)})
-    model = llm.engine.executor.runner.model
-    gen = torch.Generator().manual_seed(0)
+    return LLM(model={"model": args.model, "quantization": quantization, "dtype": dtype, "max_model_len": 1024},
+               compile={"mode": mode}, scheduler={"max_num_seqs": max(args.batch, 1)})
 
-    def timed(batch: int, new_tokens: int) -> float:
-        prompts = torch.randint(100, 40000, (batch, args.prompt_len), generator=gen).tolist()
-        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        best = float("inf")
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            best = min(best, time.perf_counter() - t0)
-            assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
-        return best
 
-    record = {"system": name, "mode": mode, "quantization": quantization, "dtype": dtype}
-    timed(1, 4)  # warm-up
-    for batch in (1, args.batch):
-        t1, tn = timed(batch, 1), timed(batch, args.output_len)
-        step = (tn - t1) / (args.output_len - 1)
-        record[f"b{batch}_step_ms"] = 1e3 * step
-        record[f"b{batch}_tok_s"] = batch / step
-    if model is not None:
-        record["weight_mb_per_step"] = weight_bytes_per_step(model) / 1e6
-    del llm
-    return record
+def timed(llm, batch: int, new_tokens: int, args) -> float:
+    from kiln import SamplingParams
+
+    gen = torch.Generator().manual_seed(batch * 1000 + new_tokens)
+    prompts = torch.randint(100, 40000, (batch, args.prompt_len), generator=gen).tolist()
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
+    return elapsed
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    records = []
-    for mode in args.modes.split(","):
-        for name in args.systems.split(","):
-            t0 = time.perf_counter()
-            records.append(run_system(name, mode, args))
-            print(f"{name}/{mode}: {records[-1]} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    load_start = os.getloadavg()
+    systems = [(name, mode) for mode in args.modes.split(",") for name in args.systems.split(",")]
+    llms, records = {}, {}
+    for key in systems:
+        t0 = time.perf_counter()
+        llms[key] = build_system(*key, args)
+        timed(llms[key], 1, 4, args)  # warm-up (and, for kiln, the compile)
+        timed(llms[key], args.batch, 4, args)
+        model = llms[key].engine.executor.runner.model
+        records[key] = {"system": key[0], "mode": key[1], "quantization": SYSTEMS[key[0]][0],
+                        "dtype": SYSTEMS[key[0]][1], "build_s": round(time.perf_counter() - t0, 1),
+                        "weight_mb_per_step": weight_bytes_per_step(model) / 1e6 if model is not None else None}
+    samples = {key: {1: [], args.batch: []} for key in systems}
+    for r in range(args.repeats):  # rounds: every system once per round, so load changes hit all alike
+        for key in systems:
+            for batch in (1, args.batch):
+                t1, tn = timed(llms[key], batch, 1, args), timed(llms[key], batch, args.output_len, args)
+                samples[key][batch].append((tn - t1) / (args.output_len - 1))
+        print(f"round {r + 1}/{args.repeats} done, load {os.getloadavg()[0]:.2f}", flush=True)
+    for key in systems:
+        rec = records[key]
+        for batch in (1, args.batch):
+            step = statistics.median(samples[key][batch])
+            rec[f"b{batch}_step_ms"] = 1e3 * step
+            rec[f"b{batch}_tok_s"] = batch / step
+            rec[f"b{batch}_step_ms_all"] = [round(1e3 * s, 2) for s in samples[key][batch]]
+    records = list(records.values())
     base = next((r for r in records if r["system"] == "fp32" and r["mode"] == "eager"), None)
     for r in records:
         for batch in (1, args.batch):
             if base is not None:
                 r[f"b{batch}_speedup"] = r[f"b{batch}_tok_s"] / base[f"b{batch}_tok_s"]
-    meta = {"device": device_name(), "cpu": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "model": args.model,
-            "prompt_len": args.prompt_len, "output_len": args.output_len, "batch": args.batch}
-    (out / "quant_cpu.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
-    b = args.batch
-    header = ["system", "mode", "weights MB/step", "b1 step ms", "b1 tok/s", "b1 x fp32",
-              f"b{b} step ms", f"b{b} tok/s", f"b{b} x fp32"]
-    rows = [[r["system"], r["mode"], r.get("weight_mb_per_step", ""), r["b1_step_ms"], r["b1_tok_s"],
-             r.get("b1_speedup", ""), r[f"b{b}_step_ms"], r[f"b{b}_tok_s"], r.get(f"b{b}_speedup", "")]
-            for r in records]
-    table = console_table(header, rows)
-    md = [f"# SmolLM2 CPU decode by precision ({meta['device']}, {meta['threads']} threads, torch {meta['torch']})",
-          "", f"prompt {args.prompt_len}, {args.output_len} new tokens, greedy; speed-ups over fp32 eager, same run.",
-          "", "```", table, "```", ""]
-    (out / "quant_cpu.md").write_text("\n".join(md))
-    print(table)
+    meta = {"device": device_name(), "cpu": cpu_model(), "threads": torch.get_num_threads(),
+            "cores": os.cpu_count(), "torch": torch.__version__, "model": args.model,
+            "prompt_len": args.prompt_len, "output_len": args.output_len, "batch": args.batch,
+            "repeats": args.repeats, "load_avg_start": load_start[0], "load_avg_end": os.getloadavg()[0]}
+    (out / f"{args.stem}.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    md = render(meta, records)
+    (out / f"{args.stem}.md").write_text(md)
+    print(md)
+
+
+def render(meta: dict, records: list[dict]) -> str:
+    """The markdown report: medians (and the best round, least disturbed by other jobs)."""
+    b = meta["batch"]
+    header = ["system", "mode", "weights MB/step", "b1 step ms", "b1 best ms", "b1 tok/s", "b1 x fp32",
+              f"b{b} step ms", f"b{b} best ms", f"b{b} tok/s", f"b{b} x fp32"]
+    rows = [[r["system"], r["mode"], r.get("weight_mb_per_step", ""), r["b1_step_ms"], min(r["b1_step_ms_all"]),
+             r["b1_tok_s"], r.get("b1_speedup", ""), r[f"b{b}_step_ms"], min(r[f"b{b}_step_ms_all"]),
+             r[f"b{b}_tok_s"], r.get(f"b{b}_speedup", "")] for r in records]
+    md = [f"# SmolLM2 CPU decode by precision ({meta['cpu']}, {meta['threads']} threads of {meta['cores']} cores, "
+          f"torch {meta['torch']})",
+          "", f"prompt {meta['prompt_len']}, {meta['output_len']} new tokens, greedy; medians of {meta['repeats']} "
+          f"interleaved rounds (best: the fastest round); speed-ups (medians) over fp32 eager, same run; load "
+          f"average {meta['load_avg_start']:.2f} at start, {meta['load_avg_end']:.2f} at end.", "",
+          "```", console_table(header, rows), "```", ""]
+    return "\n".join(md)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -147,6 +147,7 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     if spec.startswith(RANDOM_PREFIX):
         loaded = _load_random(spec[len(RANDOM_PREFIX):], model_config, cache_dir, device, dtype, tp)
         apply_quantization(loaded.model, resolve_quantization(model_config.quantization, None, None), kernels)
+        _prepare_decode(loaded.model, device)
         return loaded
     if spec in REGISTERED_MODELS:
         hf_dir, name = _registered_dir(spec, cache_dir), spec
@@ -184,7 +185,15 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
                            WeightFill(lambda: model.load_weights(weights), next(model.parameters()).device))
     model.load_weights(weights)
     apply_quantization(model, scheme, kernels, gguf_path if tp.size == 1 else None)
+    _prepare_decode(model, device)
     return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len)
+
+
+def _prepare_decode(model, device) -> None:
+    if torch.device(device).type == "cpu":
+        from kiln.ops.cpu_linear import prepare_cpu_decode
+
+        prepare_cpu_decode(model)
 
 
 def use_generic(impl: str, model_type: Optional[str]) -> bool:

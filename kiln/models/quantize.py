@@ -60,7 +60,7 @@ class QuantLinear(nn.Module):
             # A linear on a weight marked quantized: QuantLinearPass turns it into the kernel op.
             w = self.kernel.dequant(self.qweight, self.scales, self.group_size, x.dtype)
             return F.linear(x, w, self.bias)
-        y = self.kernel.op(x, self.qweight, self.scales, self.group_size)
+        y = (self.kernel.eager or self.kernel.op)(x, self.qweight, self.scales, self.group_size)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

