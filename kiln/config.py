@@ -143,7 +143,7 @@ class CompileConfig:
     mode: str = "auto"  # auto: resolve_for_device picks (kiln on CUDA, CPU_COMPILE_MODE on the CPU)
     cudagraph: str = "auto"  # auto: full_and_piecewise on CUDA, none on the CPU
     sizes: tuple[int, ...] = ()  # extra sizes Inductor specializes for
-    capture_sizes: Optional[tuple[int, ...]] = None  # None: default_capture_sizes(max_num_seqs)
+    capture_sizes: Optional[tuple[int, ...]] = None  # None: default_capture_sizes(max_num_seqs, max tokens)
     debug_dump_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -358,22 +358,39 @@ class EngineConfig:
 # ---- defaults sized for the device ------------------------------------------------------------------
 # Every ``auto`` / ``None`` default of CompileConfig and SchedulerConfig is decided here, and only here.
 # CUDA: kiln's pipeline with full graphs for decode batches and piecewise graphs for mixed ones, and a
-# scheduler wide enough that an offline batch of 512 requests runs as one decode batch; 2048 tokens a
-# step (an H100 run of 512 x 256/256 on random:llama3-8b: 12,411 output tok/s, against 11,987 with
-# 8192, benchmarks/results/static_decode-*-llama3-8b.json). CPU: eager
+# scheduler wide enough that an offline batch of 512 requests runs as one decode batch; 4096 tokens a
+# step, with piecewise graphs up to that many tokens (default_capture_sizes). One H100 call, 512 x 256/256
+# on random:llama3-8b, best of two runs: 4096 tokens 12,852 output tok/s bf16 and 17,953 fp8 + FP8 KV,
+# against 12,348 and 16,223 with 2048, 12,402 with 1024, 11,677 with 256 sequences
+# (benchmarks/results/offline_profile-NVIDIA_H100_80GB_HBM3.md). Before mixed steps had piecewise graphs,
+# 8192 tokens lost to 2048 (11,987 against 12,411): a step larger than every capture size ran without
+# graphs. CPU: eager
 # (benchmarks/results/compile_modes_cpu_*: on two cores eager decodes a single request fastest and
 # starts in seconds; kiln's compiled forward is within noise of it, stock needs 18-30 s to compile).
 CPU_COMPILE_MODE = "eager"
 DEVICE_DEFAULTS = {  # device type -> (mode, cudagraph, max_num_seqs, max_num_batched_tokens)
-    "cuda": ("kiln", "full_and_piecewise", 512, 2048),
+    "cuda": ("kiln", "full_and_piecewise", 512, 4096),
     "cpu": (CPU_COMPILE_MODE, "none", 128, 2048),
 }
 
 
-def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
-    """CUDA graph sizes for a scheduler of ``max_num_seqs``: 1, 2, 4, then every 8 up to it (and
-    ``max_num_seqs`` itself), so a decode batch pads by at most 7 rows."""
-    sizes = {s for s in (1, 2, 4) if s <= max_num_seqs} | set(range(8, max_num_seqs + 1, 8)) | {max_num_seqs}
+# Piecewise-only capture sizes above max_num_seqs: every this many tokens up to max_num_batched_tokens.
+PIECEWISE_SIZE_STEP = 256
+
+
+def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: Optional[int] = None) -> tuple[int, ...]:
+    """CUDA graph sizes for a scheduler of ``max_num_seqs`` (and ``max_num_batched_tokens``): 1, 2, 4,
+    then every 8 up to ``max_num_seqs`` (and itself), so a decode batch pads by at most 7 rows; then,
+    for the mixed steps of prefill chunks and decodes, which only piecewise graphs take, every
+    ``PIECEWISE_SIZE_STEP`` tokens up to ``max_num_batched_tokens`` (and itself). Without those, a
+    full step of chunked prefill (thousands of tokens, larger than any decode batch) runs the compiled
+    pieces without graphs: on an H100, 31 ms of host time to launch a step of llama3-8b against 12 ms
+    replayed, and 4% more offline throughput (benchmarks/results/offline_profile-*)."""
+    limit = max_num_seqs if max_num_batched_tokens is None else min(max_num_seqs, max_num_batched_tokens)
+    sizes = {s for s in (1, 2, 4) if s <= limit} | set(range(8, limit + 1, 8)) | {limit}
+    if max_num_batched_tokens is not None and max_num_batched_tokens > limit:
+        step = PIECEWISE_SIZE_STEP
+        sizes |= set(range((limit // step + 1) * step, max_num_batched_tokens + 1, step)) | {max_num_batched_tokens}
     return tuple(sorted(sizes))
 
 
@@ -394,6 +411,6 @@ def resolve_for_device(compile: CompileConfig, scheduler: SchedulerConfig, devic
         compile = dataclasses.replace(compile, cudagraph=cudagraph if compile.mode == "kiln" or
                                       device_type != "cuda" else "full")
     if compile.capture_sizes is None:
-        limit = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
-        compile = dataclasses.replace(compile, capture_sizes=default_capture_sizes(limit))
+        compile = dataclasses.replace(compile, capture_sizes=default_capture_sizes(
+            scheduler.max_num_seqs, scheduler.max_num_batched_tokens))
     return compile, scheduler

@@ -18,11 +18,20 @@ def test_capture_sizes_are_1_2_4_then_every_8():
     assert default_capture_sizes(3) == (1, 2, 3)
 
 
+def test_capture_sizes_cover_the_token_budget_with_piecewise_sizes():
+    # Above max_num_seqs only mixed steps (prefill chunks) run: every 256 tokens up to the budget.
+    assert default_capture_sizes(512, 2048) == default_capture_sizes(512) + (768, 1024, 1280, 1536, 1792, 2048)
+    assert default_capture_sizes(500, 1000) == default_capture_sizes(500) + (512, 768, 1000)
+    assert default_capture_sizes(512, 512) == default_capture_sizes(512)
+    assert default_capture_sizes(512, 100) == default_capture_sizes(100)  # the budget caps the decode sizes too
+
+
 def test_cuda_defaults_are_the_fast_path():
     config = EngineConfig().resolved("cuda")
     assert (config.compile.mode, config.compile.cudagraph) == ("kiln", "full_and_piecewise")
-    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (512, 2048)
-    assert config.compile.capture_sizes == default_capture_sizes(512)
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (512, 4096)
+    assert config.compile.capture_sizes == default_capture_sizes(512, 4096)
+    assert config.compile.capture_sizes[-1] == 4096
     assert config.compile.is_resolved and config.scheduler.is_resolved
 
 
@@ -35,8 +44,9 @@ def test_cpu_defaults():
 def test_what_the_user_set_is_kept_and_resolution_is_idempotent():
     compile, sched = resolve_for_device(CompileConfig(mode="eager"), SchedulerConfig(max_num_seqs=64), "cuda")
     assert (compile.mode, compile.cudagraph) == ("eager", "full")  # piecewise graphs need kiln mode
-    assert sched.max_num_seqs == 64 and sched.max_num_batched_tokens == 2048
-    assert compile.capture_sizes[-1] == 64
+    assert sched.max_num_seqs == 64 and sched.max_num_batched_tokens == 4096
+    assert compile.capture_sizes == default_capture_sizes(64, 4096)  # decode sizes to 64, piecewise ones to 4096
+    assert 64 in compile.capture_sizes and 72 not in compile.capture_sizes and compile.capture_sizes[-1] == 4096
     assert resolve_for_device(compile, sched, "cuda") == (compile, sched)
     compile, _ = resolve_for_device(CompileConfig(capture_sizes=(8, 1, 8)), SchedulerConfig(), "cuda")
     assert compile.capture_sizes == (1, 8)

@@ -10,6 +10,7 @@ with bounds that allow that, and on the GPU with one fp8 step.
 from __future__ import annotations
 
 import collections
+import contextlib
 import operator
 import os
 
@@ -34,7 +35,7 @@ def test_fp8_kernels_in_triton_interpreter():
 
 
 @pytest.mark.skipif(not RUN_KERNELS_HERE or DEVICE == "cuda", reason="CPU: runs in the Triton interpreter")
-@pytest.mark.parametrize("num_tokens,hidden,intermediate", [(1, 96, 80), (5, 200, 1100), (2, 96, 5000)])
+@pytest.mark.parametrize("num_tokens,hidden,intermediate", [(1, 96, 80), (5, 200, 1100), (2, 96, 5000), (2, 64, 17000)])
 def test_interpreted_kernels_match_reference(num_tokens, hidden, intermediate):
     # float32 only: the interpreter's bfloat16 rounding differs from the GPU's too.
     from kiln.ops.triton_quant import check_against_reference
@@ -302,3 +303,51 @@ def test_triton_attention_with_fp8_cache_matches_reference():
     got = triton_attend_paged(batch.q, batch.k, batch.v, cache, batch.meta, scale)
     assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))  # the store casts as torch does
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not RUN_KERNELS_HERE or DEVICE == "cuda", reason="CPU: runs in the Triton interpreter")
+@pytest.mark.parametrize("logit_softcap", [0.0, 30.0])
+def test_interpreted_triton_attention_prescaled_q_matches_reference(monkeypatch, logit_softcap):
+    # The FP8-cache path folds the score scale into q before its cast (PRESCALE_Q): checked here in
+    # fp32 (the interpreter's fp16 dot is not the GPU's), so only the folding itself is under test.
+    import triton.language as tl
+
+    from kiln.ops import triton_attention
+    from kiln.ops.attention import attend_paged_reference
+
+    monkeypatch.setattr(triton_attention, "_dot_args",
+                        lambda q, kv_cache=None: dict(DOT_DTYPE=tl.float32, DOT_PRECISION="ieee", PRESCALE_Q=True))
+    batch = _fp8_batch("cpu")
+    scale = batch.q.shape[-1] ** -0.5
+    cache = batch.kv_cache.clone()
+    want = attend_paged_reference(batch.q, batch.k, batch.v, cache, batch.meta, scale, logit_softcap=logit_softcap)
+    out = torch.full_like(batch.q, float("nan"))
+    triton_attention.attend_paged_cached(batch.q, cache, batch.meta, scale, out, logit_softcap=logit_softcap)
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability() < (8, 9), reason="needs SM89+")
+@pytest.mark.parametrize("seed", [0, 1])
+def test_triton_attention_fp8_cache_llama_shapes_matches_reference(seed):
+    # Llama-3-8B's attention shapes (32 heads, 8 kv heads, head_dim 128, blocks of 16), long decodes
+    # and prefill chunks over cached prefixes: the fp16 products over the FP8 cache against the
+    # reference (which computes in float32 over the same cached values), on fresh random inputs.
+    from kiln.ops.attention import attend_paged_reference
+    from kiln.ops.paged_batch import PagedBatchSpec, random_paged_batch
+    from kiln.ops.triton_attention import _dot_args, static_decode_splits, triton_attend_paged
+
+    spec = PagedBatchSpec(decode_seq_lens=(1, 17, 300, 511, 1200), prefill_chunks=((256, 256), (700, 180)),
+                          num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
+    batch = random_paged_batch(spec, device="cuda", seed=seed)
+    batch.kv_cache = batch.kv_cache.to(torch.float8_e4m3fn)
+    assert _dot_args(batch.q, batch.kv_cache)["PRESCALE_Q"]
+    scale = batch.q.shape[-1] ** -0.5
+    for static in (False, True):  # per-batch splits, and the splits CUDA graphs capture
+        ref_cache, cache = batch.kv_cache.clone(), batch.kv_cache.clone()
+        want = attend_paged_reference(batch.q, batch.k, batch.v, ref_cache, batch.meta, scale)
+        with static_decode_splits(2048) if static else contextlib.nullcontext():
+            got = triton_attend_paged(batch.q, batch.k, batch.v, cache, batch.meta, scale)
+        assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 5e-3

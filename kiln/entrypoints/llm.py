@@ -113,7 +113,7 @@ class LLM:
             while len(final) < len(ids):
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("engine went idle with requests unfinished")
-                for out in self.engine.step():
+                for out in self.engine.step(finished_only=True):
                     if out.finished and out.request_id in wanted:
                         final[out.request_id] = out
                         bar.update(1)

@@ -91,13 +91,17 @@ class LaunchConfig:
 
 @triton.jit
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, offs_n, key_ok, kv_head, d, d_ok,
-                  stride_cb, stride_cs, stride_ch, PAGE_SIZE: tl.constexpr):
+                  stride_cb, stride_cs, stride_ch, PAGE_SIZE: tl.constexpr, EVEN_D: tl.constexpr = False):
     """Gather keys ``offs_n`` of one request: K transposed [HEAD_DIM, BLOCK_N], V [BLOCK_N, HEAD_DIM]
     (``HEAD_DIM`` a power of two; dims where ``d_ok`` is false read as 0)."""
     block_ids = tl.load(table_ptr + offs_n // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
     slot = block_ids * stride_cb + (offs_n % PAGE_SIZE) * stride_cs + kv_head * stride_ch  # [BLOCK_N]
-    k_t = tl.load(k_cache_ptr + slot[None, :] + d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
-    v = tl.load(v_cache_ptr + slot[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    if EVEN_D:  # head_dim is a power of two: only the keys need a mask (no per-element mask of d)
+        k_t = tl.load(k_cache_ptr + slot[None, :] + d[:, None], mask=key_ok[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + slot[:, None] + d[None, :], mask=key_ok[:, None], other=0.0)
+    else:
+        k_t = tl.load(k_cache_ptr + slot[None, :] + d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + slot[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
     return k_t, v
 
 
@@ -141,6 +145,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PRESCALE_Q: tl.constexpr = False,
 ):
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -156,7 +161,12 @@ def _decode_kernel(
     d = tl.arange(0, HEAD_DIM_P2)
     d_ok = d < HEAD_DIM
     q_ptrs = q_ptr + req * stride_qt + heads[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if PRESCALE_Q:  # the score scale goes into q before its cast (see _dot_args)
+        q = (q.to(tl.float32) * qk_scale).to(DOT_DTYPE)
+        qk_scale = 1.0
+    else:
+        q = q.to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -166,7 +176,7 @@ def _decode_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         key_ok = offs_n < kv_end
         k_t, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, offs_n, key_ok, kv_head, d, d_ok,
-                               stride_cb, stride_cs, stride_ch, PAGE_SIZE)
+                               stride_cb, stride_cs, stride_ch, PAGE_SIZE, HEAD_DIM == HEAD_DIM_P2)
         s = _scores(q, k_t.to(DOT_DTYPE), qk_scale, cap_log2, inv_cap, SOFTCAP, DOT_PRECISION)
         s = tl.where(key_ok[None, :], s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v.to(DOT_DTYPE), m_i, l_i, acc, DOT_PRECISION)
@@ -215,6 +225,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PRESCALE_Q: tl.constexpr = False,
 ):
     q_block, kv_head = tl.program_id(0), tl.program_id(2)
     req = first_req + tl.program_id(1)
@@ -234,7 +245,12 @@ def _prefill_kernel(
     d = tl.arange(0, HEAD_DIM_P2)
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if PRESCALE_Q:
+        q = (q.to(tl.float32) * qk_scale).to(DOT_DTYPE)
+        qk_scale = 1.0
+    else:
+        q = q.to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -249,7 +265,7 @@ def _prefill_kernel(
             offs_n = start + tl.arange(0, BLOCK_N)
             key_ok = offs_n < kv_end
             k_t, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, offs_n, key_ok, kv_head, d, d_ok,
-                                   stride_cb, stride_cs, stride_ch, PAGE_SIZE)
+                                   stride_cb, stride_cs, stride_ch, PAGE_SIZE, HEAD_DIM == HEAD_DIM_P2)
             s = _scores(q, k_t.to(DOT_DTYPE), qk_scale, cap_log2, inv_cap, SOFTCAP, DOT_PRECISION)
             seen = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - window)
             s = tl.where(key_ok[None, :] & seen, s, float("-inf"))
@@ -261,14 +277,14 @@ def _prefill_kernel(
         for start in range(0, kv_full_end, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             k_t, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, offs_n, offs_n < kv_full_end, kv_head, d,
-                                   d_ok, stride_cb, stride_cs, stride_ch, PAGE_SIZE)
+                                   d_ok, stride_cb, stride_cs, stride_ch, PAGE_SIZE, HEAD_DIM == HEAD_DIM_P2)
             s = _scores(q, k_t.to(DOT_DTYPE), qk_scale, cap_log2, inv_cap, SOFTCAP, DOT_PRECISION)
             m_i, l_i, acc = _online_softmax_step(s, v.to(DOT_DTYPE), m_i, l_i, acc, DOT_PRECISION)
         for start in range(kv_full_end, kv_end, BLOCK_N):  # the diagonal: causal mask
             offs_n = start + tl.arange(0, BLOCK_N)
             key_ok = offs_n < kv_end
             k_t, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, offs_n, key_ok, kv_head, d, d_ok,
-                                   stride_cb, stride_cs, stride_ch, PAGE_SIZE)
+                                   stride_cb, stride_cs, stride_ch, PAGE_SIZE, HEAD_DIM == HEAD_DIM_P2)
             s = _scores(q, k_t.to(DOT_DTYPE), qk_scale, cap_log2, inv_cap, SOFTCAP, DOT_PRECISION)
             s = tl.where(key_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, v.to(DOT_DTYPE), m_i, l_i, acc, DOT_PRECISION)
@@ -359,7 +375,7 @@ def _launch_decodes(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_wi
         split_tokens=split_tokens, **_score_args(q, scale, sliding_window, logit_softcap),
         GROUP=group, PAGE_SIZE=kv_cache.shape[2],
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n, SINGLE_SPLIT=single,
-        **_dot_args(q), num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
+        **_dot_args(q, kv_cache), num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
     )
     if not single:
         _merge_splits_kernel[(nd, num_heads)](
@@ -383,22 +399,32 @@ def _launch_prefills(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_w
         first_req=meta.num_decodes, **_score_args(q, scale, sliding_window, logit_softcap),
         GROUP=group, PAGE_SIZE=kv_cache.shape[2],
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.prefill_block_n,
-        **_dot_args(q), num_warps=cfg.prefill_num_warps, num_stages=cfg.prefill_num_stages,
+        **_dot_args(q, kv_cache), num_warps=cfg.prefill_num_warps, num_stages=cfg.prefill_num_stages,
     )
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def _dot_args(q: torch.Tensor) -> dict:
+def _dot_args(q: torch.Tensor, kv_cache: Optional[torch.Tensor] = None) -> dict:
     """Operand dtype and precision of the two ``tl.dot``s (accumulation is always fp32).
 
     fp32 inputs get exact fp32 products: tf32 would miss the 1e-4 tolerance. On CPU (Triton's
     interpreter) bf16 operands are upcast because the interpreter multiplies bf16 bit patterns as
     integers; on GPU 16-bit operands go to the tensor cores as they are.
+
+    An FP8 (e4m3) cache with 16-bit queries on the GPU multiplies in fp16: e4m3 -> fp16 is one
+    instruction per two values (e4m3 -> bf16 goes through fp16 and fp32, three), and with a 4-bit
+    exponent and 3-bit mantissa every cached value is exact in fp16. Decode over an FP8 cache reads
+    half the bytes of bf16, so without this the casts, not the reads, bound it. q is multiplied by
+    the score scale in fp32 before its cast (``PRESCALE_Q``), so its fp16 range is the scores'
+    (|q . k| * scale), not q's; the probabilities (0..1) lose nothing to fp16 that bf16 keeps.
     """
     if q.dtype == torch.bfloat16 and q.device.type == "cpu":
         return dict(DOT_DTYPE=tl.float32, DOT_PRECISION="ieee")
+    if (kv_cache is not None and kv_cache.dtype == torch.float8_e4m3fn and q.device.type == "cuda"
+            and q.dtype in (torch.bfloat16, torch.float16)):
+        return dict(DOT_DTYPE=tl.float16, DOT_PRECISION="tf32", PRESCALE_Q=True)
     return dict(DOT_DTYPE=_TL_DTYPES[q.dtype], DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
 
 

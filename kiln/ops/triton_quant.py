@@ -8,7 +8,8 @@ Triton weight-only kernel reading the fp8 rows and their scales) reads one byte 
 separate quantization pass over the activations runs::
 
     add_rms_norm_quant_fp8  grid (num_tokens,)  the whole row in registers (hidden <= 16384)
-    silu_and_mul_quant_fp8  grid (num_tokens,)  two sweeps over d in blocks (up to 4096): amax, then write
+    silu_and_mul_quant_fp8  grid (num_tokens,)  the whole row in registers (d <= 16384), else two sweeps
+                                                over d in blocks (up to 4096): amax, then write
     quantize_fp8_per_token  grid (num_tokens,)  the same two sweeps, for an FP8 GEMM's unfused input
 
 The ops ``kiln_triton::add_rms_norm_quant_fp8`` and ``kiln_triton::silu_and_mul_quant_fp8`` have the
@@ -99,6 +100,24 @@ def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, d, stride_x, stride_q, FP8_M
 
 
 @triton.jit
+def _silu_and_mul_quant_row_kernel(x_ptr, q_ptr, s_ptr, d, stride_x, stride_q, FP8_MAX: tl.constexpr,
+                                   BLOCK: tl.constexpr):
+    """One sweep: the whole row (d <= BLOCK) in registers, read once (the two-sweep kernel reads it twice)."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < d
+    y = _silu_row(x_ptr, row, stride_x, d, cols, ok, x_ptr.dtype.element_ty)
+    scale = tl.maximum(tl.max(tl.where(ok, tl.abs(y), 0.0), axis=0) / FP8_MAX, 1e-12)
+    tl.store(s_ptr + row, scale)
+    q = tl.minimum(tl.maximum(y / scale, -FP8_MAX), FP8_MAX)
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+
+
+# Rows up to this many columns take the one-sweep SiLU-and-mul quant kernel (16 warps, 32 values a thread).
+SILU_ONE_SWEEP_MAX = 16384
+
+
+@triton.jit
 def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, n_cols, stride_x, stride_q, FP8_MAX: tl.constexpr,
                             BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -154,7 +173,11 @@ def triton_silu_and_mul_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.
     num_tokens, d = x.shape[0], x.shape[1] // 2
     xq = torch.empty((num_tokens, d), dtype=FP8_DTYPE, device=x.device)
     xs = torch.empty((num_tokens, 1), dtype=torch.float32, device=x.device)
-    if num_tokens:
+    if num_tokens and d <= SILU_ONE_SWEEP_MAX:
+        block = triton.next_power_of_2(d)
+        _silu_and_mul_quant_row_kernel[(num_tokens,)](x, xq, xs, d, x.stride(0), xq.stride(0), FP8_MAX=FP8_MAX,
+                                                      BLOCK=block, num_warps=min(16, max(4, block // 1024)))
+    elif num_tokens:
         _silu_and_mul_quant_kernel[(num_tokens,)](x, xq, xs, d, x.stride(0), xq.stride(0), FP8_MAX=FP8_MAX,
                                                   **_row_sweep_launch(d))
     return xq, xs

@@ -213,15 +213,16 @@ class LLMEngine:
         return self.output_processor.abort(request_id)
 
     # ---- stepping -------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Advance one step; returns the RequestOutputs of the step that completed in this call."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Advance one step; returns the RequestOutputs of the step that completed in this call
+        (``finished_only``: of the requests it finished)."""
         if self._overlap:
             updated, logprobs = self._wait_in_flight()  # step k
             self._submit_next()  # step k+1 runs while ...
         else:
             self._submit_next()
             updated, logprobs = self._wait_in_flight()
-        outputs = self._process(updated, logprobs)  # ... step k is detokenized
+        outputs = self._process(updated, logprobs, finished_only)  # ... step k is detokenized
         if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
             self._wait_in_flight()  # all in it hit a stop string: drain it, so an idle engine holds no step
         return outputs
@@ -248,9 +249,9 @@ class LLMEngine:
             self.output_processor.add_embeddings(result.embeddings)
         return self.scheduler.update(sched, result.sampled_token_ids), result.logprobs
 
-    def _process(self, updated: list[Request], logprobs: dict[str, Optional[dict[int, float]]]
-                 ) -> list[RequestOutput]:
-        outputs, stopped, failed = self.output_processor.process(updated, logprobs)
+    def _process(self, updated: list[Request], logprobs: dict[str, Optional[dict[int, float]]],
+                 finished_only: bool = False) -> list[RequestOutput]:
+        outputs, stopped, failed = self.output_processor.process(updated, logprobs, finished_only)
         for sid in stopped:
             self.scheduler.finish_request(sid, RequestStatus.FINISHED_STOPPED)
         for sid in failed:  # freed now, like an abort; the step in flight drops their tokens

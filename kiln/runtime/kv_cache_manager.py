@@ -43,6 +43,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
         self._blocks: dict[str, list[Block]] = {}  # request_id -> block table
+        self._block_ids: dict[str, list[int]] = {}  # request_id -> its block table's ids, as last returned
         self._block_hashes: dict[str, list[int]] = {}  # request_id -> chained hashes of full blocks
         self._num_cached_blocks: dict[str, int] = {}  # request_id -> leading blocks already cached
         self.num_queries_tokens = 0  # tokens of admitted requests, counted once per admission
@@ -95,8 +96,19 @@ class KVCacheManager:
         never over lookahead slots.
         """
         request_id = request.request_id
+        held_blocks = self._blocks.get(request_id)
+        if held_blocks and not num_lookahead_tokens and new_computed_blocks == ():
+            # The common decode step: one more token that fits the blocks held, and no full block
+            # newly cached. Checked and answered without touching the pool (the scheduler calls
+            # this for every running request every step).
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if (0 < num_new_tokens and num_tokens <= request.num_tokens
+                    and num_tokens <= len(held_blocks) * self.block_size
+                    and (not self.enable_prefix_caching
+                         or num_tokens // self.block_size <= self._num_cached_blocks.get(request_id, 0))):
+                return self._block_ids[request_id][:]
+        held_blocks = held_blocks or []
         computed_blocks = list(new_computed_blocks)
-        held_blocks = self._blocks.get(request_id, [])
         if computed_blocks and (held_blocks or request.num_computed_tokens):
             raise ValueError(f"request {request_id}: cache hits can only be added when it is admitted")
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
@@ -119,7 +131,8 @@ class KVCacheManager:
         blocks.extend(computed_blocks)
         blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
         self._cache_full_blocks(request, blocks, num_tokens // self.block_size)
-        return [block.block_id for block in blocks]
+        ids = self._block_ids[request_id] = [block.block_id for block in blocks]
+        return ids[:]
 
     def trim(self, request: Request) -> int:
         """Give back the blocks past the request's known tokens (lookahead slots whose proposed
@@ -131,6 +144,7 @@ class KVCacheManager:
         extra = blocks[keep:]
         if extra:
             del blocks[keep:]
+            self._block_ids[request.request_id] = [block.block_id for block in blocks]
             self.block_pool.free_blocks(reversed(extra))
         return len(extra)
 
@@ -138,6 +152,7 @@ class KVCacheManager:
         """Give back every block of the request, last block first, and forget the request."""
         request_id = request.request_id
         blocks = self._blocks.pop(request_id, [])
+        self._block_ids.pop(request_id, None)
         num_written_blocks = request.num_computed_tokens // self.block_size
         for block in blocks[num_written_blocks:]:
             if block.ref_cnt == 1:

@@ -124,10 +124,12 @@ class OutputProcessor:
         return [s.request.request_id for s in user.samples] if user else []
 
     def process(
-        self, updated: list[Request], logprobs: dict[str, Optional[dict[int, float]]]
+        self, updated: list[Request], logprobs: dict[str, Optional[dict[int, float]]], finished_only: bool = False
     ) -> tuple[list[RequestOutput], list[str], list[str]]:
         """Take this step's new tokens; return outputs, the sample ids that hit a stop string and
-        the sample ids of requests that failed (each failed request's output has ``error`` set)."""
+        the sample ids of requests that failed (each failed request's output has ``error`` set).
+        ``finished_only``: outputs of finished requests only (a caller that reads nothing else
+        saves building an output per running request per step)."""
         touched: dict[str, _UserRequest] = {}
         stopped: list[str] = []
         failed: list[str] = []
@@ -145,6 +147,8 @@ class OutputProcessor:
             except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
                 logger.exception("request %s failed while its output was processed", user.request_id)
                 failed += self._fail(user, e)
+        if finished_only:
+            return [self._emit(u) for u in touched.values() if u.finished], stopped, failed
         return [self._emit(u) for u in touched.values()], stopped, failed
 
     def _take_token(self, req: Request, sample: _Sample, lp: Optional[dict[int, float]] | list) -> bool:

@@ -70,8 +70,9 @@ class _Step:
             self.token_budget += dropped.num_new_tokens
 
     def to_output(self) -> SchedulerOutput:
-        decodes = [s for s in self.scheduled.values() if _is_decode(s)]
-        prefills = [s for s in self.scheduled.values() if not _is_decode(s)]
+        decodes, prefills = [], []
+        for s in self.scheduled.values():  # one pass: this runs for every request every step
+            (decodes if _is_decode(s) else prefills).append(s)
         return SchedulerOutput(scheduled=decodes + prefills, preempted_ids=list(self.preempted_ids))
 
 
