@@ -65,7 +65,7 @@ def piecewise_capture_sizes(capture_sizes: tuple[int, ...], modes: set[GraphMode
     Beside full graphs, which take every decode-only batch, they serve batches with a prefill, whose
     padded rows cost GEMM work that is nearly free while the step is bound by reading the weights
     (up to a few hundred rows) and attention never sees: sizes up to 8, powers of two up to 128,
-    multiples of 64, and the largest, so a start captures about 14 piece sets instead of 67."""
+    multiples of 64, and the largest, with the default sizes up to 512, 14 piece sets instead of 67."""
     if GraphMode.FULL not in modes or not capture_sizes:
         return tuple(capture_sizes)
     keep = {s for s in capture_sizes if s <= 8 or (s <= 128 and s & (s - 1) == 0) or s % 64 == 0}
