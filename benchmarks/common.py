@@ -51,6 +51,18 @@ def copy_bandwidth(num_bytes: int = 2**30, iters: int = 20) -> float:
     return 2 * num_bytes / sorted(times)[iters // 2]
 
 
+def timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> float:
+    """Seconds for ``llm`` to generate exactly ``max_tokens`` greedy tokens for every prompt."""
+    from kiln import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+    return elapsed
+
+
 def weight_bytes_per_step(model) -> int:
     """Bytes one decode step reads of a kiln model: its parameters and quantized weight buffers,
     all but the embedding table unless it is the tied LM head (a step reads one row of it)."""

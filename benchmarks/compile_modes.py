@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from kiln import LLM, SamplingParams
+from common import timed_generate
+from kiln import LLM
 from kiln.compiler import KilnForward
 from kiln.compiler.capture import _mean_us
 from kiln.forward_context import AttentionMetadata, ForwardContext, forward_context
@@ -33,15 +34,6 @@ def _prompts(vocab: int, num: int, length: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     # Skip the low ids (special tokens) so no prompt holds an EOS or chat marker.
     return [torch.randint(100, vocab, (length,), generator=g).tolist() for _ in range(num)]
-
-
-def _timed_generate(llm: LLM, prompts, max_tokens: int) -> float:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
-    return elapsed
 
 
 def _decode_step_timings(runner, num_requests: int, iters: int) -> dict[str, float]:
@@ -79,11 +71,11 @@ def bench_mode(mode: str, args) -> dict:
     vocab = runner.arch.vocab_size
     # First generate: prefill and decode shapes meet torch.compile here (stock also recompiles
     # for one token; kiln captures once).
-    first_s = _timed_generate(llm, _prompts(vocab, 2, args.prompt_len, seed=1), 4)
+    first_s = timed_generate(llm, _prompts(vocab, 2, args.prompt_len, seed=1), 4)
     one = _prompts(vocab, 1, args.prompt_len, seed=2)
-    prefill_s = min(_timed_generate(llm, one, 1) for _ in range(2))
-    full_s = min(_timed_generate(llm, one, args.output_len + 1) for _ in range(2))
-    batch_s = _timed_generate(llm, _prompts(vocab, args.num_requests, args.prompt_len, seed=3), args.output_len)
+    prefill_s = min(timed_generate(llm, one, 1) for _ in range(2))
+    full_s = min(timed_generate(llm, one, args.output_len + 1) for _ in range(2))
+    batch_s = timed_generate(llm, _prompts(vocab, args.num_requests, args.prompt_len, seed=3), args.output_len)
     row = {
         "mode": mode,
         "startup_s": round(build_s + first_s, 2),

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from common import console_table, device_name, weight_bytes_per_step
+from common import console_table, device_name, timed_generate, weight_bytes_per_step
 
 SYSTEMS = {
     "fp32": ("none", "float32"), "bf16": ("none", "bfloat16"), "int8": ("int8", "float32"),
@@ -65,16 +65,8 @@ def build_system(name: str, mode: str, args):
 
 
 def timed(llm, batch: int, new_tokens: int, args) -> float:
-    from kiln import SamplingParams
-
     gen = torch.Generator().manual_seed(batch * 1000 + new_tokens)
-    prompts = torch.randint(100, 40000, (batch, args.prompt_len), generator=gen).tolist()
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
-    return elapsed
+    return timed_generate(llm, torch.randint(100, 40000, (batch, args.prompt_len), generator=gen).tolist(), new_tokens)
 
 
 def main(argv=None) -> None:
