@@ -282,8 +282,8 @@ def test_auto_reads_the_checkpoint_quantization_config(tmp_path):
           "config_groups": {"group_0": {"weights": {"type": "float", "num_bits": 8, "strategy": "channel"}}}}
     assert checkpoint_quantization(_write_config(tmp_path, ct)) == "fp8"
     assert resolve_quantization("int8", _write_config(tmp_path, None), None) == "int8"
-    with pytest.raises(ValueError, match="AWQ checkpoints are not loaded yet"):
-        resolve_quantization("auto", _write_config(tmp_path, {"quant_method": "awq"}), None)
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}
+    assert resolve_quantization("auto", _write_config(tmp_path, awq), None) == "int4"
     with pytest.raises(ValueError, match="'bitsandbytes' is not supported"):
         resolve_quantization("auto", _write_config(tmp_path, {"quant_method": "bitsandbytes"}), None)
 

@@ -39,8 +39,9 @@ from kiln.models.gguf import convert_gguf, convert_gguf_tokenizer
 from kiln.models.hf_generic import HFGenericForCausalLM, build_generic, hf_config_from_dict
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.parallel import SINGLE, TensorParallel
-from kiln.models.quantize import (apply_quantization, checkpoint_quantization, dequantize_fp8_checkpoint,
-                                  resolve_quantization)
+from kiln.models.int4_checkpoint import dequantize_int4_checkpoint
+from kiln.models.quantize import (apply_quantization, checkpoint_int4_format, checkpoint_quantization,
+                                  dequantize_fp8_checkpoint, resolve_quantization)
 from kiln.models.registry import REGISTERED_MODELS, TOKENIZER_DIR_ENV, TOKENIZER_DONOR
 from kiln.models.weight_reader import iter_files_to_device
 from kiln.ops.registry import KernelSet, select_kernels
@@ -175,16 +176,23 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     model = build_empty_model(arch, device, dtype, tp)
     scheme = resolve_quantization(model_config.quantization, hf_dir, gguf_path)
     weights = iter_safetensors(hf_dir, device)
-    fp8_checkpoint = checkpoint_quantization(hf_dir) == "fp8"
-    if fp8_checkpoint:  # any scheme: FP8 tensors load dequantized first
+    checkpoint_scheme = checkpoint_quantization(hf_dir)
+    int4_projections = None
+    if checkpoint_scheme == "fp8":  # any scheme: FP8 tensors load dequantized first
         weights = dequantize_fp8_checkpoint(weights, dtype)
+    elif checkpoint_scheme == "int4":  # AWQ/GPTQ: float weights for load_weights, the int4 kept aside for int4
+        if scheme == "int4" and tp.size > 1:
+            raise ValueError("AWQ/GPTQ int4 weights are kept exactly on one rank only; use "
+                             "parallel.tensor_parallel_size=1, or model.quantization=none to serve them dequantized")
+        int4_projections = {} if scheme == "int4" else None
+        weights = dequantize_int4_checkpoint(weights, checkpoint_int4_format(hf_dir), dtype, int4_projections)
     weights = progress_bar(weights, desc=f"loading {name}", total=_num_tensors(hf_dir), unit="tensor")
-    if background and scheme == "none" and not fp8_checkpoint and torch.device(device).type == "cuda":
+    if background and scheme == "none" and checkpoint_scheme == "none" and torch.device(device).type == "cuda":
         model.quantization = "none"
         return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len,
                            WeightFill(lambda: model.load_weights(weights), next(model.parameters()).device))
     model.load_weights(weights)
-    apply_quantization(model, scheme, kernels, gguf_path if tp.size == 1 else None)
+    apply_quantization(model, scheme, kernels, gguf_path if tp.size == 1 else None, int4_projections)
     _prepare_decode(model, device)
     return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len)
 

@@ -14,10 +14,10 @@ never saw the pass (``compile.mode=stock``) still computes the same result.
 
 Where the weights come from, ``quantization=auto`` resolves (``resolve_quantization``): the
 checkpoint's ``quantization_config`` (``fp8``, ``compressed-tensors`` FP8 -> fp8, whose tensors
-``dequantize_fp8_checkpoint`` reads per-tensor, per-channel or block-scaled; ``awq``, ``gptq`` ->
-refused with what to do), and a GGUF source keeps its Q4_1 blocks as int4 weights
-exactly (``read_gguf_int4``: ``q * d + m`` is ``(q - 8) * s + z`` with ``s = d``, ``z = m + 8d``),
-never expanded to float.
+``dequantize_fp8_checkpoint`` reads per-tensor, per-channel or block-scaled; 4-bit ``awq``, ``gptq``
+-> int4, their packed integers and group scales kept exactly, ``kiln.models.int4_checkpoint``), and
+a GGUF source keeps its Q4_1 blocks as int4 weights exactly (``read_gguf_int4``: ``q * d + m`` is
+``(q - 8) * s + z`` with ``s = d``, ``z = m + 8d``), never expanded to float.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import QUANTIZATIONS
+from kiln.models.int4_checkpoint import Int4CheckpointFormat, int4_checkpoint_format
 from kiln.ops import quant
 from kiln.ops.registry import QUANT_SCHEMES, KernelSet, QuantLinearKernel, reference_kernels
 
@@ -82,8 +83,11 @@ def quantize_weight(w: torch.Tensor, scheme: str, group_size: int) -> tuple[torc
 def make_quant_linear(linear: nn.Linear, scheme: str, kernels: KernelSet, group_size: int = quant.INT4_GROUP_SIZE,
                       canonical: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> QuantLinear:
     """``linear`` quantized to ``scheme`` (or given its canonical quantized weight) in the layout of
-    ``kernels``' kernel, falling back to the reference layout for shapes the kernel does not take."""
+    ``kernels``' kernel, falling back to the reference layout for shapes the kernel does not take.
+    A canonical int4 weight brings its own group size (a checkpoint's, per linear)."""
     n, k = linear.out_features, linear.in_features
+    if scheme == "int4" and canonical is not None:
+        group_size = k // canonical[1].shape[0]
     gs = group_size if scheme == "int4" else -1
     kernel = kernels.quant_linear(scheme)
     if not kernel.fits(n, k, gs):
@@ -120,15 +124,23 @@ def quantize_model(model: nn.Module, scheme: str, kernels: KernelSet, group_size
 
 # ---- which quantization a checkpoint asks for -----------------------------------------------------
 
+def _quantization_config(hf_dir: Optional[str]) -> Optional[dict]:
+    path = None if hf_dir is None else os.path.join(hf_dir, "config.json")
+    if path is None or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("quantization_config") or None
+
+
+def checkpoint_int4_format(hf_dir: Optional[str]) -> Optional[Int4CheckpointFormat]:
+    """The AWQ/GPTQ format of a 4-bit checkpoint, None for any other."""
+    qc = _quantization_config(hf_dir)
+    return int4_checkpoint_format(qc) if qc and qc.get("quant_method") in ("awq", "gptq") else None
+
+
 def checkpoint_quantization(hf_dir: Optional[str]) -> str:
     """The scheme a checkpoint's ``quantization_config`` names, or "none"."""
-    if hf_dir is None:
-        return "none"
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(path):
-        return "none"
-    with open(path) as f:
-        qc = json.load(f).get("quantization_config")
+    qc = _quantization_config(hf_dir)
     if not qc:
         return "none"
     method = qc.get("quant_method")
@@ -143,10 +155,10 @@ def checkpoint_quantization(hf_dir: Optional[str]) -> str:
         raise ValueError("this compressed-tensors checkpoint is not FP8; kiln loads only its FP8 weights "
                          "(model.quantization=none cannot load it either)")
     if method in ("awq", "gptq"):
-        raise ValueError(f"{method.upper()} checkpoints are not loaded yet; use the unquantized checkpoint with "
-                         f"model.quantization=int4")
-    raise ValueError(f"quantization_config.quant_method={method!r} is not supported; kiln reads fp8 and "
-                     f"compressed-tensors (FP8) checkpoints")
+        int4_checkpoint_format(qc)  # refuses the variants kiln does not read
+        return "int4"
+    raise ValueError(f"quantization_config.quant_method={method!r} is not supported; kiln reads fp8, "
+                     f"compressed-tensors (FP8) and 4-bit awq / gptq checkpoints")
 
 
 def resolve_quantization(requested: str, hf_dir: Optional[str], gguf_path: Optional[str]) -> str:
@@ -253,36 +265,53 @@ def gguf_canonical_int4(blocks: dict[str, tuple[np.ndarray, np.ndarray, np.ndarr
                         dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """kiln module name (``layers.0.self_attn.qkv_proj``) -> canonical int4 (weight, scales_zeros),
     fused projections stacked row-wise in kiln's order."""
+    projections = {}
+    for hf, (q, d, m) in blocks.items():
+        d, m = torch.from_numpy(d), torch.from_numpy(m)
+        projections[hf] = (quant.pack_int4(torch.from_numpy(q)), quant.int4_scales_zeros(d, m + 8.0 * d, dtype))
+    return fuse_int4_projections(projections)
+
+
+def fuse_int4_projections(projections: dict[str, tuple[torch.Tensor, torch.Tensor]]
+                          ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Hugging Face projection name (``model.layers.0.self_attn.q_proj``) -> canonical int4 becomes
+    kiln module name (``layers.0.self_attn.qkv_proj``) -> canonical int4, fused projections stacked
+    row-wise in kiln's order (weight rows, scales_zeros' N axis). A fused linear only partly given
+    is left out: it is quantized from its float weights instead."""
     out = {}
     by_module: dict[str, list[str]] = {}
-    for hf in blocks:
+    for hf in projections:
+        if "." not in hf.removeprefix("model."):
+            continue  # lm_head: never quantized by kiln
         parent, proj = hf.removeprefix("model.").rsplit(".", 1)
         fused = next((f for f, parts in FUSED_PROJECTIONS.items() if proj in parts), proj)
         by_module.setdefault(f"{parent}.{fused}", []).append(proj)
     for module, projs in by_module.items():
         parent, fused = module.rsplit(".", 1)
-        order = FUSED_PROJECTIONS.get(fused, (fused,))
+        order = (fused,) if projs == [fused] else FUSED_PROJECTIONS.get(fused, (fused,))  # Phi-3 stores qkv_proj
         if sorted(projs) != sorted(order):
-            continue  # a fused linear only partly Q4_1: quantize it from its float weights instead
-        parts = [blocks[f"model.{parent}.{p}"] for p in order]
-        q = torch.from_numpy(np.concatenate([p[0] for p in parts]))
-        d = torch.from_numpy(np.concatenate([p[1] for p in parts]))
-        m = torch.from_numpy(np.concatenate([p[2] for p in parts]))
-        out[module] = (quant.pack_int4(q), quant.int4_scales_zeros(d, m + 8.0 * d, dtype))
+            continue
+        parts = [projections[f"model.{parent}.{p}"] for p in order]
+        out[module] = (torch.cat([w for w, _ in parts]), torch.cat([sz for _, sz in parts], dim=1))
     return out
 
 
-def apply_quantization(model: nn.Module, scheme: str, kernels: KernelSet, gguf_path: Optional[str] = None) -> None:
-    """Quantize ``model`` (already loaded) to ``scheme``; GGUF int4 keeps the file's own blocks."""
+def apply_quantization(model: nn.Module, scheme: str, kernels: KernelSet, gguf_path: Optional[str] = None,
+                       int4_projections: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None) -> None:
+    """Quantize ``model`` (already loaded) to ``scheme``; int4 keeps a GGUF's own blocks, or an AWQ/GPTQ
+    checkpoint's (``int4_projections``: Hugging Face projection name -> canonical int4)."""
     if scheme == "none":
         model.quantization = "none"
         return
-    canonical = None
-    if scheme == "int4" and gguf_path is not None and gguf_has_int4(gguf_path):
+    canonical, source = None, ""
+    if scheme == "int4" and int4_projections:
+        canonical, source = fuse_int4_projections(int4_projections), ", weights from the checkpoint's int4 groups"
+    elif scheme == "int4" and gguf_path is not None and gguf_has_int4(gguf_path):
         arch = model.arch
         blocks = read_gguf_int4(gguf_path, arch.num_heads, arch.num_kv_heads, arch.family)
         canonical = gguf_canonical_int4(blocks, next(model.parameters()).dtype)
+        source = ", weights from the GGUF's Q4_1 blocks"
     count = quantize_model(model, scheme, kernels, canonical=canonical)
     kinds = sorted({m.kernel.name for m in model.modules() if isinstance(m, QuantLinear)})
     logger.info("quantized %d linear layers to %s (%s kernel%s%s)", count, scheme, ", ".join(kinds),
-                "s" if len(kinds) > 1 else "", ", weights from the GGUF's Q4_1 blocks" if canonical else "")
+                "s" if len(kinds) > 1 else "", source)
