@@ -206,10 +206,39 @@ def test_act_order_g_idx_is_refused():
                                         torch.float32))
 
 
-def test_int4_checkpoint_under_tensor_parallelism_is_refused(tmp_path):
+def test_int4_checkpoint_shards_under_tensor_parallelism(tmp_path):
+    """Each rank's int4 linears hold exactly its slice of the float weights load_weights gives it."""
     from kiln.models.parallel import TensorParallel
 
-    preset, qc = VARIANTS["gptq-g128"]
+    preset, qc = VARIANTS["gptq_v2-g64-bias"]
+    floats = write_int4_checkpoint(tmp_path, preset, qc)
+    for rank in range(2):
+        tp = TensorParallel(rank, 2)
+        int4 = load_model(ModelConfig(model=str(tmp_path), quantization="auto"), "", CPU, torch.float32, tp,
+                          kernels=reference_kernels("cpu"))
+        dense = load_model(ModelConfig(model=str(tmp_path)), "", CPU, torch.float32, tp)
+        quantized = {n: m for n, m in int4.model.named_modules() if isinstance(m, QuantLinear)}
+        assert len(quantized) == 4 * int4.arch.num_layers
+        for name, m in quantized.items():
+            want = dense.model.get_submodule(name).weight
+            assert 2 * m.out_features * m.in_features == _fused_reference(floats, name).numel(), name  # half each
+            assert torch.equal(m.kernel.dequant(m.qweight, m.scales, m.group_size, torch.float32), want), (rank, name)
+
+
+def test_int4_groups_split_across_ranks_are_refused(tmp_path):
+    from kiln.models.parallel import TensorParallel
+
+    preset, qc = VARIANTS["gptq-g128"]  # o_proj's 128 input columns: 64 a rank, half a group
     write_int4_checkpoint(tmp_path, preset, qc)
-    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+    with pytest.raises(ValueError, match="whole int4 groups"):
         load_model(ModelConfig(model=str(tmp_path), quantization="auto"), "", CPU, torch.float32, TensorParallel(0, 2))
+
+
+def test_desc_act_with_one_group_loads(tmp_path):
+    preset, qc = VARIANTS["gptq-per-channel"]
+    floats = write_int4_checkpoint(tmp_path, preset, {**qc, "desc_act": True})
+    loaded = load_model(ModelConfig(model=str(tmp_path), quantization="auto"), "", CPU, torch.float32,
+                        kernels=reference_kernels("cpu"))
+    m = loaded.model.layers[0].mlp.down_proj
+    assert torch.equal(m.kernel.dequant(m.qweight, m.scales, m.group_size, torch.float32),
+                       floats["model.layers.0.mlp.down_proj.weight"])

@@ -11,14 +11,16 @@ Both formats store, per linear of weight W [N, K] (``w[n, k] = (q - z) * s`` wit
 
 GPTQ also stores ``g_idx`` [K] (the group of each input column); only the plain order
 ``g_idx[k] == k // group_size`` is read: act-order (``desc_act``) checkpoints group columns out of
-order, which kiln's contiguous groups cannot hold without permuting the activations.
+order, which kiln's contiguous groups cannot hold without permuting the activations (with
+``group_size=-1`` there is one group, and act-order changes nothing).
 
 ``dequantize_int4_checkpoint`` turns the stream of checkpoint tensors into full float weights for
 ``load_weights`` (so every ``model.quantization`` can serve the checkpoint, fused and sharded as
 usual) and, on request, records each projection's canonical int4 (``kiln.ops.quant``: ``(q - 8) *
 s + z'``, so ``z' = (8 - z) * s``): the same integers and group scales, nothing re-quantized.
 In float32 the canonical weight dequantizes to exactly ``(q - z) * s``; in a 16-bit model dtype the
-scales and ``z'`` are rounded to it once.
+scales and ``z'`` are rounded to it once. Fusing and tensor-parallel slicing of the canonical weights
+follow ``load_weights``' own slices (``kiln.models.quantize.shard_int4_projections``).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def int4_checkpoint_format(qc: dict) -> Int4CheckpointFormat:
             raise ValueError(f"AWQ version {version!r} is not supported: kiln reads the GEMM packing "
                              f"(version: gemm); export the model with AutoAWQ's GEMM version")
         return Int4CheckpointFormat("awq", group_size, 0)
-    if qc.get("desc_act"):
+    if qc.get("desc_act") and group_size != -1:  # one group of all K stays contiguous in any order
         raise ValueError("GPTQ checkpoint with desc_act=true (act-order): its groups are not contiguous in K, "
                          "which kiln's int4 layout needs; use a checkpoint quantized with desc_act=false")
     fmt = str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower()

@@ -181,9 +181,6 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     if checkpoint_scheme == "fp8":  # any scheme: FP8 tensors load dequantized first
         weights = dequantize_fp8_checkpoint(weights, dtype)
     elif checkpoint_scheme == "int4":  # AWQ/GPTQ: float weights for load_weights, the int4 kept aside for int4
-        if scheme == "int4" and tp.size > 1:
-            raise ValueError("AWQ/GPTQ int4 weights are kept exactly on one rank only; use "
-                             "parallel.tensor_parallel_size=1, or model.quantization=none to serve them dequantized")
         int4_projections = {} if scheme == "int4" else None
         weights = dequantize_int4_checkpoint(weights, checkpoint_int4_format(hf_dir), dtype, int4_projections)
     weights = progress_bar(weights, desc=f"loading {name}", total=_num_tensors(hf_dir), unit="tensor")

@@ -272,6 +272,35 @@ def gguf_canonical_int4(blocks: dict[str, tuple[np.ndarray, np.ndarray, np.ndarr
     return fuse_int4_projections(projections)
 
 
+def shard_int4_projections(model: nn.Module, projections: dict[str, tuple[torch.Tensor, torch.Tensor]]
+                           ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each checkpoint projection's canonical int4 cut to the slices ``model.load_weights`` copies of
+    its float weight (this rank's rows or input columns; a fused checkpoint tensor's row ranges, in
+    order). An input-column slice must hold whole groups."""
+    shards: dict[str, list] = {}
+    for name, _, shard in model._weight_slices():
+        base = name.removesuffix(".weight")
+        if name.endswith(".weight") and base in projections:
+            shards.setdefault(base, []).append(shard)
+    out = {}
+    for base, slices in shards.items():
+        w, sz = projections[base]  # [N, K/2], [K/g, N, 2]
+        if slices == [None]:
+            out[base] = (w, sz)
+        elif all(s is not None and s[0] == 0 for s in slices):  # output rows
+            out[base] = (torch.cat([w.narrow(0, s[1], s[2]) for s in slices]),
+                         torch.cat([sz.narrow(1, s[1], s[2]) for s in slices], dim=1))
+        elif len(slices) == 1 and slices[0][0] == 1:  # input columns (a row-parallel linear)
+            _, start, length = slices[0]
+            group = 2 * w.shape[1] // sz.shape[0]
+            if start % group or length % group:
+                raise ValueError(f"{base}: this rank's {length} input columns do not hold whole int4 groups of "
+                                 f"{group}; use a smaller parallel.tensor_parallel_size")
+            out[base] = (w.narrow(1, start // 2, length // 2).contiguous(),
+                         sz.narrow(0, start // group, length // group).contiguous())
+    return out
+
+
 def fuse_int4_projections(projections: dict[str, tuple[torch.Tensor, torch.Tensor]]
                           ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Hugging Face projection name (``model.layers.0.self_attn.q_proj``) -> canonical int4 becomes
@@ -305,7 +334,8 @@ def apply_quantization(model: nn.Module, scheme: str, kernels: KernelSet, gguf_p
         return
     canonical, source = None, ""
     if scheme == "int4" and int4_projections:
-        canonical, source = fuse_int4_projections(int4_projections), ", weights from the checkpoint's int4 groups"
+        canonical = fuse_int4_projections(shard_int4_projections(model, int4_projections))
+        source = ", weights from the checkpoint's int4 groups"
     elif scheme == "int4" and gguf_path is not None and gguf_has_int4(gguf_path):
         arch = model.arch
         blocks = read_gguf_int4(gguf_path, arch.num_heads, arch.num_kv_heads, arch.family)
