@@ -114,6 +114,7 @@ class ModelRunner:
         self.compiled = CompiledModel(self.model, compile_config, self.kernels, limits, self.max_model_len,
                                       ArtifactCache(cache_config.resolved_dir, self._artifact_name()))
         t_wait = time.perf_counter()
+        in_background = self.loaded.filling is not None
         load_seconds += self.loaded.wait_for_weights()
         wait_seconds = time.perf_counter() - t_wait
         self.input_batch = InputBatch(self.compiled.inputs, self.block_size)
@@ -157,9 +158,10 @@ class ModelRunner:
                                 **self.compiled.startup_seconds(),
                                 "profile_s": profile_seconds, "kv_alloc_s": kv_seconds,
                                 "ready_s": time.perf_counter() - t_start}
-        logger.info("start-up: load weights %.2f s (%.2f s of it not hidden behind compiling), Dynamo %.2f s, Inductor %.2f s, compile cache load %.2f s, "
+        overlap = f" (read while compiling; {wait_seconds:.2f} s not hidden)" if in_background else ""
+        logger.info("start-up: load weights %.2f s%s, Dynamo %.2f s, Inductor %.2f s, compile cache load %.2f s, "
                     "CUDA graphs %.2f s, memory profile %.2f s, KV allocation %.2f s; ready in %.2f s",
-                    *self.startup_seconds.values())
+                    load_seconds, overlap, *list(self.startup_seconds.values())[2:])
 
     def _profile_memory(self, cache_config: CacheConfig, sched: SchedulerConfig
                         ) -> tuple[int, Optional[kv_sizing.GraphMemoryEstimate]]:
