@@ -225,11 +225,12 @@ def use_kernel_caches(cache_dir: str) -> dict[str, str]:
     they go). Returns what was set."""
     chosen = {}
     base = Path(cache_dir).expanduser() / KERNELS
+    writable = ArtifactCache(cache_dir, "").writable()
     for env, sub in KERNEL_CACHE_ENVS.items():
         if os.environ.get(env):
             continue
         target = base / sub
-        if not ArtifactCache(cache_dir, "").writable():
+        if not writable:
             scratch = Path(tempfile.mkdtemp(prefix=f"kiln-{sub}-"))
             if target.is_dir():
                 shutil.copytree(target, scratch, dirs_exist_ok=True, symlinks=True)
