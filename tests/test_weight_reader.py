@@ -51,6 +51,14 @@ def test_reader_yields_in_storage_order_and_stops_early(tmp_path):
     reader.close()  # leaves no read running on a closed file
 
 
+def test_reader_names_a_truncated_file(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_file(_random_tensors(torch.Generator().manual_seed(3)), str(path))
+    path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(OSError, match="m.safetensors.*shorter than its safetensors header"):
+        list(iter_files_to_device([str(path)], torch.device("cpu")))
+
+
 def test_reader_refuses_a_file_that_is_not_safetensors(tmp_path):
     path = tmp_path / "bad.safetensors"
     path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")

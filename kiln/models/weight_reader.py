@@ -117,7 +117,11 @@ def iter_file_to_device(path: str, device: torch.device, pool: ThreadPoolExecuto
                 break
             fut, b, dest, n, ends = pending.popleft()
             if fut is not None:
-                fut.result()
+                try:
+                    fut.result()
+                except OSError as e:
+                    raise OSError(f"{path!r}: {e}; the file is shorter than its safetensors header says "
+                                  "(an interrupted download or copy?): fetch it again") from e
                 dest.copy_(buffers[b][:n], non_blocking=on_gpu)
                 if on_gpu:
                     event = torch.cuda.Event()
