@@ -227,6 +227,48 @@ def test_pipelined_steps_match_serial_steps(smol, smol_greedy, monkeypatch):
         assert texts[i].startswith(text) and ids == smol_greedy[i][:len(ids)]
 
 
+def test_steps_scheduled_ahead_match_serial_steps(smol, smol_greedy, monkeypatch):
+    """Scheduling ahead (the GPU's loop: step k+1 launched before step k's tokens are read back,
+    its decodes fed from step k's sampled ids) forced on the CPU, where the runner launches
+    synchronously: the same outputs as the serial loop, with placeholders fed and nothing left."""
+    texts = [smol.tokenizer.decode(ids, skip_special_tokens=True) for ids in smol_greedy]
+    work = _pipeline_workload(texts, smol_greedy)
+    work.append(("pen", PROMPTS[4], SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.3)))
+    engine, runner = smol.engine, smol.engine.executor.runner
+    monkeypatch.setattr(engine, "_overlap", False)
+    serial = _stream(smol, work)
+    monkeypatch.setattr(engine, "_overlap", True)
+    monkeypatch.setattr(engine, "_schedule_ahead", True)
+    monkeypatch.setattr(engine.executor, "can_schedule_ahead", True)
+    monkeypatch.setattr(engine.executor, "_launch_in_submit", True)
+    counts = {"ahead": 0, "fed": 0, "behind": 0}
+    schedule_ahead, fed = engine.scheduler.schedule_ahead, runner._fed_input_ids
+
+    def spy_ahead(in_flight):
+        counts["ahead"] += 1
+        return schedule_ahead(in_flight)
+
+    def spy_fed(placeholders, after):
+        counts["fed"] += 1
+        return fed(placeholders, after)
+
+    monkeypatch.setattr(engine.scheduler, "schedule_ahead", spy_ahead)
+    monkeypatch.setattr(runner, "_fed_input_ids", spy_fed)
+    ahead = _stream(smol, work)
+    assert counts["ahead"] > 5 and counts["fed"] > 5
+    _assert_no_leak(smol)
+    assert runner.sampler._seeded == {}
+    assert ahead.keys() == serial.keys()
+    for rid in serial:
+        assert ahead[rid] == serial[rid], rid
+    # A penalized request is never scheduled ahead of (the sampler reads its tokens): alone, the
+    # loop falls back to scheduling after each wait.
+    counts["ahead"] = 0
+    alone = _stream(smol, [work[-1]])
+    assert counts["ahead"] == 0 and alone["pen"] == serial["pen"]
+    _assert_no_leak(smol)
+
+
 def test_a_step_is_processed_while_the_next_one_is_in_flight(smol, monkeypatch):
     engine = smol.engine
     log = []
