@@ -306,3 +306,37 @@ def test_abort_while_its_step_is_in_flight(smol, smol_greedy):
     assert "a" not in {o.request_id for o in later}
     assert later[-1].request_id == "b" and later[-1].outputs[0].token_ids == smol_greedy[3][:6]
     _assert_no_leak(smol)
+
+
+@pytest.mark.gpu
+def test_gpu_steps_scheduled_ahead_match_serial_steps(kiln_cache_dir, monkeypatch):
+    """On CUDA with the default graphs: the loop that schedules ahead (decodes fed on the device,
+    full graphs and piecewise mixed steps) gives the serial loop's tokens, stops included."""
+    llm = LLM(model={"model": "random:tiny", "max_model_len": 256}, cache={"dir": kiln_cache_dir},
+              scheduler={"max_num_batched_tokens": 96})
+    engine = llm.engine
+    assert engine._schedule_ahead
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 200, (int(n),), generator=gen).tolist()
+               for n in torch.randint(3, 70, (24,), generator=gen)]
+    greedy = [SamplingParams(max_tokens=5 + i % 13, temperature=0.0, ignore_eos=True) for i in range(24)]
+    monkeypatch.setattr(engine, "_overlap", False)
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    # Stop on a token each greedy run reaches mid-way; seeded sampling beside it.
+    params = [SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True,
+                             stop_token_ids=[r[len(r) // 2]] if i % 3 == 0 else []) for i, (p, r) in
+              enumerate(zip(greedy, ref))]
+    params += [SamplingParams(max_tokens=12, temperature=0.9, seed=i, ignore_eos=True) for i in range(6)]
+    serial = [o.outputs[0].token_ids for o in llm.generate(prompts + prompts[:6], params, use_tqdm=False)]
+    monkeypatch.setattr(engine, "_overlap", True)
+    calls = []
+    schedule_ahead = engine.scheduler.schedule_ahead
+    monkeypatch.setattr(engine.scheduler, "schedule_ahead", lambda s: calls.append(1) or schedule_ahead(s))
+    ahead = [o.outputs[0].token_ids for o in llm.generate(prompts + prompts[:6], params, use_tqdm=False)]
+    assert len(calls) > 10
+    assert ahead == serial
+    for i in range(0, 24, 3):  # the stop token ended those where the greedy run first has it
+        r = ref[i]
+        assert ahead[i] == r[:r.index(r[len(r) // 2]) + 1]
+    stats = engine.stats()
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == engine.kv_manager.num_usable_blocks
