@@ -22,10 +22,6 @@ import torch
 
 VARIANTS = [dict(), dict(decode_block_n=128), dict(decode_block_n=32), dict(decode_num_warps=8),
             dict(decode_num_warps=8, decode_block_n=128), dict(decode_num_stages=2), dict(decode_num_stages=4)]
-# Variants only an FP8 cache reads (``--fp8-variants``).
-FP8_VARIANTS = [dict(fp8_decode_keys_as_rows=k, **v) for k in (True, False) for v in
-                (dict(), dict(decode_block_n=128), dict(decode_num_stages=2), dict(decode_num_stages=4),
-                 dict(decode_num_warps=8), dict(decode_num_warps=8, decode_block_n=128))][:8]
 
 
 def main(argv=None) -> None:
@@ -35,7 +31,6 @@ def main(argv=None) -> None:
     p.add_argument("--max-ctx", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--variants", type=int, default=len(VARIANTS), help="only the first this many variants")
-    p.add_argument("--fp8-variants", type=int, default=0, help="also the first this many FP8_VARIANTS (FP8 cache)")
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     args = p.parse_args(argv)
 
@@ -57,10 +52,7 @@ def main(argv=None) -> None:
         kv_bytes = sum(ctx) * 8 * 128 * 2 * cache.element_size()
         want = attend_paged_reference(base.q, base.k[:0], base.v[:0], cache.clone(),
                                       replace(base.meta, slot_mapping=base.meta.slot_mapping[:0]), scale)
-        variants = VARIANTS[:args.variants]
-        if kv_dtype == torch.float8_e4m3fn and args.fp8_variants:
-            variants = variants + FP8_VARIANTS[:args.fp8_variants]
-        for over in variants:
+        for over in VARIANTS[:args.variants]:
             cfg = replace(LaunchConfig(), **over)
             out = torch.empty_like(base.q)
             with static_decode_splits(args.max_model_len):

@@ -307,8 +307,7 @@ def test_triton_attention_with_fp8_cache_matches_reference():
 
 @pytest.mark.skipif(not RUN_KERNELS_HERE or DEVICE == "cuda", reason="CPU: runs in the Triton interpreter")
 @pytest.mark.parametrize("logit_softcap", [0.0, 30.0])
-@pytest.mark.parametrize("keys_as_rows", [False, True])
-def test_interpreted_triton_attention_prescaled_q_matches_reference(monkeypatch, logit_softcap, keys_as_rows):
+def test_interpreted_triton_attention_prescaled_q_matches_reference(monkeypatch, logit_softcap):
     # The FP8-cache path folds the score scale into q before its cast (PRESCALE_Q): checked here in
     # fp32 (the interpreter's fp16 dot is not the GPU's), so only the folding itself is under test.
     import triton.language as tl
@@ -323,10 +322,7 @@ def test_interpreted_triton_attention_prescaled_q_matches_reference(monkeypatch,
     cache = batch.kv_cache.clone()
     want = attend_paged_reference(batch.q, batch.k, batch.v, cache, batch.meta, scale, logit_softcap=logit_softcap)
     out = torch.full_like(batch.q, float("nan"))
-    # keys_as_rows: the FP8 decode kernel computed transposed (LaunchConfig.fp8_decode_keys_as_rows);
-    # 16-key splits split the decodes too, so both of its stores (single, split) run.
-    cfg = triton_attention.LaunchConfig(fp8_decode_keys_as_rows=keys_as_rows, min_split_tokens=16, decode_block_n=16)
-    triton_attention.attend_paged_cached(batch.q, cache, batch.meta, scale, out, cfg, logit_softcap=logit_softcap)
+    triton_attention.attend_paged_cached(batch.q, cache, batch.meta, scale, out, logit_softcap=logit_softcap)
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
 
 

@@ -83,8 +83,6 @@ class LaunchConfig:
     prefill_block_n: int = 64
     prefill_num_warps: int = 4
     prefill_num_stages: int = 2
-    # FP8 cache: the decode kernel with keys as the rows of both products (_decode_kernel_keys_as_rows).
-    fp8_decode_keys_as_rows: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,78 +192,6 @@ def _decode_kernel(
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         num_splits = tl.num_programs(2)
         part = (req * (tl.num_programs(1) * GROUP) + heads) * num_splits + split  # [nd, H, splits]
-        tl.store(part_lse_ptr + part, lse, mask=row_ok)
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _decode_kernel_keys_as_rows(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, cap_log2, inv_cap, window, stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt, split_tokens,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PRESCALE_Q: tl.constexpr = False,
-):
-    """``_decode_kernel`` computed transposed, for an FP8 cache: S^T = K q^T and O^T = V^T P^T,
-    so the converted K and V tiles are the left operands of the two products (the operand the
-    tensor cores may take from registers) and the small q^T and P^T are the right ones: the
-    widened tiles need not go back through shared memory. Same arguments, same results."""
-    req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + req)
-    if SLIDING:
-        kv_start = tl.maximum(seq_len - window, 0) + split * split_tokens
-    else:
-        kv_start = split * split_tokens
-    kv_end = tl.minimum(kv_start + split_tokens, seq_len)
-
-    rows = tl.arange(0, BLOCK_M)  # column r of the transposed tiles is query head kv_head * GROUP + r
-    row_ok = rows < GROUP
-    heads = kv_head * GROUP + rows
-    d = tl.arange(0, HEAD_DIM_P2)
-    d_ok = d < HEAD_DIM
-    q_t = tl.load(q_ptr + req * stride_qt + heads[None, :] * stride_qh + d[:, None],
-                  mask=row_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_DIM_P2, BLOCK_M]
-    if PRESCALE_Q:
-        q_t = (q_t.to(tl.float32) * qk_scale).to(DOT_DTYPE)
-        qk_scale = 1.0
-    else:
-        q_t = q_t.to(DOT_DTYPE)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc_t = tl.zeros([HEAD_DIM_P2, BLOCK_M], tl.float32)
-    table_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
-    for start in range(kv_start, kv_end, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        key_ok = offs_n < kv_end
-        # _load_kv_tile's K^T and V, transposed: K [BLOCK_N, HEAD_DIM_P2], V^T [HEAD_DIM_P2, BLOCK_N].
-        v_t, k = _load_kv_tile(v_cache_ptr, k_cache_ptr, table_ptr, offs_n, key_ok, kv_head, d, d_ok,
-                               stride_cb, stride_cs, stride_ch, PAGE_SIZE, HEAD_DIM == HEAD_DIM_P2)
-        s_t = tl.dot(k.to(DOT_DTYPE), q_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
-        if SOFTCAP:
-            s_t = cap_log2 * (2.0 * tl.sigmoid(2.0 * s_t * inv_cap) - 1.0)
-        s_t = tl.where(key_ok[:, None], s_t, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s_t, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p_t = tl.exp2(s_t - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p_t, 0)
-        acc_t = acc_t * alpha[None, :] + tl.dot(v_t.to(DOT_DTYPE), p_t.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    acc = tl.trans(acc_t)  # [BLOCK_M, HEAD_DIM_P2]
-    if SINGLE_SPLIT:
-        o = acc / l_i[:, None]
-        tl.store(out_ptr + req * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    else:
-        empty = l_i == 0.0
-        o = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        num_splits = tl.num_programs(2)
-        part = (req * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
 
@@ -444,15 +370,12 @@ def _launch_decodes(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_wi
     single = num_splits == 1
     part_out = out if single else q.new_empty((nd, num_heads, num_splits, head_dim), dtype=torch.float32)
     part_lse = out if single else q.new_empty((nd, num_heads, num_splits), dtype=torch.float32)
-    dot_args = _dot_args(q, kv_cache)
-    kernel = (_decode_kernel_keys_as_rows if cfg.fp8_decode_keys_as_rows and dot_args.get("PRESCALE_Q")
-              else _decode_kernel)
-    kernel[(nd, num_kv_heads, num_splits)](
+    _decode_kernel[(nd, num_kv_heads, num_splits)](
         **_kernel_args(q, kv_cache, meta, out), part_out_ptr=part_out, part_lse_ptr=part_lse,
         split_tokens=split_tokens, **_score_args(q, scale, sliding_window, logit_softcap),
         GROUP=group, PAGE_SIZE=kv_cache.shape[2],
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n, SINGLE_SPLIT=single,
-        **dot_args, num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
+        **_dot_args(q, kv_cache), num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
     )
     if not single:
         _merge_splits_kernel[(nd, num_heads)](
