@@ -271,6 +271,7 @@ def test_steps_scheduled_ahead_match_serial_steps(smol, smol_greedy, monkeypatch
 
 def test_a_step_is_processed_while_the_next_one_is_in_flight(smol, monkeypatch):
     engine = smol.engine
+    monkeypatch.setattr(engine, "_schedule_ahead", False)  # the loop that waits before it schedules (on a GPU too)
     log = []
     for obj, name in [(engine.executor, "submit"), (engine.executor, "wait"), (engine.output_processor, "process")]:
         def spy(*args, _inner=getattr(obj, name), _name=name):
