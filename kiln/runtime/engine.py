@@ -30,8 +30,9 @@ computes step k::
 (``Scheduler.schedule_ahead``: step k's tokens are placeholders until ``update``; a request
 stopped by a token in step k holds a wasted row in step k+1, as one stopped by a stop string does.)
 Blocks freed while two steps are queued may be handed out again at once: the device runs the steps
-in order on one stream, so a later step's writes always come after the earlier step's. ``schedule`` needs only what
-``update`` knows (token ids, eos, max_tokens), never the text. ``overlap=False`` (tests' reference)
+in order on one stream, so a later step's writes always come after the earlier step's.
+
+``schedule`` needs only what ``update`` knows (token ids, eos, max_tokens), never the text. ``overlap=False`` (tests' reference)
 runs each step to the end instead: schedule, submit, wait, update, process.
 
 Rules:

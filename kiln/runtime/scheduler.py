@@ -136,6 +136,11 @@ class Scheduler:
         """The step after ``in_flight``, scheduled before its tokens are known (module rules).
         Every request of ``in_flight`` must sample one token at most (no lookahead slots) and have
         no placeholder yet; ``update(in_flight, ...)`` then fills the placeholders in."""
+        for s in in_flight.scheduled:  # checked before anything moves
+            if s.request.status is RequestStatus.RUNNING and (s.num_lookahead_tokens
+                                                               or s.request.num_output_placeholders):
+                raise ValueError(f"request {s.request.request_id}: cannot schedule ahead of a step with "
+                                 "lookahead slots or a token still unknown")
         flags = []
         for s in in_flight.scheduled:
             request = s.request
@@ -143,9 +148,6 @@ class Scheduler:
             flags.append(samples)
             if request.status is not RequestStatus.RUNNING:
                 continue
-            if s.num_lookahead_tokens or request.num_output_placeholders:
-                raise ValueError(f"request {request.request_id}: cannot schedule ahead of a step with lookahead "
-                                 "slots or a token still unknown")
             request.num_computed_tokens += s.num_new_tokens
             if samples and request.pooling is None:
                 request.output_token_ids.append(PLACEHOLDER_TOKEN)
