@@ -47,7 +47,8 @@ Rules:
 - A request finished while its step is in flight (a stop string found in ``process``, an abort
   between calls) gives its blocks back at once; the step still writes its K/V into them. That is
   safe because blocks are handed out only by ``schedule``, which runs after ``wait`` for the step
-  in flight, and nothing else allocates: ``abort_request`` and ``add_request`` only free or queue.
+  in flight (or, scheduling ahead, launches only behind it on the same stream), and nothing else
+  allocates: ``abort_request`` and ``add_request`` only free or queue.
   ``update`` drops the finished request's token from that step, and it is never reported again.
 - Since step k+1 is scheduled before step k's stop strings are known, a request stopped by one
   still holds its seat, budget and blocks in step k+1 (one wasted row), so a waiting request may
