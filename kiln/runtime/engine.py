@@ -263,10 +263,8 @@ class LLMEngine:
         """Whether the step after ``in_flight`` may be scheduled before its tokens are back."""
         if not self._schedule_ahead:
             return False
-        for s in in_flight.scheduled:
+        for s in in_flight.scheduled:  # finished ones too: the step was launched (sampled) with them
             req = s.request
-            if req.status is not RequestStatus.RUNNING:
-                continue
             p = req.sampling_params
             if (s.num_lookahead_tokens or req.pooling is not None or p.edits_logits or p.repetition_penalty != 1.0
                     or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
