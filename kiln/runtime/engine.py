@@ -32,8 +32,9 @@ stopped by a token in step k holds a wasted row in step k+1, as one stopped by a
 Blocks freed while two steps are queued may be handed out again at once: the device runs the steps
 in order on one stream, so a later step's writes always come after the earlier step's.
 
-``schedule`` needs only what ``update`` knows (token ids, eos, max_tokens), never the text. ``overlap=False`` (tests' reference)
-runs each step to the end instead: schedule, submit, wait, update, process.
+``schedule`` needs only what ``update`` knows (token ids, eos, max_tokens), never the text.
+``overlap=False`` (tests' reference) runs each step to the end instead: schedule, submit, wait,
+update, process.
 
 Rules:
 - Every request that enters leaves through a finish (stop, length, abort, error) and gives its
