@@ -269,6 +269,25 @@ def test_steps_scheduled_ahead_match_serial_steps(smol, smol_greedy, monkeypatch
     _assert_no_leak(smol)
 
 
+def test_schedule_ahead_only_of_steps_launched_with_plain_rows(smol, monkeypatch):
+    """A step with a row the sampler edits (here min_tokens) is never scheduled ahead of, even once
+    that row's request finished while the step was in flight: the step was launched with it."""
+    from kiln.runtime.request import Request, RequestStatus
+    from kiln.runtime.scheduler_output import ScheduledRequest, SchedulerOutput
+
+    engine = smol.engine
+    monkeypatch.setattr(engine, "_schedule_ahead", True)
+    plain = Request("p", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
+    edited = Request("e", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, min_tokens=2))
+    for r in (plain, edited):
+        r.status = RequestStatus.RUNNING
+    step = SchedulerOutput([ScheduledRequest(plain, 3, [1]), ScheduledRequest(edited, 3, [2])])
+    assert not engine._can_schedule_ahead(step)
+    edited.status = RequestStatus.FINISHED_ABORTED
+    assert not engine._can_schedule_ahead(step)
+    assert engine._can_schedule_ahead(SchedulerOutput([ScheduledRequest(plain, 3, [1])]))
+
+
 def test_a_step_is_processed_while_the_next_one_is_in_flight(smol, monkeypatch):
     engine = smol.engine
     monkeypatch.setattr(engine, "_schedule_ahead", False)  # the loop that waits before it schedules (on a GPU too)
