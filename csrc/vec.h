@@ -93,4 +93,24 @@ KILN_INLINE void row_to_float(const char* src, bool bf16, float* __restrict dst,
   }
 }
 
+// float8_e4m3fn (bias 7, no infinities) to float, exactly: a normal e4m3 value's exponent and
+// mantissa shift into float's with the bias moved by 120; a subnormal is m * 2^-9; 0x7f is NaN.
+// Selects, not branches, so the loop vectorizes.
+KILN_INLINE float fp8_e4m3_to_float(uint8_t b) {
+  const uint32_t em = b & 0x7fu;
+  const float sub = float(em) * 0.001953125f;  // 2^-9
+  uint32_t bits = em >= 8 ? (em << 20) + (120u << 23) : 0u;
+  float normal;
+  std::memcpy(&normal, &bits, sizeof normal);
+  float f = em >= 8 ? normal : sub;
+  f = em == 0x7fu ? std::numeric_limits<float>::quiet_NaN() : f;
+  return b & 0x80u ? -f : f;
+}
+
+KILN_INLINE void fp8_row_to_float(const char* src, float* __restrict dst, int n) {
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(src);
+#pragma omp simd
+  for (int i = 0; i < n; ++i) dst[i] = fp8_e4m3_to_float(bytes[i]);
+}
+
 }  // namespace kiln
