@@ -324,3 +324,27 @@ def test_fp8_cache_holds_twice_the_tokens_of_bf16():
     blocks = {d: decide_num_blocks(config, KVShape(32, 16, 8, 128, d), torch.device("cpu"))
               for d in (torch.bfloat16, FP8)}
     assert blocks[FP8] == 2 * blocks[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability() < (8, 9), reason="needs SM89+")
+def test_calibrated_fp8_cache_under_cuda_graphs_matches_eager(tmp_path):
+    # Scales are set by the first prefill after the graphs were captured: the graphs read the scale
+    # tensors, so full-graph decodes must use the calibrated values, as eager steps do.
+    from kiln import LLM, SamplingParams
+
+    results = {}
+    for mode, cudagraph in (("eager", "none"), ("kiln", "full_and_piecewise")):
+        llm = LLM(model="random:tiny", dtype="float32",
+                  cache={"dir": str(tmp_path), "num_blocks": 64, "block_size": 16, "dtype": "fp8",
+                         "calculate_kv_scales": True},
+                  compile={"mode": mode, "cudagraph": cudagraph, "capture_sizes": [1, 2, 4]})
+        prompts = [list(range(5, 40)), [7, 8, 9, 10, 11, 12, 13]]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        runner = llm.engine.executor.runner
+        results[mode] = ([o.outputs[0].token_ids for o in outs], torch.stack(runner.kv_scales).cpu())
+        del llm
+    (eager_ids, eager_scales), (graph_ids, graph_scales) = results["eager"], results["kiln"]
+    assert (eager_scales != 1).all()
+    torch.testing.assert_close(graph_scales, eager_scales)
+    assert graph_ids == eager_ids
