@@ -399,3 +399,24 @@ def test_smollm2_perplexity_with_fp8_cache(kiln_cache_dir):
     assert (scales != 1).all()
     # e4m3 keeps 3 mantissa bits: +2.8% measured for both (this model's K and V fit e4m3 at scale 1)
     assert fp8 / base - 1 < 0.05 and calibrated / base - 1 < 0.05
+
+
+@pytest.mark.slow
+def test_calibrated_fp8_cache_in_kiln_mode_matches_eager_on_cpu(tmp_path):
+    # compile.mode=kiln swaps in kiln_cpu::attend_paged, which must pass the scales to the kernel too.
+    from kiln import LLM, SamplingParams
+
+    _cpu_attention()
+    results = {}
+    for mode in ("eager", "kiln"):
+        llm = LLM(model="random:tiny", compile={"mode": mode},
+                  cache={"dir": str(tmp_path), "num_blocks": 64, "block_size": 4, "dtype": "fp8",
+                         "calculate_kv_scales": True})
+        outs = llm.generate([list(range(5, 40)), [7, 8, 9, 10]],
+                            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        runner = llm.engine.executor.runner
+        results[mode] = ([o.outputs[0].token_ids for o in outs], torch.stack(runner.kv_scales))
+    assert results["kiln"][0] == results["eager"][0]
+    assert (results["eager"][1] != 1).all()
+    # the K/V projections are Inductor's in kiln mode: the same amax to float rounding
+    torch.testing.assert_close(results["kiln"][1], results["eager"][1], rtol=1e-5, atol=0)
