@@ -206,7 +206,8 @@ def collect_kv_scales(weights: Iterable[tuple[str, torch.Tensor]],
 
 # ---- FP8 checkpoints: fp8 weights with per-tensor, per-channel or block scales --------------------
 
-_STATIC_SCALES = ("input_scale", "k_scale", "v_scale", "output_scale")  # kiln scales activations dynamically
+# kiln scales activations dynamically (a layer's KV cache scales were taken out before: collect_kv_scales)
+_STATIC_SCALES = ("input_scale", "k_scale", "v_scale", "output_scale")
 
 
 def dequantize_fp8_checkpoint(weights: Iterable[tuple[str, torch.Tensor]],

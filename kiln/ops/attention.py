@@ -71,12 +71,11 @@ def store_kv_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     if kv_cache.dtype in _FP8_DTYPES:  # clamped, never NaN (e4m3 has no infinity); no scale: 1
         k_scale, v_scale = (kv_scale[0], kv_scale[1]) if kv_scale is not None else (1.0, 1.0)
-        k = quantize_kv_reference(k, k_scale, kv_cache.dtype)
-        v = quantize_kv_reference(v, v_scale, kv_cache.dtype)
+        k = quantize_kv_reference(k, k_scale, kv_cache.dtype).view(torch.uint8)
+        v = quantize_kv_reference(v, v_scale, kv_cache.dtype).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)  # indexing ops lack float8 on the CPU: bytes move
     else:
         k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
-    if kv_cache.dtype in _FP8_DTYPES:
-        kv_cache, k, v = kv_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
