@@ -131,8 +131,10 @@ class ModelRunner:
         t_kv = time.perf_counter()
         profile_seconds = t_kv - t_profile
         self.num_blocks, self.kv_caches = self._make_kv_caches(cache_config, activation_bytes)
+        self.kv_scales = kv_sizing.allocate_kv_scales(self.kv_shape, self.loaded.kv_scales, self.device)
         kv_seconds = time.perf_counter() - t_kv
-        self.compiled.bind_kv_caches(self.kv_caches)
+        self.compiled.bind_kv_caches(self.kv_caches, self.kv_scales,
+                                     calibrate_kv_scales=cache_config.calculate_kv_scales)
         try:
             self.compiled.capture_graphs()
         except torch.OutOfMemoryError as e:
