@@ -50,7 +50,7 @@ from benchmarks.common import console_table, make_record, save_results  # noqa: 
 
 SHARED_KINDS = ("models", "tokenizers")  # converted once, linked into every start's cache dir
 PHASES = ("load_weights_s", "weights_wait_s", "dynamo_s", "inductor_s", "cache_load_s", "cudagraph_s", "profile_s", "kv_alloc_s",
-          "ready_s")
+          "tokenizer_wait_s", "ready_s")
 
 
 def child(opts: dict) -> None:
@@ -269,7 +269,7 @@ def report(args, cold: dict, warm: dict, restart: Optional[dict] = None) -> None
     header = ["start", "ttft_s", "process_to_ready_s", "import_s", "interpreter_s", "torch_import_s", "cuda_init_s",
               "kiln_import_s", *PHASES, "first_token_s"]
     starts = [("cold", cold), ("warm", warm)] + ([("restart", restart)] if restart else [])
-    rows = [[name, *(round(r[k], 2) for k in header[1:])] for name, r in starts]
+    rows = [[name, *(round(r.get(k, 0.0), 2) for k in header[1:])] for name, r in starts]
     ratio = warm["ttft_s"] / cold["ttft_s"]
     print(console_table(header, rows))
     print(f"warm / cold time to first token: {ratio:.2f}")
@@ -277,7 +277,7 @@ def report(args, cold: dict, warm: dict, restart: Optional[dict] = None) -> None
         return
     records = []
     for name, r in starts:
-        metrics = {k: round(r[k], 3) for k in header[1:]}
+        metrics = {k: round(r.get(k, 0.0), 3) for k in header[1:]}
         metrics["warm_over_cold_ttft"] = round(ratio, 3)
         model = f"checkpoint:{args.checkpoint}" if args.checkpoint else args.model
         config = {"system": f"{name}-{model.replace(':', '_')}", "start": name, "model": model,
