@@ -402,8 +402,37 @@ def _check_tokenizer_files(path: str) -> None:
         raise ValueError(f"{path!r} has no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
 
 
+# tokenizer_config.json classes that are transformers' generic fast tokenizer over tokenizer.json, and
+# the model types (None: no config.json) for which AutoTokenizer picks that class as named.
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+_GENERIC_TOKENIZER_MODEL_TYPES = (None, "llama")
+
+
+def _generic_fast_tokenizer(path: str) -> bool:
+    """Whether ``AutoTokenizer.from_pretrained(path)`` would build transformers' generic fast
+    tokenizer from tokenizer.json (the class tokenizer_config.json names, no custom code)."""
+    def read(name: str) -> Optional[dict]:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return None
+        with open(file) as f:
+            return json.load(f)
+
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return False
+    tokenizer_config, config = read("tokenizer_config.json") or {}, read("config.json") or {}
+    return (tokenizer_config.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES and "auto_map" not in tokenizer_config
+            and config.get("model_type") in _GENERIC_TOKENIZER_MODEL_TYPES and "auto_map" not in config)
+
+
 def _load_tokenizer(path: str) -> Any:
     _check_tokenizer_files(path)
+    if _generic_fast_tokenizer(path):
+        # The class AutoTokenizer would pick, without importing AutoTokenizer: that imports every model
+        # family's modeling code (and scikit-learn where it is installed), seconds of a start-up.
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
