@@ -1,19 +1,25 @@
-# One device call: per-call op cost, then start-up from an on-disk Llama-3-8B checkpoint, baseline
-# tree ($BASE, default the working tree) and this tree, cold and warm, in the same call.
+# One device call: start-up from an on-disk Llama-3-8B checkpoint, the baseline tree's kiln
+# ($2, default the working tree) and this tree's ($1), cold and warm, each start's main-thread
+# stack sampled (benchmarks/stack_sampler.py), then this tree's GPU tests of $TESTS.
 # usage: bash benchmarks/startup_device.sh THIS_TREE [BASE_TREE]
 set -u
 THIS=$1; BASE=${2:-$PWD}
-mkdir -p $OUT/logs/base $OUT/logs/new
+mkdir -p $OUT/logs/base $OUT/logs/new /tmp/base
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/summary.txt
-PYTHONPATH=$THIS:/tmp/site timeout 30 python $THIS/benchmarks/op_dispatch.py --calls 1000 --out $OUT/logs 2>&1 | tee -a $OUT/summary.txt
-run() {  # tree name
+# The baseline's kiln with this tree's benchmark scripts (the same timing code for both).
+rm -rf /tmp/base/* && cp -r $BASE/kiln /tmp/base/kiln && cp -r $THIS/benchmarks /tmp/base/benchmarks
+run() {  # tree name timeout
   echo "== $2" | tee -a $OUT/summary.txt
-  KILN_STARTUP_LOG_DIR=$OUT/logs/$2 PYTHONPATH=$1:/tmp/site timeout ${3:-200} python $1/benchmarks/startup.py \
+  KILN_STARTUP_LOG_DIR=$OUT/logs/$2 PYTHONPATH=$1:/tmp/site timeout $3 python $1/benchmarks/startup.py \
     --checkpoint llama3-8b --checkpoint-dir /tmp/ckpt --mode auto --cudagraph auto --out $OUT/logs/$2 \
-    2> $OUT/logs/$2/err.txt | grep -v "^wrote\|^ *\[" | tee -a $OUT/summary.txt
+    --sample-stacks $OUT/logs/$2 2> $OUT/logs/$2/err.txt | grep -v "^wrote\|^ *\[" | tee -a $OUT/summary.txt
   tail -2 $OUT/logs/$2/err.txt >> $OUT/summary.txt
 }
-run $BASE base 150
-run $THIS new 95
+run /tmp/base base ${BASE_TIMEOUT:-120}
+run $THIS new ${NEW_TIMEOUT:-100}
+if [ -n "${TESTS:-}" ]; then
+  (cd $THIS && PYTHONPATH=$THIS:/tmp/site timeout ${TEST_TIMEOUT:-45} python -m pytest -m gpu -q -p no:cacheprovider -rs $TESTS \
+    > $OUT/logs/gpu_tests.txt 2>&1); tail -4 $OUT/logs/gpu_tests.txt | tee -a $OUT/summary.txt
+fi
 tar czf $OUT/logs.tgz -C $OUT logs && rm -rf $OUT/logs
