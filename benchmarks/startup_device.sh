@@ -1,6 +1,6 @@
 # One device call: start-up from an on-disk Llama-3-8B checkpoint, the baseline tree's kiln
 # ($2, default the working tree) and this tree's ($1), cold and warm, each start's main-thread
-# stack sampled (benchmarks/stack_sampler.py), then this tree's GPU tests of $TESTS.
+# stack sampled with SAMPLE=1 (benchmarks/stack_sampler.py), then this tree's GPU tests of $TESTS.
 # usage: bash benchmarks/startup_device.sh THIS_TREE [BASE_TREE]
 set -u
 THIS=$1; BASE=${2:-$PWD}
@@ -13,7 +13,7 @@ run() {  # tree name timeout
   echo "== $2" | tee -a $OUT/summary.txt
   KILN_STARTUP_LOG_DIR=$OUT/logs/$2 PYTHONPATH=$1:/tmp/site timeout $3 python $1/benchmarks/startup.py \
     --checkpoint llama3-8b --checkpoint-dir /tmp/ckpt --mode auto --cudagraph auto --out $OUT/logs/$2 \
-    --sample-stacks $OUT/logs/$2 2> $OUT/logs/$2/err.txt | grep -v "^wrote\|^ *\[" | tee -a $OUT/summary.txt
+    ${SAMPLE:+--sample-stacks $OUT/logs/$2} 2> $OUT/logs/$2/err.txt | grep -v "^wrote\|^ *\[" | tee -a $OUT/summary.txt
   tail -2 $OUT/logs/$2/err.txt >> $OUT/summary.txt
 }
 run /tmp/base base ${BASE_TIMEOUT:-120}
