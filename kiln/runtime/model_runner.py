@@ -26,6 +26,7 @@ import torch
 
 from kiln.compiler import ArtifactCache, CompiledModel, InputLimits, VerifyShape
 from kiln.compiler.artifact_cache import use_kernel_caches
+from kiln.compiler.saved_forward import prefetch_source_keys
 from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, resolve_for_device
 from kiln.models.loader import LoadedModel, kv_cache_dtype, load_model, resolve_device, resolve_dtype
 from kiln.models.parallel import SINGLE, TensorParallel, local_num_kv_heads, min_over_ranks
@@ -102,6 +103,8 @@ class ModelRunner:
         self.compile_config = compile_config
         if self.device.type == "cuda":  # before anything JIT-compiles: kernels land in kiln's cache dir
             use_kernel_caches(cache_config.resolved_dir)
+            if compile_config.mode == "kiln":
+                prefetch_source_keys()  # what loading compiled pieces hashes, while the weights load
         t0 = time.perf_counter()
         # A checkpoint's weights may still be read while the model compiles (a cold start).
         self.loaded: LoadedModel = load_model(model_config, cache_config.resolved_dir, self.device, self.dtype, tp,
