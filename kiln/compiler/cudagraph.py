@@ -18,7 +18,9 @@ Rules kept here: captures happen at start-up, never while serving; all graphs sh
 pool and are captured from the largest size down, so smaller graphs reuse the larger one's
 blocks; capture runs inside the attention kernel's ``graph_capture(max_model_len)`` context (for
 the Triton decode kernel: split counts that do not depend on the capture batch's context lengths).
-Padding only ever reads and writes the null block.
+Padding only ever reads and writes the null block. Graphs are recorded with ``graph_capture``
+(``torch.cuda.graph`` without its per-graph device sync and cache flush); capture loops synchronize
+before rewriting host buffers and flush the allocator's cache once at the end.
 """
 
 from __future__ import annotations
