@@ -50,7 +50,7 @@ from benchmarks.common import console_table, make_record, save_results  # noqa: 
 
 SHARED_KINDS = ("models", "tokenizers")  # converted once, linked into every start's cache dir
 PHASES = ("load_weights_s", "weights_wait_s", "dynamo_s", "inductor_s", "cache_load_s", "cudagraph_s", "profile_s", "kv_alloc_s",
-          "ready_s")
+          "tokenizer_wait_s", "ready_s")
 
 
 def child(opts: dict) -> None:
@@ -58,6 +58,12 @@ def child(opts: dict) -> None:
     import logging
 
     marks = {"child_start_wall": time.time()}
+    sampler = None
+    if opts.get("sample_dir"):  # --sample-stacks: where the main thread spends the start
+        from benchmarks.stack_sampler import StackSampler
+
+        sampler = StackSampler()
+        sampler.start()
     import torch
 
     marks["torch_wall"] = time.time()
@@ -76,6 +82,9 @@ def child(opts: dict) -> None:
     out = llm.generate([[100, 200, 300, 400, 500, 600, 700, 800]], SamplingParams(max_tokens=1, temperature=0.0),
                        use_tqdm=False)
     first_token = time.time()
+    if sampler is not None:
+        sampler.stop()
+        Path(opts["sample_dir"], f"stacks-{opts['run']}.txt").write_text(sampler.report())
     runner = llm.engine.executor.runner
     print("RESULT " + json.dumps({
         "ready_wall": ready, "first_token_wall": first_token, "import_done_wall": t_import, **marks,
@@ -99,7 +108,7 @@ def start(opts: dict, scratch: Path, run: str, machine: Optional[str] = None) ->
         env.pop("TRITON_CACHE_DIR")
     env.pop("KILN_CACHE_READ_ONLY", None)
     t0 = time.time()
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(opts)],
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps({**opts, "run": run})],
                           env=env, capture_output=True, text=True, cwd=REPO)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -228,6 +237,8 @@ def main() -> None:
                         help="also time a warm start that keeps the cold start's Triton and Inductor caches "
                              "(a restart on the same machine; the plain warm start is a fresh machine)")
     parser.add_argument("--no-save", action="store_true", help="print only; write no results files")
+    parser.add_argument("--sample-stacks", default=None, metavar="DIR",
+                        help="sample each start's main-thread stack; write the top functions to DIR/stacks-<run>.txt")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -249,7 +260,8 @@ def main() -> None:
         ensure_converted(args.model, source)
     try:
         opts = {"model": args.model, "cudagraph": args.cudagraph, "device": args.device, "mode": args.mode,
-                "max_model_len": args.max_model_len, "cache_dir": str(prepared_cache_dir(scratch, source))}
+                "max_model_len": args.max_model_len, "cache_dir": str(prepared_cache_dir(scratch, source)),
+                "sample_dir": args.sample_stacks}
         if checkpoint is not None:
             drop_page_cache(checkpoint)
         cold = start(opts, scratch, "cold")
@@ -269,7 +281,7 @@ def report(args, cold: dict, warm: dict, restart: Optional[dict] = None) -> None
     header = ["start", "ttft_s", "process_to_ready_s", "import_s", "interpreter_s", "torch_import_s", "cuda_init_s",
               "kiln_import_s", *PHASES, "first_token_s"]
     starts = [("cold", cold), ("warm", warm)] + ([("restart", restart)] if restart else [])
-    rows = [[name, *(round(r[k], 2) for k in header[1:])] for name, r in starts]
+    rows = [[name, *(round(r.get(k, 0.0), 2) for k in header[1:])] for name, r in starts]
     ratio = warm["ttft_s"] / cold["ttft_s"]
     print(console_table(header, rows))
     print(f"warm / cold time to first token: {ratio:.2f}")
@@ -277,7 +289,7 @@ def report(args, cold: dict, warm: dict, restart: Optional[dict] = None) -> None
         return
     records = []
     for name, r in starts:
-        metrics = {k: round(r[k], 3) for k in header[1:]}
+        metrics = {k: round(r.get(k, 0.0), 3) for k in header[1:]}
         metrics["warm_over_cold_ttft"] = round(ratio, 3)
         model = f"checkpoint:{args.checkpoint}" if args.checkpoint else args.model
         config = {"system": f"{name}-{model.replace(':', '_')}", "start": name, "model": model,

@@ -94,6 +94,35 @@ def test_background_load_is_synchronous_off_the_gpu(tmp_path):
                         background=True)
     assert loaded.filling is None and loaded.wait_for_weights() == 0.0
     assert all(torch.isfinite(p).all() for p in loaded.model.parameters())
+    tokenizer = loaded.wait_for_tokenizer()  # built on a thread meanwhile
+    assert loaded.tokenizing is None and tokenizer.decode(tokenizer.encode("Hello world")) == "Hello world"
+
+
+def test_tokenizer_is_the_one_auto_tokenizer_builds(tmp_path):
+    import json
+
+    from transformers import AutoTokenizer
+
+    from kiln.models.loader import _generic_fast_tokenizer, _load_tokenizer
+
+    ckpt = _checkpoint(tmp_path)
+    assert _generic_fast_tokenizer(str(ckpt))
+    ours, auto = _load_tokenizer(str(ckpt)), AutoTokenizer.from_pretrained(str(ckpt))
+    assert type(ours) is type(auto) and len(ours) == len(auto)
+    assert (ours.bos_token_id, ours.eos_token_id) == (auto.bos_token_id, auto.eos_token_id)
+    text = "Hello <|im_start|> wörld, 12345\n\tdone"
+    ids = auto.encode(text)
+    assert ours.encode(text) == ids and ours.decode(ids) == auto.decode(ids)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert ours.apply_chat_template(messages, tokenize=False) == auto.apply_chat_template(messages, tokenize=False)
+    # Another class, or a model type whose tokenizer AutoTokenizer may swap: AutoTokenizer decides.
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizer"}))
+    assert not _generic_fast_tokenizer(str(ckpt))
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
+    model_config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**model_config, "model_type": "qwen2"}))
+    assert not _generic_fast_tokenizer(str(ckpt))
 
 
 @pytest.mark.gpu

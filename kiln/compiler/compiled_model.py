@@ -211,6 +211,7 @@ class CompiledModel:
                 probes.append(pieces)
                 pieces.release()  # takes its wrappers out of the forward; its graphs live on in `probes`
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # only the graphs' memory counts, not the warm-up's cached blocks
             free.append(torch.cuda.mem_get_info()[0])
         del probes, pool
         full = pieces = None

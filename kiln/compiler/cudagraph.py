@@ -18,16 +18,19 @@ Rules kept here: captures happen at start-up, never while serving; all graphs sh
 pool and are captured from the largest size down, so smaller graphs reuse the larger one's
 blocks; capture runs inside the attention kernel's ``graph_capture(max_model_len)`` context (for
 the Triton decode kernel: split counts that do not depend on the capture batch's context lengths).
-Padding only ever reads and writes the null block.
+Padding only ever reads and writes the null block. Graphs are recorded with ``graph_capture``
+(``torch.cuda.graph`` without its per-graph device sync and cache flush); capture loops synchronize
+before rewriting host buffers and flush the allocator's cache once at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 
@@ -70,6 +73,32 @@ def piecewise_capture_sizes(capture_sizes: tuple[int, ...], modes: set[GraphMode
         return tuple(capture_sizes)
     keep = {s for s in capture_sizes if s <= 8 or (s <= 128 and s & (s - 1) == 0) or s % 64 == 0}
     return tuple(sorted(keep | {max(capture_sizes)}))
+
+
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, pool: tuple) -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool=pool)`` without what that does on entry: a device-wide
+    ``synchronize()`` and ``empty_cache()``. kiln captures hundreds of graphs at start-up (a graph per
+    piece per size), and between two piece captures the GPU still runs the previous piece's replay
+    (up to milliseconds at thousands of tokens): waiting for it each time left the GPU and the host
+    taking turns. Capture only records, so it needs no finished work; what it records runs on the
+    current stream after everything already there. Callers synchronize before rewriting host
+    buffers an earlier upload may still read, and empty the allocator's cache once captures end."""
+    device = torch.cuda.current_device()
+    stream = _CAPTURE_STREAMS.get(device)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            yield
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
 
 
 def weak_ref(t: Any) -> Any:
@@ -161,13 +190,14 @@ class FullCUDAGraphs:
             meta = buf.metadata(size * q, size, size if q == 1 else 0, [q] * size, [q] * size)
             with scope(ForwardContext(attn=meta, kv_caches=kv_caches)):
                 self._run(size)  # warm-up: Triton JIT, cuBLAS handles, lazy allocations
-                torch.cuda.synchronize()
+                torch.cuda.synchronize()  # the next size rewrites the host buffers this one uploaded
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with graph_capture(graph, pool):
                     out = self._run(size)
             self._graphs[size] = (graph, weak_refs(out))
             del out
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the warm-ups' blocks, outside the graph pool
         self.capture_seconds = time.perf_counter() - t0
         self.memory_bytes = free_before - torch.cuda.mem_get_info()[0]
         if log:

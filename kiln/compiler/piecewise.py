@@ -44,7 +44,7 @@ from typing import Any, Callable, ContextManager, Iterator, Optional
 import torch
 
 from kiln.compiler.capture import KilnForward
-from kiln.compiler.cudagraph import format_sizes, weak_refs
+from kiln.compiler.cudagraph import format_sizes, graph_capture, weak_refs
 from kiln.compiler.inputs import InputBuffers, next_capture_size
 from kiln.compiler.piece import CompiledPiece
 from kiln.forward_context import ForwardContext
@@ -58,9 +58,8 @@ GraphRecorder = Callable[[Callable[[], Any]], tuple[Callable[[], None], Any]]
 
 def cuda_graph_recorder(pool: tuple) -> GraphRecorder:
     def record(run: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
-        torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with graph_capture(graph, pool):  # no device sync: the earlier pieces' replays run meanwhile
             outputs = run()
         graph.replay()  # capturing runs nothing: fill the outputs the rest of the capture pass reads
         return graph.replay, outputs
@@ -204,6 +203,8 @@ class PiecewiseCUDAGraphs:
         t0 = time.perf_counter()
         buf = self.buffers
         for size in reversed(self.sizes):
+            if is_cuda:
+                torch.cuda.synchronize()  # the last size's uploads have read the host buffers rewritten here
             buf.qsl_np[0] = 0
             buf.fill_null_requests(0, 0, 1)
             buf.pad_tokens(1, size)
@@ -218,6 +219,7 @@ class PiecewiseCUDAGraphs:
             self.captured_sizes.add(size)
         if is_cuda:
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # blocks of the eager attention calls, outside the graph pool
             self.memory_bytes = free_before - torch.cuda.mem_get_info()[0]
         self.capture_seconds = time.perf_counter() - t0
         if log:

@@ -171,6 +171,33 @@ def write_forward(entry_dir: Path, saved: SavedForward) -> None:
     (entry_dir / PLAN).write_text(json.dumps(plan, indent=1))
 
 
+def prefetch_source_keys() -> None:
+    """Start hashing torch's and Triton's source trees on a thread. Loading an Inductor artifact
+    checks it against ``torch_key()`` (a hash of every file under torch) and kernels are looked up
+    under ``triton_key()``: seconds of file reads and hashing at the first load of a process, off
+    the GIL for the most part, so they can run while the weights load. Both are cached per process;
+    torch >= 2.12 prefetches on its own executor, older versions on a thread of ours."""
+    import threading
+
+    from torch._inductor import codecache
+
+    keys = [codecache.torch_key, getattr(codecache, "triton_key", None)]
+    keys = [key for key in keys if key is not None]
+    if all(hasattr(key, "prefetch") for key in keys):
+        for key in keys:
+            key.prefetch()
+        return
+
+    def compute() -> None:
+        for key in keys:
+            try:
+                key()
+            except Exception:  # the load computes it again, and reports what went wrong there
+                return
+
+    threading.Thread(target=compute, name="kiln-source-keys", daemon=True).start()
+
+
 def _unwrap_single(fn: Callable[..., Any]) -> Callable[..., Any]:
     # A loaded build returns a list of outputs; the fresh build of a piece whose graph returns one
     # value returned that value (Inductor unwraps it outside the cached part), and the split graph

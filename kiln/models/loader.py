@@ -55,13 +55,21 @@ RANDOM_INIT_STD = 0.02
 class LoadedModel:
     model: LlamaForCausalLM | HFGenericForCausalLM  # HFGenericForCausalLM: model.impl=transformers
     arch: ArchConfig  # a GenericArch (the fields the runtime reads) on the generic path
-    tokenizer: Any  # a transformers tokenizer
+    tokenizer: Any  # a transformers tokenizer; None while ``tokenizing`` still builds it
     name: str
     hf_dir: Optional[str]  # None for random weights
     max_model_len: int
     filling: Optional["WeightFill"] = None  # weights still being read (load_model(background=True))
     # The checkpoint's FP8 KV cache scales, {layer: [k_scale, v_scale]}; complete once the weights are.
     kv_scales: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    tokenizing: Optional["Background"] = None  # the tokenizer still being built (load_model(background=True))
+
+    def wait_for_tokenizer(self) -> Any:
+        """The tokenizer, once built (re-raising what went wrong while building it)."""
+        if self.tokenizing is not None:
+            self.tokenizer = self.tokenizing.wait()
+            self.tokenizing = None
+        return self.tokenizer
 
     def wait_for_weights(self) -> float:
         """Block until every weight is in place (re-raising what went wrong while reading them);
@@ -71,6 +79,33 @@ class LoadedModel:
         seconds = self.filling.wait()
         self.filling = None
         return seconds
+
+
+class Background:
+    """``fn()`` on a thread of its own; ``wait()`` returns its result or re-raises its error.
+
+    The tokenizer is built this way on a start from a checkpoint: importing transformers takes
+    seconds (more where it pulls in scikit-learn), and it overlaps the weight read, the compile
+    cache load and CUDA-graph capture, which wait on the disk and the GPU part of the time."""
+
+    def __init__(self, fn: Callable[[], Any], name: str) -> None:
+        self._result: Any = None
+        self._error: Optional[BaseException] = None
+
+        def run() -> None:
+            try:
+                self._result = fn()
+            except BaseException as e:  # re-raised by wait(), on the caller's thread
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
+
+    def wait(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 class WeightFill:
@@ -144,7 +179,8 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     ``background``: where the weights only fill tensors already allocated (a checkpoint of kiln's
     own model family on CUDA, not quantized at load), return while a thread still reads them
     (``LoadedModel.filling``); the caller compiles meanwhile and calls ``wait_for_weights`` before
-    the first forward."""
+    the first forward. Also with ``background``, the tokenizer of a checkpoint directory is built
+    on a thread (``LoadedModel.tokenizing``); ``wait_for_tokenizer`` hands it over."""
     kernels = kernels or select_kernels(torch.device(device).type)
     spec = model_config.model
     gguf_path = None
@@ -175,7 +211,12 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     arch = ArchConfig.from_hf_config(hf_config)
     arch = dataclasses.replace(arch, eos_token_id=stop_token_ids(hf_dir, arch))
     max_model_len = _max_model_len(model_config, arch)
-    tokenizer = _load_tokenizer(hf_dir)
+    tokenizing = None
+    if background:
+        _check_tokenizer_files(hf_dir)
+        tokenizing, tokenizer = Background(lambda: _load_tokenizer(hf_dir), "kiln-load-tokenizer"), None
+    else:
+        tokenizer = _load_tokenizer(hf_dir)
     model = build_empty_model(arch, device, dtype, tp)
     scheme = resolve_quantization(model_config.quantization, hf_dir, gguf_path)
     kv_scales: dict[int, list[float]] = {}
@@ -192,11 +233,11 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
         model.quantization = "none"
         return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len,
                            WeightFill(lambda: model.load_weights(weights), next(model.parameters()).device),
-                           kv_scales=kv_scales)
+                           kv_scales=kv_scales, tokenizing=tokenizing)
     model.load_weights(weights)
     apply_quantization(model, scheme, kernels, gguf_path if tp.size == 1 else None, int4_projections)
     _prepare_decode(model, device)
-    return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len, kv_scales=kv_scales)
+    return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len, kv_scales=kv_scales, tokenizing=tokenizing)
 
 
 def _prepare_decode(model, device) -> None:
@@ -360,11 +401,44 @@ def _tokenizer_dir(cache_dir: str) -> str:
     return convert_gguf_tokenizer(path, cache_dir, TOKENIZER_DONOR)
 
 
-def _load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
+def _check_tokenizer_files(path: str) -> None:
     if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise ValueError(f"{path!r} has no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
+
+
+# tokenizer_config.json classes that are transformers' generic fast tokenizer over tokenizer.json, and
+# the model types (None: no config.json) for which AutoTokenizer picks that class as named.
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+_GENERIC_TOKENIZER_MODEL_TYPES = (None, "llama")
+
+
+def _generic_fast_tokenizer(path: str) -> bool:
+    """Whether ``AutoTokenizer.from_pretrained(path)`` would build transformers' generic fast
+    tokenizer from tokenizer.json (the class tokenizer_config.json names, no custom code)."""
+    def read(name: str) -> Optional[dict]:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return None
+        with open(file) as f:
+            return json.load(f)
+
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return False
+    tokenizer_config, config = read("tokenizer_config.json") or {}, read("config.json") or {}
+    return (tokenizer_config.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES and "auto_map" not in tokenizer_config
+            and config.get("model_type") in _GENERIC_TOKENIZER_MODEL_TYPES and "auto_map" not in config)
+
+
+def _load_tokenizer(path: str) -> Any:
+    _check_tokenizer_files(path)
+    if _generic_fast_tokenizer(path):
+        # The class AutoTokenizer would pick, without importing AutoTokenizer: that imports every model
+        # family's modeling code (and scikit-learn where it is installed), seconds of a start-up.
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path)
 
 

@@ -17,6 +17,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.library import define_op
+
 SiluAndMulImpl = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -32,14 +34,11 @@ def define_silu_and_mul_op(qualname: str, impl: SiluAndMulImpl):
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return impl(x)
 
-    op = torch.library.custom_op(qualname, silu_and_mul, mutates_args=())
-
-    @op.register_fake
-    def _(x):
+    def fake(x):
         d = x.shape[-1] // 2
         return x.new_empty((*x.shape[:-1], d))
 
-    return op
+    return define_op(qualname, silu_and_mul, fake)
 
 
 # silu(x[..., :d]) * x[..., d:] with d = x.shape[-1] // 2.

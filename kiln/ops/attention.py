@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.forward_context import AttentionMetadata, get_forward_context
+from kiln.ops.library import define_op
 
 # impl(q, k, v, kv_cache, meta, scale, sliding_window=0, logit_softcap=0.0, *, kv_scale=None) -> out
 AttentionImpl = Callable[..., torch.Tensor]
@@ -188,9 +189,8 @@ def define_attention_op(qualname: str, impl: Optional[AttentionImpl]):
         return run(q, k, v, ctx.kv_caches[layer_idx], ctx.attn, scale,
                    sliding_window=sliding_window, logit_softcap=logit_softcap, kv_scale=kv_scale)
 
-    op = torch.library.custom_op(qualname, attend, mutates_args=())
-    op.register_fake(lambda q, k, v, layer_idx, scale, sliding_window=0, logit_softcap=0.0: torch.empty_like(q))
-    return op
+    return define_op(qualname, attend,
+                     lambda q, k, v, layer_idx, scale, sliding_window=0, logit_softcap=0.0: torch.empty_like(q))
 
 
 # Store k/v of the new tokens in layer ``layer_idx``'s cache and attend; returns [T, H, D].

@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 
 from kiln.ops import symm_mem_all_reduce
+from kiln.ops.library import define_op
 
 # torch >= 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-@torch.library.custom_op("kiln::all_reduce", mutates_args=())
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum of ``x`` over every rank of the default group; same shape and dtype as ``x``."""
     fast = symm_mem_all_reduce.active()  # parallel.all_reduce=symm_mem, set up by the worker
     if fast is not None and fast.accepts(x):
@@ -37,9 +37,11 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@all_reduce.register_fake
 def _all_reduce_fake(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
+
+
+all_reduce = define_op("kiln::all_reduce", _all_reduce, _all_reduce_fake)
 
 
 def all_reduce_reference(shards: list[torch.Tensor]) -> torch.Tensor:
@@ -47,8 +49,7 @@ def all_reduce_reference(shards: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(shards).sum(0).to(shards[0].dtype)
 
 
-@torch.library.custom_op("kiln::all_gather", mutates_args=())
-def all_gather(x: torch.Tensor) -> torch.Tensor:
+def _all_gather(x: torch.Tensor) -> torch.Tensor:
     """Every rank's ``x`` concatenated along the last dim in rank order: [..., n] -> [..., size * n]."""
     size = dist.get_world_size()
     flat = x.new_empty(size * x.numel())  # rank-major: every backend gathers along dim 0
@@ -57,9 +58,11 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
     return flat.view(size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], size * x.shape[-1])
 
 
-@all_gather.register_fake
 def _all_gather_fake(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], dist.get_world_size() * x.shape[-1]))
+
+
+all_gather = define_op("kiln::all_gather", _all_gather, _all_gather_fake)
 
 
 def all_gather_reference(shards: list[torch.Tensor]) -> torch.Tensor:

@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch
 
+from kiln.ops.library import define_op
+
 AddRMSNormImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -47,15 +49,12 @@ def define_add_rms_norm_op(qualname: str, impl: AddRMSNormImpl):
         normed, new_residual = impl(x, residual, weight, eps)
         return normed, new_residual
 
-    op = torch.library.custom_op(qualname, add_rms_norm, mutates_args=())
-
-    @op.register_fake
-    def _(x, residual, weight, eps):
+    def fake(x, residual, weight, eps):
         residual_dtype = torch.promote_types(x.dtype, residual.dtype)
         normed = x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, residual_dtype))
         return normed, x.new_empty(x.shape, dtype=residual_dtype)
 
-    return op
+    return define_op(qualname, add_rms_norm, fake)
 
 
 # Returns (weight * rms_norm(residual + x), residual + x).

@@ -32,6 +32,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.library import define_op
+
 FusedMoEImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 GENERIC_MOE_OP = "kiln::fused_moe"
 
@@ -81,13 +83,7 @@ def define_fused_moe_op(qualname: str, impl: FusedMoEImpl):
                   topk_ids: torch.Tensor) -> torch.Tensor:
         return impl(x, w13, w2, topk_weights, topk_ids)
 
-    op = torch.library.custom_op(qualname, fused_moe, mutates_args=())
-
-    @op.register_fake
-    def _(x, w13, w2, topk_weights, topk_ids):
-        return torch.empty_like(x)
-
-    return op
+    return define_op(qualname, fused_moe, lambda x, w13, w2, topk_weights, topk_ids: torch.empty_like(x))
 
 
 fused_moe = define_fused_moe_op(GENERIC_MOE_OP, fused_moe_reference)

@@ -28,6 +28,8 @@ from typing import Callable, Optional
 
 import torch
 
+from kiln.ops.library import define_op
+
 SCHEMES = ("int8", "int4", "fp8")
 INT4_GROUP_SIZE = 32  # GGUF's block size, and a multiple of torch's int4 kernel's tile
 FP8_MAX = 448.0  # the largest float8_e4m3fn
@@ -157,13 +159,10 @@ def define_linear_op(qualname: str, impl: LinearImpl, out_features: Callable[[to
     def linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
         return impl(x, w, scales, group_size)
 
-    op = torch.library.custom_op(qualname, linear, mutates_args=())
-
-    @op.register_fake
-    def _(x, w, scales, group_size):
+    def fake(x, w, scales, group_size):
         return x.new_empty((*x.shape[:-1], out_features(w, scales)))
 
-    return op
+    return define_op(qualname, linear, fake)
 
 
 def define_dequant_op(qualname: str, impl: DequantImpl, shape: Callable[[torch.Tensor, torch.Tensor, int], tuple]):
@@ -172,13 +171,10 @@ def define_dequant_op(qualname: str, impl: DequantImpl, shape: Callable[[torch.T
     def dequant(w: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
         return impl(w, scales, group_size, dtype)
 
-    op = torch.library.custom_op(qualname, dequant, mutates_args=())
-
-    @op.register_fake
-    def _(w, scales, group_size, dtype):
+    def fake(w, scales, group_size, dtype):
         return w.new_empty(shape(w, scales, group_size), dtype=dtype)
 
-    return op
+    return define_op(qualname, dequant, fake)
 
 
 def _rows(w: torch.Tensor, scales: torch.Tensor) -> int:
@@ -315,26 +311,21 @@ def define_fp8_fusion_ops(namespace: str, add_rms_norm_quant, silu_and_mul_quant
                             out_dtype: torch.dtype) -> torch.Tensor:
         return linear_prequant(xq, xs, w, scales, out_dtype)
 
-    norm_op = torch.library.custom_op(f"{namespace}::add_rms_norm_quant_fp8", add_rms_norm_quant_fp8, mutates_args=())
-    silu_op = torch.library.custom_op(f"{namespace}::silu_and_mul_quant_fp8", silu_and_mul_quant_fp8, mutates_args=())
-    gemm_op = torch.library.custom_op(f"{namespace}::linear_fp8_prequant", linear_fp8_prequant, mutates_args=())
-
-    @norm_op.register_fake
-    def _(x, residual, weight, eps):
+    def norm_fake(x, residual, weight, eps):
         rows = x.shape[0]
         return (x.new_empty(x.shape, dtype=FP8_DTYPE), x.new_empty((rows, 1), dtype=torch.float32),
                 x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype)))
 
-    @silu_op.register_fake
-    def _(x):
+    def silu_fake(x):
         d = x.shape[-1] // 2
         return x.new_empty((x.shape[0], d), dtype=FP8_DTYPE), x.new_empty((x.shape[0], 1), dtype=torch.float32)
 
-    @gemm_op.register_fake
-    def _(xq, xs, w, scales, out_dtype):
+    def gemm_fake(xq, xs, w, scales, out_dtype):
         return xq.new_empty((xq.shape[0], w.shape[0]), dtype=out_dtype)
 
-    return norm_op, silu_op, gemm_op
+    return (define_op(f"{namespace}::add_rms_norm_quant_fp8", add_rms_norm_quant_fp8, norm_fake),
+            define_op(f"{namespace}::silu_and_mul_quant_fp8", silu_and_mul_quant_fp8, silu_fake),
+            define_op(f"{namespace}::linear_fp8_prequant", linear_fp8_prequant, gemm_fake))
 
 
 add_rms_norm_quant_fp8, silu_and_mul_quant_fp8, linear_fp8_prequant = define_fp8_fusion_ops(
@@ -380,21 +371,15 @@ def define_fp8_fused_linear_ops(namespace: str, norm_linear, silu_linear) -> tup
                                 out_dtype: torch.dtype) -> torch.Tensor:
         return silu_linear(x, w, scales, out_dtype)
 
-    norm_op = torch.library.custom_op(f"{namespace}::add_rms_norm_linear_fp8", add_rms_norm_linear_fp8,
-                                      mutates_args=())
-    silu_op = torch.library.custom_op(f"{namespace}::silu_and_mul_linear_fp8", silu_and_mul_linear_fp8,
-                                      mutates_args=())
-
-    @norm_op.register_fake
-    def _(x, residual, weight, eps, w, scales, out_dtype):
+    def norm_fake(x, residual, weight, eps, w, scales, out_dtype):
         return (x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype),
                 x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype)))
 
-    @silu_op.register_fake
-    def _(x, w, scales, out_dtype):
+    def silu_fake(x, w, scales, out_dtype):
         return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)
 
-    return norm_op, silu_op
+    return (define_op(f"{namespace}::add_rms_norm_linear_fp8", add_rms_norm_linear_fp8, norm_fake),
+            define_op(f"{namespace}::silu_and_mul_linear_fp8", silu_and_mul_linear_fp8, silu_fake))
 
 
 add_rms_norm_linear_fp8, silu_and_mul_linear_fp8 = define_fp8_fused_linear_ops(
