@@ -439,9 +439,11 @@ MEASURED: dict[tuple[str, int, int, int], GemmConfig] = {
     ("fp8", 32, *_DOWN): GemmConfig(32, 64, 128, 8),
     # the word-wise GEMV at one row (its loads unpipelined), the tensor-core tile at 2-16
     ("int4", 1, *_QKV): GemmConfig(1, 16, 1024, 1, num_stages=1),
-    ("int4", 1, *_O): GemmConfig(1, 16, 2048, 1, num_warps=8, num_stages=1),
+    # o and down: 8 x 2048 tiles without split-K (benchmarks/int4_gemv_split.py, with PDL): down's
+    # split-K took a zero fill and a cast a call besides the GEMV, 20.9 us in all against 18.4
+    ("int4", 1, *_O): GemmConfig(1, 8, 2048, 1, num_warps=4, num_stages=1),
     ("int4", 1, *_GATE_UP): GemmConfig(1, 16, 1024, 1, num_stages=1),
-    ("int4", 1, *_DOWN): GemmConfig(1, 16, 1024, 4, num_stages=1),
+    ("int4", 1, *_DOWN): GemmConfig(1, 8, 2048, 1, num_warps=4, num_stages=1),
     ("int4", 16, *_QKV): GemmConfig(16, 64, 256, 4),
     ("int4", 16, *_O): GemmConfig(16, 64, 256, 4),
     ("int4", 16, *_GATE_UP): GemmConfig(16, 64, 256, 2),
