@@ -16,7 +16,7 @@ what it was), and ``gdc_launch_dependents`` only says the next kernel's blocks m
 (they still wait for this kernel to finish). In a kernel: ``if USE_PDL: tl.extra.cuda.gdc_wait()``
 first, ``tl.extra.cuda.gdc_launch_dependents()`` once the bulk of its work is issued. Kernels take ``USE_PDL`` as a constexpr: off, they
 compile to what they were; off on the CPU, in Triton's interpreter and before SM90. ``KILN_PDL=0``
-turns it off (to measure it).
+turns it off, ``KILN_PDL=gemm`` keeps it for the weight-only GEMVs alone (to measure each part).
 """
 
 from __future__ import annotations
@@ -32,14 +32,18 @@ def _sm_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-def use_pdl(t: torch.Tensor) -> bool:
-    """Whether kernels on ``t``'s device launch with PDL."""
-    if not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("KILN_PDL") == "0":
+def use_pdl(t: torch.Tensor, kind: str = "other") -> bool:
+    """Whether a kernel of ``kind`` ("gemm": the weight-only GEMVs; "other") on ``t``'s device
+    launches with PDL."""
+    setting = os.environ.get("KILN_PDL", "1")
+    if not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" or setting == "0":
+        return False
+    if setting == "gemm" and kind != "gemm":
         return False
     return _sm_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9
 
 
-def pdl_args(t: torch.Tensor) -> dict:
+def pdl_args(t: torch.Tensor, kind: str = "other") -> dict:
     """Launch keywords of a kernel taking ``USE_PDL``: the flag and, when on, ``launch_pdl``."""
-    return dict(USE_PDL=True, launch_pdl=True) if use_pdl(t) else dict(USE_PDL=False)
+    return dict(USE_PDL=True, launch_pdl=True) if use_pdl(t, kind) else dict(USE_PDL=False)
 

@@ -438,11 +438,12 @@ MEASURED: dict[tuple[str, int, int, int], GemmConfig] = {
     ("fp8", 32, *_GATE_UP): GemmConfig(32, 64, 128, 1),
     ("fp8", 32, *_DOWN): GemmConfig(32, 64, 128, 8),
     # the word-wise GEMV at one row (its loads unpipelined), the tensor-core tile at 2-16
-    ("int4", 1, *_QKV): GemmConfig(1, 16, 1024, 1, num_stages=1),
-    # o and down: 8 x 2048 tiles without split-K (benchmarks/int4_gemv_split.py, with PDL): down's
-    # split-K took a zero fill and a cast a call besides the GEMV, 20.9 us in all against 18.4
+    # 8-row tiles, no split-K (benchmarks/int4_gemv_split.py, with PDL; H100, us before -> after):
+    # qkv 9.99 -> 8.47, o 7.15 -> 6.99, gate_up 32.0 -> 29.6, down 20.9 -> 18.4 (its split-K took a
+    # zero fill and a cast a call besides the GEMV)
+    ("int4", 1, *_QKV): GemmConfig(1, 8, 2048, 1, num_warps=4, num_stages=1),
     ("int4", 1, *_O): GemmConfig(1, 8, 2048, 1, num_warps=4, num_stages=1),
-    ("int4", 1, *_GATE_UP): GemmConfig(1, 16, 1024, 1, num_stages=1),
+    ("int4", 1, *_GATE_UP): GemmConfig(1, 8, 1024, 1, num_warps=2, num_stages=1),
     ("int4", 1, *_DOWN): GemmConfig(1, 8, 2048, 1, num_warps=4, num_stages=1),
     ("int4", 16, *_QKV): GemmConfig(16, 64, 256, 4),
     ("int4", 16, *_O): GemmConfig(16, 64, 256, 4),
@@ -553,7 +554,7 @@ def triton_linear(scheme: str, x: torch.Tensor, w: torch.Tensor, scales: torch.T
                                     USE_ASM=os.environ.get("TRITON_INTERPRET") != "1",
                                     EXACT=x2.dtype not in (torch.bfloat16, torch.float16), STAGES=cfg.num_stages,
                                     BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-                                    num_stages=cfg.num_stages, **pdl_args(x2))
+                                    num_stages=cfg.num_stages, **pdl_args(x2, "gemm"))
         elif cfg.block_m >= 16 and _int4_words_fit(w, k, group_size):
             # the uint8 [N, K/2] weight read as int32 words [N, K/8]
             use_asm = not flags["DOT_F32"] and x2.dtype == torch.bfloat16 and scales.dtype == torch.bfloat16
@@ -566,5 +567,5 @@ def triton_linear(scheme: str, x: torch.Tensor, w: torch.Tensor, scales: torch.T
         xs = x_scales if x_scales is not None else scales  # unused when not X_SCALED
         _channel_kernel[grid](x2, w, scales, xs, y, m, n, k, k_split, x2.stride(0), w.stride(0), y.stride(0),
                               X_SCALED=x_scales is not None, STAGES=cfg.num_stages, **flags,
-                              **(pdl_args(x2) if cfg.block_m == 1 else {}))
+                              **(pdl_args(x2, "gemm") if cfg.block_m == 1 else {}))
     return y.to(out_dtype).reshape(*x.shape[:-1], n)
