@@ -32,7 +32,7 @@ from quant_gpu import profile_decode, profile_table  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--systems", default="llama3-8b:none,llama3-8b:int4,qwen2.5-0.5b:none",
-                   help="comma-separated preset:quantization")
+                   help="comma-separated preset:quantization[@KILN_PDL value]")
     p.add_argument("--label", default="kiln", help="names this tree's rows and files")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -49,9 +49,24 @@ def sync() -> None:
 
 
 def run_system(system: str, args, bandwidth: float) -> tuple[dict, str]:
+    """``system``: preset:quantization, optionally @<KILN_PDL> (kiln.ops.pdl; read when graphs are captured)."""
+    import os
+
+    system_name, _, pdl = system.partition("@")
+    saved = os.environ.get("KILN_PDL")
+    if pdl:
+        os.environ["KILN_PDL"] = pdl
+    try:
+        return _run_system(system_name, args, bandwidth, system)
+    finally:
+        if pdl:
+            os.environ.pop("KILN_PDL") if saved is None else os.environ.__setitem__("KILN_PDL", saved)
+
+
+def _run_system(system_name: str, args, bandwidth: float, system: str) -> tuple[dict, str]:
     from kiln import LLM, SamplingParams
 
-    preset, _, quantization = system.partition(":")
+    preset, _, quantization = system_name.partition(":")
     t0 = time.perf_counter()
     llm = LLM(model={"model": f"random:{preset}", "dtype": "bfloat16", "quantization": quantization or "none",
                      "max_model_len": args.max_model_len},
