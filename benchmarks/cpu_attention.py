@@ -3,6 +3,7 @@
     python benchmarks/cpu_attention.py                  # float32 and bfloat16, torch's thread count
     python benchmarks/cpu_attention.py --threads 1 --check
     python benchmarks/cpu_attention.py --dtypes float32
+    python benchmarks/cpu_attention.py --fp8-cache      # also each dtype over an FP8 (e4m3) cache
 
 Shapes are SmolLM2-135M's (9 query heads, 3 kv heads, head_dim 64, block size 16): decode batch
 1 and 32 at context 160 and 1024, a fresh 128-token prefill, and a 128-token chunk after a
@@ -56,15 +57,19 @@ def median_ms(fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def bench_case(name: str, decodes, prefills, dtype: torch.dtype, reps: int) -> dict:
+def bench_case(name: str, decodes, prefills, dtype: torch.dtype, reps: int, fp8_cache: bool = False) -> dict:
     spec = ca.PagedBatchSpec(decode_seq_lens=decodes, prefill_chunks=prefills, num_heads=H, num_kv_heads=KVH,
                              head_dim=D, block_size=BLOCK_SIZE, dtype=dtype)
     b = ca.random_paged_batch(spec, seed=0)
+    s = torch.tensor([0.5, 0.25]) if fp8_cache else None  # FP8 cache: k_scale, v_scale
+    if fp8_cache:
+        b.kv_cache = b.kv_cache.to(torch.float8_e4m3fn)
     scale = D**-0.5
     kv_bytes = sum(b.meta.seq_lens_cpu) * KVH * D * 2 * b.kv_cache.element_size()
-    kernel_ms = median_ms(lambda: ca.cpu_attend_paged(b.q, b.k, b.v, b.kv_cache, b.meta, scale), reps)
-    torch_ms = median_ms(lambda: attend_paged_reference(b.q, b.k, b.v, b.kv_cache, b.meta, scale), reps)
-    return dict(case=name, dtype=str(dtype).removeprefix("torch."), num_tokens=b.q.shape[0], kv_bytes=kv_bytes,
+    kernel_ms = median_ms(lambda: ca.cpu_attend_paged(b.q, b.k, b.v, b.kv_cache, b.meta, scale, kv_scale=s), reps)
+    torch_ms = median_ms(lambda: attend_paged_reference(b.q, b.k, b.v, b.kv_cache, b.meta, scale, kv_scale=s), reps)
+    return dict(case=name, dtype=str(dtype).removeprefix("torch.") + ("/fp8 cache" if fp8_cache else ""),
+                num_tokens=b.q.shape[0], kv_bytes=kv_bytes,
                 kernel_ms=kernel_ms, torch_ms=torch_ms, speedup=torch_ms / kernel_ms,
                 kv_gbps=kv_bytes / kernel_ms / 1e6)
 
@@ -75,6 +80,7 @@ def main() -> int:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--check", action="store_true", help="check every case against the reference first")
+    parser.add_argument("--fp8-cache", action="store_true", help="also time each dtype over an FP8 cache")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
     if not ca.load_extension():
@@ -91,8 +97,9 @@ def main() -> int:
                                          num_kv_heads=KVH, head_dim=D, block_size=BLOCK_SIZE, dtype=dtype)
                 err = ca.check_against_reference(ca.random_paged_batch(spec, seed=i))
                 print(f"check ok  {name:<20} {str(dtype):<15} max abs err {err:.2e}", flush=True)
-    rows = [bench_case(name, decodes, prefills, dtype, args.reps)
-            for dtype in dtypes for name, (decodes, prefills) in CASES.items()]
+    rows = [bench_case(name, decodes, prefills, dtype, args.reps, fp8)
+            for dtype in dtypes for fp8 in ((False, True) if args.fp8_cache else (False,))
+            for name, (decodes, prefills) in CASES.items()]
     # The load average says how much of the machine others were using while this ran.
     result = dict(device=device_name(), torch=torch.__version__, threads=torch.get_num_threads(),
                   load_avg_1min=os.getloadavg()[0],

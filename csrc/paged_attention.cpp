@@ -6,6 +6,9 @@
 // context position seq_len - q_len + j and sees keys 0 .. that position; with a sliding window W > 0
 // only keys p - W < j <= p (W keys, its own included, as transformers defines the window). With a
 // logit soft-cap C > 0 the scaled scores s become C * tanh(s / C) before the softmax (Gemma 2).
+// An FP8 (float8_e4m3fn) cache under float32 or bfloat16 q/k/v holds clamp(x / scale, +-448) with
+// per-tensor scales kv_scale = (k_scale, v_scale) (1 when not given); rows are dequantized on load
+// (fp8_row_to_float), k_scale is folded into q's pre-scale and v_scale into the output.
 // Python side (fake impl, the kiln_cpu::attend_paged op, the correctness check):
 // kiln/ops/cpu_attention.py; tests: tests/test_cpu_attention.py; timing: benchmarks/cpu_attention.py.
 //
@@ -46,6 +49,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include "vec.h"
@@ -90,8 +94,11 @@ struct Problem {
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
   int num_heads, num_kv_heads, group, head_dim, block_size;
-  int64_t elt;  // bytes per element of q/k/v/cache/out
+  int64_t elt;  // bytes per element of q/k/v/out
   bool bf16;
+  int64_t c_elt;  // bytes per element of the cache: elt, or 1 for FP8
+  bool c_fp8;     // the cache is float8_e4m3fn (else q's dtype)
+  float k_scale, v_scale;  // FP8 cache: cached value * scale = real value
   float scale_log2;  // softmax scale times log2(e): scores are in base 2
   float q_scale;     // what q is pre-scaled by: scale_log2, or scale when soft-capping
   int64_t window;    // sliding window in keys, 0 for none
@@ -128,7 +135,7 @@ struct Scratch {
 KILN_INLINE void tile_offsets(const Problem& p, const int32_t* table, int64_t n0, int count, int64_t* offsets) {
   for (int n = 0; n < count; ++n) {
     const int64_t key = n0 + n;
-    offsets[n] = (int64_t(table[key / p.block_size]) * p.c_block + (key % p.block_size) * p.c_slot) * p.elt;
+    offsets[n] = (int64_t(table[key / p.block_size]) * p.c_block + (key % p.block_size) * p.c_slot) * p.c_elt;
   }
 }
 
@@ -136,13 +143,17 @@ KILN_INLINE void tile_offsets(const Problem& p, const int32_t* table, int64_t n0
 // converted into `buf`.
 KILN_INLINE void tile_rows(const Problem& p, const char* cache, const int64_t* offsets, int count, int padded_dim,
                            float* buf, const float** rows) {
-  const bool in_place = !p.bf16 && p.head_dim == padded_dim;
+  const bool in_place = !p.bf16 && !p.c_fp8 && p.head_dim == padded_dim;
   for (int n = 0; n < count; ++n) {
     const char* src = cache + offsets[n];
     if (in_place) {
       rows[n] = reinterpret_cast<const float*>(src);
     } else {
-      row_to_float(src, p.bf16, buf + size_t(n) * padded_dim, p.head_dim);
+      if (p.c_fp8) {
+        fp8_row_to_float(src, buf + size_t(n) * padded_dim, p.head_dim);
+      } else {
+        row_to_float(src, p.bf16, buf + size_t(n) * padded_dim, p.head_dim);
+      }
       rows[n] = buf + size_t(n) * padded_dim;
     }
   }
@@ -281,7 +292,7 @@ KILN_MULTIVERSION void attend_item(const Problem& p, const WorkItem& w, Scratch&
     // The item's kv heads one after another over the same slots: a slot's heads are adjacent in
     // the cache, so the tile reads whole runs of memory, not one head's rows out of each.
     for (int g = 0; g < w.num_kv_heads; ++g) {
-      const int64_t head_bytes = int64_t(w.kv_head_begin + g) * p.c_head * p.elt;
+      const int64_t head_bytes = int64_t(w.kv_head_begin + g) * p.c_head * p.c_elt;
       tile_rows(p, p.k_cache + head_bytes, offsets, count, P, s.k_rows.data(), s.k_ptr);
       tile_rows(p, p.v_cache + head_bytes, offsets, count, P, s.v_rows.data(), s.v_ptr);
       // Rows are in token order, so the rows that see any key of this tile are a suffix.
@@ -301,7 +312,18 @@ KILN_MULTIVERSION void attend_item(const Problem& p, const WorkItem& w, Scratch&
     const int i = m % rows_per_kv_head;
     const int64_t tok = q_start + w.tok_begin + i / nh;
     const int64_t head = int64_t(w.kv_head_begin + m / rows_per_kv_head) * p.group + w.head_begin + i % nh;
-    store_out_row(p, s.acc.data() + size_t(m) * P, 1.f / s.row_sum[m], p.out + (tok * p.num_heads + head) * D * p.elt);
+    store_out_row(p, s.acc.data() + size_t(m) * P, p.v_scale / s.row_sum[m], p.out + (tok * p.num_heads + head) * D * p.elt);
+  }
+}
+
+// One row to FP8 as the reference does it: x / scale in float32 (IEEE division), clamped to +-448,
+// rounded to nearest even by c10's conversion (torch's own).
+void store_fp8_row(const Problem& p, const char* src, float scale, char* dst) {
+  float row[512];  // head_dim <= 512, checked on the host
+  row_to_float(src, p.bf16, row, p.head_dim);
+  auto* out = reinterpret_cast<c10::Float8_e4m3fn*>(dst);
+  for (int d = 0; d < p.head_dim; ++d) {
+    out[d] = c10::Float8_e4m3fn(std::min(std::max(row[d] / scale, -448.f), 448.f));
   }
 }
 
@@ -311,9 +333,16 @@ void store_token(const Problem& p, int64_t t) {
   const int64_t block = slot / p.block_size, offset = slot % p.block_size;
   const size_t row_bytes = size_t(p.head_dim) * p.elt;
   for (int h = 0; h < p.num_kv_heads; ++h) {
-    const int64_t dst = (block * p.c_block + offset * p.c_slot + h * p.c_head) * p.elt;
-    std::memcpy(p.k_cache + dst, p.k + (t * p.k_tok + h * p.k_head) * p.elt, row_bytes);
-    std::memcpy(p.v_cache + dst, p.v + (t * p.v_tok + h * p.v_head) * p.elt, row_bytes);
+    const int64_t dst = (block * p.c_block + offset * p.c_slot + h * p.c_head) * p.c_elt;
+    const char* k = p.k + (t * p.k_tok + h * p.k_head) * p.elt;
+    const char* v = p.v + (t * p.v_tok + h * p.v_head) * p.elt;
+    if (p.c_fp8) {
+      store_fp8_row(p, k, p.k_scale, p.k_cache + dst);
+      store_fp8_row(p, v, p.v_scale, p.v_cache + dst);
+    } else {
+      std::memcpy(p.k_cache + dst, k, row_bytes);
+      std::memcpy(p.v_cache + dst, v, row_bytes);
+    }
   }
 }
 
@@ -390,17 +419,18 @@ void attend_paged_cpu_into(const at::Tensor& q_in, const at::Tensor& k_in, const
                            at::Tensor& kv_cache, const at::Tensor& slot_mapping_in,
                            const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
                            const at::Tensor& query_start_loc_in, double scale, int64_t sliding_window,
-                           double logit_softcap, at::Tensor& out) {
+                           double logit_softcap, const std::optional<at::Tensor>& kv_scale, at::Tensor& out) {
   TORCH_CHECK(q_in.dim() == 3 && k_in.dim() == 3 && v_in.dim() == 3, "q, k, v must be [num_tokens, heads, head_dim]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
               "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim]");
   TORCH_CHECK(kv_cache.stride(4) == 1, "kv_cache's last dim must be contiguous");
-  const auto dtype = kv_cache.scalar_type();
+  const auto dtype = q_in.scalar_type();
+  const bool cache_fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "attend_paged_cpu supports float32 and bfloat16, got ",
               dtype);
-  TORCH_CHECK(q_in.scalar_type() == dtype && k_in.scalar_type() == dtype && v_in.scalar_type() == dtype &&
-                  out.scalar_type() == dtype,
-              "q, k, v, kv_cache and out must have one dtype");
+  TORCH_CHECK(k_in.scalar_type() == dtype && v_in.scalar_type() == dtype && out.scalar_type() == dtype &&
+                  (cache_fp8 || kv_cache.scalar_type() == dtype),
+              "q, k, v and out must have one dtype, and kv_cache that dtype or float8_e4m3fn");
   const int64_t T = q_in.size(0), H = q_in.size(1), D = q_in.size(2);
   const int64_t KVH = kv_cache.size(3), BS = kv_cache.size(2), NB = kv_cache.size(1);
   TORCH_CHECK(kv_cache.size(4) == D && k_in.sizes() == v_in.sizes() && k_in.size(0) == T && k_in.size(1) == KVH &&
@@ -408,6 +438,14 @@ void attend_paged_cpu_into(const at::Tensor& q_in, const at::Tensor& k_in, const
               "shape mismatch between q, k, v and kv_cache");
   TORCH_CHECK(out.sizes() == q_in.sizes() && out.is_contiguous(), "out must be contiguous with q's shape");
   TORCH_CHECK(H % KVH == 0, "num_heads (", H, ") must be a multiple of num_kv_heads (", KVH, ")");
+  TORCH_CHECK(!cache_fp8 || D <= 512, "an FP8 cache needs head_dim <= 512");
+  float k_scale = 1.f, v_scale = 1.f;
+  if (kv_scale.has_value() && cache_fp8) {  // scales of a cache that is not FP8 are ignored
+    TORCH_CHECK(kv_scale->device().is_cpu() && kv_scale->numel() == 2, "kv_scale must be 2 values on the CPU");
+    const at::Tensor s = kv_scale->to(at::kFloat).contiguous();
+    k_scale = s.data_ptr<float>()[0], v_scale = s.data_ptr<float>()[1];
+    TORCH_CHECK(k_scale > 0.f && v_scale > 0.f, "kv_scale must be positive");
+  }
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q_in, &k_in, &v_in, &kv_cache, &slot_mapping_in,
                                                                       &block_tables_in, &seq_lens_in,
                                                                       &query_start_loc_in, &out}) {
@@ -432,6 +470,9 @@ void attend_paged_cpu_into(const at::Tensor& q_in, const at::Tensor& k_in, const
   p.v_tok = v.stride(0), p.v_head = v.stride(1);
   p.k_cache = static_cast<char*>(kv_cache.data_ptr());
   p.v_cache = p.k_cache + kv_cache.stride(0) * kv_cache.element_size();
+  p.c_elt = kv_cache.element_size();
+  p.c_fp8 = cache_fp8;
+  p.k_scale = k_scale, p.v_scale = v_scale;
   p.c_block = kv_cache.stride(1), p.c_slot = kv_cache.stride(2), p.c_head = kv_cache.stride(3);
   p.out = static_cast<char*>(out.data_ptr());
   p.slot_mapping = slot_mapping.data_ptr<int64_t>();
@@ -440,13 +481,13 @@ void attend_paged_cpu_into(const at::Tensor& q_in, const at::Tensor& k_in, const
   p.seq_lens = seq_lens.data_ptr<int32_t>();
   p.query_start_loc = query_start_loc.data_ptr<int32_t>();
   p.num_heads = int(H), p.num_kv_heads = int(KVH), p.group = int(H / KVH), p.head_dim = int(D), p.block_size = int(BS);
-  p.elt = kv_cache.element_size();
+  p.elt = q.element_size();
   p.bf16 = dtype == at::kBFloat16;
   TORCH_CHECK(sliding_window >= 0 && logit_softcap >= 0, "sliding_window and logit_softcap must be >= 0 (0: off)");
   p.scale_log2 = float(scale) * kLog2E;
   p.window = sliding_window;
   p.softcap = float(logit_softcap);
-  p.q_scale = p.softcap > 0.f ? float(scale) : p.scale_log2;
+  p.q_scale = (p.softcap > 0.f ? float(scale) : p.scale_log2) * p.k_scale;
   check_metadata(p, T, num_reqs, NB, block_tables.size(1));
 
   // Rows past query_start_loc[-1] (padding) belong to no request: zeros, not garbage.
@@ -471,19 +512,20 @@ void attend_paged_cpu_into(const at::Tensor& q_in, const at::Tensor& k_in, const
 at::Tensor attend_paged_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
                             const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
-                            double logit_softcap) {
+                            double logit_softcap, const std::optional<at::Tensor>& kv_scale) {
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   attend_paged_cpu_into(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-                        sliding_window, logit_softcap, out);
+                        sliding_window, logit_softcap, kv_scale, out);
   return out;
 }
 
 at::Tensor& attend_paged_cpu_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
                                  const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                                 int64_t sliding_window, double logit_softcap, at::Tensor& out) {
+                                 int64_t sliding_window, double logit_softcap,
+                                 const std::optional<at::Tensor>& kv_scale, at::Tensor& out) {
   attend_paged_cpu_into(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-                        sliding_window, logit_softcap, out);
+                        sliding_window, logit_softcap, kv_scale, out);
   return out;
 }
 
@@ -495,11 +537,11 @@ TORCH_LIBRARY(kiln_cpu, m) {
   m.def(
       "attend_paged_cpu(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window=0, "
-      "float logit_softcap=0.) -> Tensor");
+      "float logit_softcap=0., Tensor? kv_scale=None) -> Tensor");
   m.def(
       "attend_paged_cpu.out(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window=0, "
-      "float logit_softcap=0., *, Tensor(b!) out) -> Tensor(b!)");
+      "float logit_softcap=0., Tensor? kv_scale=None, *, Tensor(b!) out) -> Tensor(b!)");
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {

@@ -93,13 +93,19 @@ class CacheConfig:
     gpu_memory_fraction: float = 0.9
     num_blocks: Optional[int] = None  # overrides the memory budget (tests use tiny pools)
     dir: Optional[str] = None  # None: $KILN_CACHE_DIR or ~/.cache/kiln
-    # KV cache element type: auto (the model dtype) | fp8 (float8_e4m3fn, per-tensor scale 1: twice
-    # the tokens of a bf16 cache in the same memory; GPUs of SM89+ or the CPU).
+    # KV cache element type: auto (the model dtype) | fp8 (float8_e4m3fn: twice the tokens of a bf16
+    # cache in the same memory; GPUs of SM89+ or the CPU). An FP8 cache has per-layer k/v scales: the
+    # checkpoint's (k_scale / v_scale), else 1, unless calculate_kv_scales sets them.
     dtype: str = "auto"
+    # FP8 cache only: set each layer's scales from the first prefill's amax (/ 448, with 2x
+    # headroom), then keep them: for bf16 checkpoints whose K or V leave e4m3's range at scale 1.
+    calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
         _check_positive("cache", "block_size", self.block_size)
         _check_choice("cache", "dtype", self.dtype, ("auto", "fp8"))
+        if self.calculate_kv_scales and self.dtype != "fp8":
+            raise ValueError("cache.calculate_kv_scales=true needs cache.dtype=fp8 (only an FP8 cache has scales)")
         _check_positive("cache", "kv_cache_memory_gib", self.kv_cache_memory_gib, allow_none=True)
         _check_positive("cache", "num_blocks", self.num_blocks, allow_none=True)
         if not 0.0 < self.gpu_memory_fraction <= 1.0:

@@ -49,6 +49,13 @@ class ForwardContext:
     # The kernel the generic ``kiln.attend_paged`` runs (the KernelSet's, set by the compiled
     # model); None: the pure-torch reference. Graphs compiled by kiln call the kernel's own op.
     attention_impl: Optional[Callable[..., torch.Tensor]] = None
+    # FP8 caches only: per layer a float32 [2] tensor (k_scale, v_scale) on the cache's device; a
+    # cached value times its scale is the real one. None: scale 1. Kernels read the tensors at run
+    # time (CUDA graphs replay the current values), so calibration can set them in place.
+    kv_scales: Optional[list[torch.Tensor]] = None
+    # Set the step's kv_scales from its new keys and values (amax) before storing them: the first
+    # step with a prefill when cache.calculate_kv_scales is on.
+    calibrate_kv_scales: bool = False
 
 
 _current: Optional[ForwardContext] = None

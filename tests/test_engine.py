@@ -227,8 +227,70 @@ def test_pipelined_steps_match_serial_steps(smol, smol_greedy, monkeypatch):
         assert texts[i].startswith(text) and ids == smol_greedy[i][:len(ids)]
 
 
+def test_steps_scheduled_ahead_match_serial_steps(smol, smol_greedy, monkeypatch):
+    """Scheduling ahead (the GPU's loop: step k+1 launched before step k's tokens are read back,
+    its decodes fed from step k's sampled ids) forced on the CPU, where the runner launches
+    synchronously: the same outputs as the serial loop, with placeholders fed and nothing left."""
+    texts = [smol.tokenizer.decode(ids, skip_special_tokens=True) for ids in smol_greedy]
+    work = _pipeline_workload(texts, smol_greedy)
+    work.append(("pen", PROMPTS[4], SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.3)))
+    engine, runner = smol.engine, smol.engine.executor.runner
+    monkeypatch.setattr(engine, "_overlap", False)
+    serial = _stream(smol, work)
+    monkeypatch.setattr(engine, "_overlap", True)
+    monkeypatch.setattr(engine, "_schedule_ahead", True)
+    monkeypatch.setattr(engine.executor, "can_schedule_ahead", True)
+    monkeypatch.setattr(engine.executor, "_launch_in_submit", True)
+    counts = {"ahead": 0, "fed": 0, "behind": 0}
+    schedule_ahead, fed = engine.scheduler.schedule_ahead, runner._fed_input_ids
+
+    def spy_ahead(in_flight):
+        counts["ahead"] += 1
+        return schedule_ahead(in_flight)
+
+    def spy_fed(placeholders, after):
+        counts["fed"] += 1
+        return fed(placeholders, after)
+
+    monkeypatch.setattr(engine.scheduler, "schedule_ahead", spy_ahead)
+    monkeypatch.setattr(runner, "_fed_input_ids", spy_fed)
+    ahead = _stream(smol, work)
+    assert counts["ahead"] > 5 and counts["fed"] > 5
+    _assert_no_leak(smol)
+    assert runner.sampler._seeded == {}
+    assert ahead.keys() == serial.keys()
+    for rid in serial:
+        assert ahead[rid] == serial[rid], rid
+    # A penalized request is never scheduled ahead of (the sampler reads its tokens): alone, the
+    # loop falls back to scheduling after each wait.
+    counts["ahead"] = 0
+    alone = _stream(smol, [work[-1]])
+    assert counts["ahead"] == 0 and alone["pen"] == serial["pen"]
+    _assert_no_leak(smol)
+
+
+def test_schedule_ahead_only_of_steps_launched_with_plain_rows(smol, monkeypatch):
+    """A step with a row the sampler edits (here min_tokens) is never scheduled ahead of, even once
+    that row's request finished while the step was in flight: the step was launched with it."""
+    from kiln.runtime.request import Request, RequestStatus
+    from kiln.runtime.scheduler_output import ScheduledRequest, SchedulerOutput
+
+    engine = smol.engine
+    monkeypatch.setattr(engine, "_schedule_ahead", True)
+    plain = Request("p", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
+    edited = Request("e", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, min_tokens=2))
+    for r in (plain, edited):
+        r.status = RequestStatus.RUNNING
+    step = SchedulerOutput([ScheduledRequest(plain, 3, [1]), ScheduledRequest(edited, 3, [2])])
+    assert not engine._can_schedule_ahead(step)
+    edited.status = RequestStatus.FINISHED_ABORTED
+    assert not engine._can_schedule_ahead(step)
+    assert engine._can_schedule_ahead(SchedulerOutput([ScheduledRequest(plain, 3, [1])]))
+
+
 def test_a_step_is_processed_while_the_next_one_is_in_flight(smol, monkeypatch):
     engine = smol.engine
+    monkeypatch.setattr(engine, "_schedule_ahead", False)  # the loop that waits before it schedules (on a GPU too)
     log = []
     for obj, name in [(engine.executor, "submit"), (engine.executor, "wait"), (engine.output_processor, "process")]:
         def spy(*args, _inner=getattr(obj, name), _name=name):
@@ -264,3 +326,37 @@ def test_abort_while_its_step_is_in_flight(smol, smol_greedy):
     assert "a" not in {o.request_id for o in later}
     assert later[-1].request_id == "b" and later[-1].outputs[0].token_ids == smol_greedy[3][:6]
     _assert_no_leak(smol)
+
+
+@pytest.mark.gpu
+def test_gpu_steps_scheduled_ahead_match_serial_steps(kiln_cache_dir, monkeypatch):
+    """On CUDA with the default graphs: the loop that schedules ahead (decodes fed on the device,
+    full graphs and piecewise mixed steps) gives the serial loop's tokens, stops included."""
+    llm = LLM(model={"model": "random:tiny", "max_model_len": 256}, cache={"dir": kiln_cache_dir},
+              scheduler={"max_num_batched_tokens": 96})
+    engine = llm.engine
+    assert engine._schedule_ahead
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 200, (int(n),), generator=gen).tolist()
+               for n in torch.randint(3, 70, (24,), generator=gen)]
+    greedy = [SamplingParams(max_tokens=5 + i % 13, temperature=0.0, ignore_eos=True) for i in range(24)]
+    monkeypatch.setattr(engine, "_overlap", False)
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    # Stop on a token each greedy run reaches mid-way; seeded sampling beside it.
+    params = [SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True,
+                             stop_token_ids=[r[len(r) // 2]] if i % 3 == 0 else []) for i, (p, r) in
+              enumerate(zip(greedy, ref))]
+    params += [SamplingParams(max_tokens=12, temperature=0.9, seed=i, ignore_eos=True) for i in range(6)]
+    serial = [o.outputs[0].token_ids for o in llm.generate(prompts + prompts[:6], params, use_tqdm=False)]
+    monkeypatch.setattr(engine, "_overlap", True)
+    calls = []
+    schedule_ahead = engine.scheduler.schedule_ahead
+    monkeypatch.setattr(engine.scheduler, "schedule_ahead", lambda s: calls.append(1) or schedule_ahead(s))
+    ahead = [o.outputs[0].token_ids for o in llm.generate(prompts + prompts[:6], params, use_tqdm=False)]
+    assert len(calls) > 10
+    assert ahead == serial
+    for i in range(0, 24, 3):  # the stop token ended those where the greedy run first has it
+        r = ref[i]
+        assert ahead[i] == r[:r.index(r[len(r) // 2]) + 1]
+    stats = engine.stats()
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == engine.kv_manager.num_usable_blocks

@@ -242,3 +242,32 @@ def test_desc_act_with_one_group_loads(tmp_path):
     m = loaded.model.layers[0].mlp.down_proj
     assert torch.equal(m.kernel.dequant(m.qweight, m.scales, m.group_size, torch.float32),
                        floats["model.layers.0.mlp.down_proj.weight"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["awq-g128", "gptq_v2-g64-bias"])
+def test_int4_checkpoint_on_the_cuda_kernels(variant, tmp_path):
+    """The same checkpoints served on a GPU: bfloat16 activations through the Triton int4 kernels,
+    each weight the checkpoint's within bfloat16 rounding of its scales, logits close to float32's."""
+    cuda = torch.device("cuda")
+    preset, qc = VARIANTS[variant]
+    floats = write_int4_checkpoint(tmp_path, preset, qc)
+    want = _logits(_float_model(preset, floats))
+    served = load_model(ModelConfig(model=str(tmp_path), quantization="auto"), "", cuda, torch.bfloat16)
+    quantized = {n: m for n, m in served.model.named_modules() if isinstance(m, QuantLinear)}
+    assert len(quantized) == 4 * served.arch.num_layers
+    assert {m.kernel.name for m in quantized.values()} == {"triton"}
+    for name, m in quantized.items():
+        got = m.kernel.dequant(m.qweight, m.scales, m.group_size, torch.float32).cpu()
+        want_w = _fused_reference(floats, name)  # bfloat16 scales and zeros: within their rounding
+        torch.testing.assert_close(got, want_w, atol=1e-2 * want_w.abs().max().item(), rtol=1e-2, msg=name)
+    g = torch.Generator().manual_seed(0)
+    schedule = [{"a": torch.randint(0, 512, (9,), generator=g).tolist(), "b": [5, 8]}, {"a": [3], "b": [7]}]
+    batcher = PagedBatcher(16, 4, seed=1, device=cuda)
+    caches = make_kv_caches(served.arch, 16, 4, dtype=torch.bfloat16, device=cuda)
+    got = []
+    for new_tokens in schedule:
+        with torch.inference_mode():
+            hidden = run_step(served.model, caches, batcher.step(new_tokens)).float().cpu()
+        got.append(F.linear(hidden, _float_model(preset, floats).embed_tokens.weight))
+    torch.testing.assert_close(torch.cat(got), want, atol=5e-2 * want.abs().max().item(), rtol=0)

@@ -296,3 +296,127 @@ def test_many_requests_on_a_tight_pool_all_finish_and_free_everything():
     assert [len(r.output_token_ids) for r in requests] == [3 + i % 4 for i in range(12)]
     assert sum(r.num_preemptions for r in requests) > 0 and kv.num_hit_tokens > 0
     assert kv.num_free_blocks == 7
+
+
+# ---- scheduling ahead: the next step scheduled while one is in flight ---------------------------
+def run_ahead(scheduler, token_for=fake_token, max_num_steps=200):
+    """The engine's loop with every step scheduled ahead of the one in flight; returns the plans.
+    A step's tokens are drawn when it is scheduled (the device would compute them then), from the
+    request's known tokens (placeholders excluded)."""
+    def sample(output):
+        return {s.request.request_id: token_for(s.request, s) for s in output.scheduled if s.samples}
+
+    plans = []
+    in_flight = scheduler.schedule()
+    tokens = sample(in_flight)
+    while in_flight is not None:
+        assert len(plans) < max_num_steps, "scheduler made no progress"
+        plans.append([(s.request.request_id, s.num_new_tokens) for s in in_flight.scheduled])
+        following = scheduler.schedule_ahead(in_flight)
+        following_tokens = sample(following)
+        scheduler.update(in_flight, tokens)
+        in_flight, tokens = (None, None) if following.is_empty else (following, following_tokens)
+    return plans
+
+
+def known_token(request, scheduled):
+    # The token after position start + n - 1, from what is known: placeholders excluded.
+    return 100 + scheduled.start + scheduled.num_new_tokens - request.num_prompt_tokens
+
+
+def test_ahead_gives_the_tokens_and_steps_of_serial_scheduling():
+    results = []
+    for ahead in (False, True):
+        scheduler, kv = make_scheduler(max_num_batched_tokens=8)
+        reqs = [make_request(r, n, max_tokens=m) for r, n, m in (("a", 3, 6), ("b", 10, 2), ("c", 5, 1))]
+        for r in reqs:
+            scheduler.add_request(r)
+        if ahead:
+            plans = run_ahead(scheduler, known_token)
+        else:
+            plans = drain(scheduler, lambda r: 100 + r.num_tokens - r.num_prompt_tokens)
+        results.append((plans, [r.output_token_ids for r in reqs], [r.status for r in reqs]))
+        assert kv.num_free_blocks == kv.num_usable_blocks
+        assert all(r.num_output_placeholders == 0 for r in reqs)
+    assert results[0] == results[1]
+    assert results[1][1][0] == [100, 101, 102, 103, 104, 105]
+
+
+def test_ahead_placeholder_is_last_and_never_hashed():
+    scheduler, kv = make_scheduler()
+    a = make_request("a", 3, max_tokens=8)  # 3 prompt tokens: the first sampled token fills block 0
+    scheduler.add_request(a)
+    first = scheduler.schedule()
+    second = scheduler.schedule_ahead(first)
+    assert a.output_token_ids == [-1] and a.num_output_placeholders == 1 and a.num_computed_tokens == 3
+    assert [(s.request.request_id, s.start, s.num_new_tokens) for s in second.scheduled] == [("a", 3, 1)]
+    assert kv._num_cached_blocks.get("a", 0) == 0  # block 0 holds the placeholder: not cached
+    scheduler.update(first, {"a": 7})
+    assert a.output_token_ids == [7] and a.num_output_placeholders == 0
+    scheduler.schedule_ahead(second)
+    scheduler.update(second, {"a": 8})
+    assert a.output_token_ids == [7, 8] and kv._num_cached_blocks["a"] == 1  # cached once known
+    assert kv.block_pool.get_cached_block(kv._hashes(a, 1)[0]) is not None
+
+
+def test_ahead_stop_token_in_flight_wastes_one_row_and_frees():
+    scheduler, kv = make_scheduler()
+    a = make_request("a", 4, max_tokens=10, params={"stop_token_ids": [55]})
+    b = make_request("b", 4, max_tokens=10)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    first = scheduler.schedule()
+    second = scheduler.schedule_ahead(first)
+    assert [s.request.request_id for s in second.scheduled] == ["a", "b"]  # a's stop is not known yet
+    received = scheduler.update(first, {"a": 55, "b": 1})
+    assert [r.request_id for r in received] == ["a", "b"]
+    assert a.status is RequestStatus.FINISHED_STOPPED and a.output_token_ids == [55]
+    third = scheduler.schedule_ahead(second)  # a's row of `second` is dropped
+    assert [s.request.request_id for s in third.scheduled] == ["b"]
+    received = scheduler.update(second, {"a": 9, "b": 2})
+    assert [r.request_id for r in received] == ["b"] and a.output_token_ids == [55]
+    assert b.output_token_ids == [1, 2]
+
+
+def test_ahead_request_ending_by_length_is_not_scheduled_again():
+    scheduler, kv = make_scheduler()
+    a = make_request("a", 4, max_tokens=1)
+    scheduler.add_request(a)
+    first = scheduler.schedule()
+    second = scheduler.schedule_ahead(first)
+    assert second.is_empty
+    scheduler.update(first, {"a": 3})
+    assert a.status is RequestStatus.FINISHED_LENGTH and a.output_token_ids == [3]
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+def test_ahead_abort_in_flight_drops_the_placeholder():
+    scheduler, kv = make_scheduler()
+    a = make_request("a", 4, max_tokens=5)
+    scheduler.add_request(a)
+    first = scheduler.schedule()
+    scheduler.update(first, {"a": 1})
+    second = scheduler.schedule()
+    third = scheduler.schedule_ahead(second)
+    assert a.output_token_ids == [1, -1]
+    scheduler.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert scheduler.update(second, {"a": 2}) == [] and a.output_token_ids == [1]
+    assert scheduler.schedule_ahead(third).is_empty  # a is finished: nothing advances
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+def test_ahead_preempted_request_still_receives_its_token():
+    # 2 usable blocks of 4: a and b hold one each; a's next decode needs a second block.
+    scheduler, kv = make_scheduler(num_blocks=3)
+    a, b = make_request("a", 3, max_tokens=4), make_request("b", 3, max_tokens=4, arrival_time=1.0)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    first = scheduler.schedule()
+    scheduler.update(first, {"a": 1, "b": 1})
+    second = scheduler.schedule()  # decodes at position 3: the blocks are full after it
+    third = scheduler.schedule_ahead(second)  # a needs a block: b (the tail) is preempted
+    assert [s.request.request_id for s in third.scheduled] == ["a"] and b.status is RequestStatus.PREEMPTED
+    received = scheduler.update(second, {"a": 2, "b": 2})
+    assert [r.request_id for r in received] == ["a", "b"]
+    assert b.output_token_ids == [1, 2] and b.num_output_placeholders == 0 and b.num_computed_tokens == 0
+    assert scheduler.waiting == [b]

@@ -223,7 +223,7 @@ def test_decode_only_batch_takes_the_fused_store(kernels, monkeypatch):
     from kiln.ops.attention import attend_paged_reference
 
     stores = []
-    monkeypatch.setattr(kernels, "triton_store_kv", lambda *a: (stores.append(1), kernels_store(*a)))
+    monkeypatch.setattr(kernels, "triton_store_kv", lambda *a, **kw: (stores.append(1), kernels_store(*a, **kw)))
     kernels_store = importlib.import_module("kiln.ops.triton_kv_store").triton_store_kv
     for decodes, prefills, want_stores in (((9, 30), (), 0), ((9,), ((26, 10),), 1)):
         stores.clear()

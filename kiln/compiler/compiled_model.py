@@ -9,7 +9,7 @@ runtime then only writes steps into ``inputs`` and calls ``run``::
                   limits, max_model_len)       passes with the KernelSet's ops, split, Inductor)
                                                and the persistent InputBuffers
     set_verify_shape(VerifyShape)          ─> (speculative decoding) full graphs for k + 1 tokens a request
-    bind_kv_caches(kv_caches)              ─> the caches every forward context carries
+    bind_kv_caches(kv_caches, kv_scales)   ─> the caches (and FP8 scales) every forward context carries
     capture_graphs()                       ─> full / piecewise CUDA graphs, as compile.cudagraph asks
     per step:
       InputBatch writes the step into
@@ -122,6 +122,8 @@ class CompiledModel:
         build_now(self.forward, self.device)  # kiln: load the compiled forward from the cache, or compile it
         self.inputs = InputBuffers(limits, self.device)
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_scales: Optional[list[torch.Tensor]] = None  # an FP8 cache's, one [2] tensor per layer
+        self._calibrate_kv_scales = False  # the next step with a prefill sets kv_scales
         self.full_graphs: Optional[FullCUDAGraphs] = None  # uniform decode batches
         self.verify_graphs: Optional[FullCUDAGraphs] = None  # uniform verify batches (set_verify_shape)
         self.verify_shape: Optional[VerifyShape] = None
@@ -137,11 +139,16 @@ class CompiledModel:
             raise RuntimeError("set the verify shape before capturing CUDA graphs")
         self.verify_shape = shape if shape is not None and shape.query_len > 1 else None
 
-    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        """The caches every later forward reads and writes (one tensor per layer)."""
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor], kv_scales: Optional[list[torch.Tensor]] = None,
+                       calibrate_kv_scales: bool = False) -> None:
+        """The caches every later forward reads and writes (one tensor per layer), and an FP8
+        cache's scales; ``calibrate_kv_scales``: the first step with a prefill sets those from its
+        keys and values (graphs read the scale tensors, so they stay valid)."""
         if self.full_graphs is not None or self.verify_graphs is not None or self.piecewise_graphs is not None:
             raise RuntimeError("CUDA graphs are captured over the bound KV caches; they cannot be re-bound")
         self.kv_caches = kv_caches
+        self.kv_scales = kv_scales
+        self._calibrate_kv_scales = calibrate_kv_scales and kv_scales is not None
 
     def capture_graphs(self, record: Optional[GraphRecorder] = None,
                        modes: Optional[set[GraphMode]] = None) -> None:
@@ -272,12 +279,16 @@ class CompiledModel:
         meta = buf.metadata(n, num_reqs, inputs.num_decodes, inputs.query_lens, inputs.seq_lens)
         graphs = (self.piecewise_graphs.replaying(padded, n) if mode is GraphMode.PIECEWISE
                   else contextlib.nullcontext())
-        with self._forward_scope(ForwardContext(attn=meta, kv_caches=self.kv_caches)), graphs:
+        ctx = ForwardContext(attn=meta, kv_caches=self.kv_caches)
+        if self._calibrate_kv_scales and inputs.num_decodes < num_reqs:  # real prompt tokens, never a capture's
+            ctx.calibrate_kv_scales, self._calibrate_kv_scales = True, False
+        with self._forward_scope(ctx), graphs:
             hidden = self.forward(buf.input_ids[:padded], buf.positions[:padded])  # [padded, hidden]
         return ModelOutputs(hidden)
 
     def _forward_scope(self, ctx: ForwardContext) -> contextlib.AbstractContextManager:
         ctx.attention_impl = self.kernels.attention.impl
+        ctx.kv_scales = self.kv_scales
         return forward_context(ctx)
 
     @contextlib.contextmanager

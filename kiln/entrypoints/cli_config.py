@@ -74,7 +74,9 @@ FIELD_HELP = {
     "cache.gpu_memory_fraction": "share of the GPU's memory kiln may fill; the KV cache gets what is left",
     "cache.num_blocks": "exact number of KV blocks, overriding the memory budget; null: from the budget",
     "cache.dir": "converted models and compiled artifacts; null: $KILN_CACHE_DIR or ~/.cache/kiln",
-    "cache.dtype": "KV cache element type; auto: the model dtype, fp8: float8_e4m3fn (2x bf16's tokens)",
+    "cache.dtype": "KV cache element type; auto: the model dtype, fp8: float8_e4m3fn (2x bf16's tokens) "
+                   "with per-layer k/v scales (the checkpoint's k_scale/v_scale, else 1)",
+    "cache.calculate_kv_scales": "fp8 cache: set the k/v scales from the first prefill's amax, then keep them",
     "scheduler.max_num_seqs": "most requests in one step; null: 512 on GPU, 128 on CPU",
     "scheduler.max_num_batched_tokens": "most tokens in one step (decodes and prefill chunks); null: 2048",
     "scheduler.enable_chunked_prefill": "split a long prompt over several steps",

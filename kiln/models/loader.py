@@ -41,7 +41,7 @@ from kiln.models.llama import LlamaForCausalLM
 from kiln.models.parallel import SINGLE, TensorParallel
 from kiln.models.int4_checkpoint import dequantize_int4_checkpoint
 from kiln.models.quantize import (apply_quantization, checkpoint_int4_format, checkpoint_quantization,
-                                  dequantize_fp8_checkpoint, resolve_quantization)
+                                  collect_kv_scales, dequantize_fp8_checkpoint, resolve_quantization)
 from kiln.models.registry import REGISTERED_MODELS, TOKENIZER_DIR_ENV, TOKENIZER_DONOR
 from kiln.models.weight_reader import iter_files_to_device
 from kiln.ops.registry import KernelSet, select_kernels
@@ -60,6 +60,8 @@ class LoadedModel:
     hf_dir: Optional[str]  # None for random weights
     max_model_len: int
     filling: Optional["WeightFill"] = None  # weights still being read (load_model(background=True))
+    # The checkpoint's FP8 KV cache scales, {layer: [k_scale, v_scale]}; complete once the weights are.
+    kv_scales: dict[int, list[float]] = dataclasses.field(default_factory=dict)
 
     def wait_for_weights(self) -> float:
         """Block until every weight is in place (re-raising what went wrong while reading them);
@@ -120,8 +122,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """``cache.dtype``: auto is the model dtype; fp8 is float8_e4m3fn (stored with a per-tensor scale
-    of 1: K and V stay far inside its +-448 range), which CUDA needs SM89+ for."""
+    """``cache.dtype``: auto is the model dtype; fp8 is float8_e4m3fn (with per-layer, per-tensor K
+    and V scales: ``kiln.runtime.kv_sizing.allocate_kv_scales``), which CUDA needs SM89+ for; the CPU
+    kernel reads it too."""
     if cache_dtype == "auto":
         return model_dtype
     if cache_dtype == "fp8":
@@ -175,7 +178,8 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     tokenizer = _load_tokenizer(hf_dir)
     model = build_empty_model(arch, device, dtype, tp)
     scheme = resolve_quantization(model_config.quantization, hf_dir, gguf_path)
-    weights = iter_safetensors(hf_dir, device)
+    kv_scales: dict[int, list[float]] = {}
+    weights = collect_kv_scales(iter_safetensors(hf_dir, device), kv_scales)
     checkpoint_scheme = checkpoint_quantization(hf_dir)
     int4_projections = None
     if checkpoint_scheme == "fp8":  # any scheme: FP8 tensors load dequantized first
@@ -187,11 +191,12 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     if background and scheme == "none" and checkpoint_scheme == "none" and torch.device(device).type == "cuda":
         model.quantization = "none"
         return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len,
-                           WeightFill(lambda: model.load_weights(weights), next(model.parameters()).device))
+                           WeightFill(lambda: model.load_weights(weights), next(model.parameters()).device),
+                           kv_scales=kv_scales)
     model.load_weights(weights)
     apply_quantization(model, scheme, kernels, gguf_path if tp.size == 1 else None, int4_projections)
     _prepare_decode(model, device)
-    return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len)
+    return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len, kv_scales=kv_scales)
 
 
 def _prepare_decode(model, device) -> None:

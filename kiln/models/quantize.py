@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from typing import Iterable, Iterator, Optional
 
 import numpy as np
@@ -191,9 +192,40 @@ def resolve_quantization(requested: str, hf_dir: Optional[str], gguf_path: Optio
     return checkpoint_quantization(hf_dir)
 
 
+# ---- FP8 KV cache scales a checkpoint carries ---------------------------------------------------
+
+# The names vLLM reads: self_attn.k_scale / v_scale (fp8, compressed-tensors), self_attn.kv_scale
+# (older: one for both), k_proj.output_scale / v_proj.output_scale (compressed-tensors'
+# kv_cache_scheme), k_proj.k_scale / v_proj.v_scale (ModelOpt, Quark), self_attn.attn.k_scale.
+_KV_SCALE_NAME = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:attn\.|k_proj\.|v_proj\.)?(k_scale|v_scale|kv_scale)$"
+    r"|(?:^|\.)layers\.(\d+)\.self_attn\.(k_proj|v_proj)\.output_scale$")
+
+
+def collect_kv_scales(weights: Iterable[tuple[str, torch.Tensor]],
+                      kv_scales: dict[int, list[float]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors without its KV cache scales, which land in ``kv_scales`` as
+    {layer: [k_scale, v_scale]} (1.0 for one not given) as the stream is read. A per-head scale
+    becomes its largest (one scale per tensor). A cached value times its scale is the real one."""
+    for name, t in weights:
+        m = _KV_SCALE_NAME.search(name)
+        if m is None:
+            yield name, t
+            continue
+        layer = int(m.group(1) or m.group(3))
+        which = m.group(2) or {"k_proj": "k_scale", "v_proj": "v_scale"}[m.group(4)]
+        value = float(t.float().max())
+        if not (value > 0 and value < float("inf")):
+            raise ValueError(f"KV cache scale {name!r} is {value}; a scale must be positive and finite")
+        entry = kv_scales.setdefault(layer, [1.0, 1.0])
+        for i in ((0, 1) if which == "kv_scale" else (0,) if which == "k_scale" else (1,)):
+            entry[i] = value
+
+
 # ---- FP8 checkpoints: fp8 weights with per-tensor, per-channel or block scales --------------------
 
-_STATIC_SCALES = ("input_scale", "k_scale", "v_scale", "output_scale")  # kiln scales activations dynamically
+# kiln scales activations dynamically (a layer's KV cache scales were taken out before: collect_kv_scales)
+_STATIC_SCALES = ("input_scale", "k_scale", "v_scale", "output_scale")
 
 
 def dequantize_fp8_checkpoint(weights: Iterable[tuple[str, torch.Tensor]],

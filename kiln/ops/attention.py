@@ -15,6 +15,12 @@ kernels (C++ on CPU, Triton on GPU) define ops of the same schema with ``define_
 ``kiln.ops.registry`` chooses among them. The generic op runs the kernel the forward context names
 (``ForwardContext.attention_impl``), else the reference: that is how eager and stock modes reach the
 device's kernel, while kiln's attention pass writes the kernel's own op into the graph.
+
+An FP8 cache (``cache.dtype=fp8``) may carry per-layer, per-tensor scales (``kv_scale``: a float32
+[2] tensor, k_scale then v_scale, from ``ForwardContext.kv_scales``): the cache holds
+``clamp(x / scale, +-448)`` in float8_e4m3fn and a read multiplies by the scale again. Kernels fold
+k_scale into the score scale and v_scale into the output; no scale (None) means 1. Scales of a
+cache that is not FP8 are ignored.
 """
 
 from __future__ import annotations
@@ -26,11 +32,14 @@ import torch.nn.functional as F
 
 from kiln.forward_context import AttentionMetadata, get_forward_context
 
-# impl(q, k, v, kv_cache, meta, scale, sliding_window=0, logit_softcap=0.0) -> out
+# impl(q, k, v, kv_cache, meta, scale, sliding_window=0, logit_softcap=0.0, *, kv_scale=None) -> out
 AttentionImpl = Callable[..., torch.Tensor]
 
 
 _FP8_DTYPES = (torch.float8_e4m3fn,)  # cache.dtype=fp8: indexing ops lack it on the CPU, so bytes move
+FP8_KV_MAX = 448.0  # the largest float8_e4m3fn: scaled values are clamped to +-this, never NaN
+# Calibrated scales leave this much room above the first prefill's amax for later, larger values.
+CALIBRATION_HEADROOM = 2.0
 
 
 def _rows(kv: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -38,12 +47,35 @@ def _rows(kv: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return kv.view(torch.uint8)[index].view(kv.dtype) if kv.dtype in _FP8_DTYPES else kv[index]
 
 
-def store_kv_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def fp8_kv_scale(kv_cache: torch.Tensor, kv_scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The scales a kernel applies: ``kv_scale`` for an FP8 cache, else None (none to apply)."""
+    return kv_scale if kv_scale is not None and kv_cache.dtype in _FP8_DTYPES else None
+
+
+def quantize_kv_reference(x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale in float32, clamped to the FP8 range, rounded to ``dtype`` (what every store writes)."""
+    return (x.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(dtype)
+
+
+def calibrate_kv_scale(k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_scale: torch.Tensor) -> None:
+    """Set ``kv_scale`` (in place) to amax / 448 times ``CALIBRATION_HEADROOM`` over the step's real
+    tokens (padding rows excluded); an all-zero tensor keeps scale 1."""
+    n = sum(meta.query_lens_cpu)
+    amax = torch.stack([k[:n].abs().amax().float(), v[:n].abs().amax().float()])  # [2]
+    kv_scale.copy_(torch.where(amax > 0, amax * (CALIBRATION_HEADROOM / FP8_KV_MAX), 1.0))
+
+
+def store_kv_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       *, kv_scale: Optional[torch.Tensor] = None) -> None:
     """Write new keys/values into their slots. k, v: [num_tokens, num_kv_heads, head_dim]."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
-    if kv_cache.dtype in _FP8_DTYPES:
-        kv_cache, k, v = kv_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    if kv_cache.dtype in _FP8_DTYPES:  # clamped, never NaN (e4m3 has no infinity); no scale: 1
+        k_scale, v_scale = (kv_scale[0], kv_scale[1]) if kv_scale is not None else (1.0, 1.0)
+        k = quantize_kv_reference(k, k_scale, kv_cache.dtype).view(torch.uint8)
+        v = quantize_kv_reference(v, v_scale, kv_cache.dtype).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)  # indexing ops lack float8 on the CPU: bytes move
+    else:
+        k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
@@ -78,21 +110,26 @@ def attend_paged_reference(
     scale: float,
     sliding_window: int = 0,  # > 0: each query sees only the last `sliding_window` keys up to itself
     logit_softcap: float = 0.0,  # > 0: scores = cap * tanh(scores / cap) before the softmax
+    *,
+    kv_scale: Optional[torch.Tensor] = None,  # [2] float32 (k_scale, v_scale) of an FP8 cache
 ) -> torch.Tensor:
     """Pure-torch paged attention: the definition every kernel is checked against."""
-    store_kv_reference(k, v, kv_cache, meta.slot_mapping)
+    store_kv_reference(k, v, kv_cache, meta.slot_mapping, kv_scale=kv_scale)
+    kv_scale = fp8_kv_scale(kv_cache, kv_scale)
     num_heads = q.shape[1]
     group = num_heads // k.shape[1]
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd > 0:
-        _attend_decodes(q[:nd], kv_cache, meta, scale, group, out[:nd], sliding_window, logit_softcap)
+        _attend_decodes(q[:nd], kv_cache, meta, scale, group, out[:nd], sliding_window, logit_softcap, kv_scale)
     start_loc = meta.query_start_loc.tolist() if nd < meta.num_reqs else []
     for i in range(nd, meta.num_reqs):
         s, e = start_loc[i], start_loc[i + 1]
         seq_len, q_len = meta.seq_lens_cpu[i], e - s
         keys = _gather_context(kv_cache[0], meta.block_tables[i], seq_len)  # [seq_len, kvh, D]
         vals = _gather_context(kv_cache[1], meta.block_tables[i], seq_len)
+        if kv_scale is not None:  # dequantize: cached value times its scale
+            keys, vals = keys.float() * kv_scale[0], vals.float() * kv_scale[1]
         # Query j (0-based in the chunk) sits at context position seq_len - q_len + j.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         mask = visible_keys(q_pos, torch.arange(seq_len, device=q.device), sliding_window)  # [q_len, seq_len]
@@ -109,7 +146,7 @@ def attend_paged_reference(
     return out
 
 
-def _attend_decodes(q, kv_cache, meta, scale, group, out, sliding_window, logit_softcap) -> None:
+def _attend_decodes(q, kv_cache, meta, scale, group, out, sliding_window, logit_softcap, kv_scale=None) -> None:
     """All decode requests at once: pad each context to the longest, mask the tail (and, with a
     window, the keys before it)."""
     nd = q.shape[0]
@@ -119,6 +156,8 @@ def _attend_decodes(q, kv_cache, meta, scale, group, out, sliding_window, logit_
     table = meta.block_tables[:nd, :max_blocks].long()  # [nd, max_blocks]
     keys = _rows(kv_cache[0], table).flatten(1, 2)  # [nd, max_len, kvh, D]
     vals = _rows(kv_cache[1], table).flatten(1, 2)
+    if kv_scale is not None:
+        keys, vals = keys.float() * kv_scale[0], vals.float() * kv_scale[1]
     max_len = keys.shape[1]
     kvh, head_dim = keys.shape[2], keys.shape[3]
     qg = q.view(nd, kvh, group, head_dim).to(torch.float32)  # [nd, kvh, group, D]
@@ -143,8 +182,11 @@ def define_attention_op(qualname: str, impl: Optional[AttentionImpl]):
         if ctx.attn is None:
             raise RuntimeError(f"{qualname} needs attention metadata in the forward context")
         run = impl or ctx.attention_impl or attend_paged_reference
+        kv_scale = ctx.kv_scales[layer_idx] if ctx.kv_scales is not None else None
+        if kv_scale is not None and ctx.calibrate_kv_scales:
+            calibrate_kv_scale(k, v, ctx.attn, kv_scale)
         return run(q, k, v, ctx.kv_caches[layer_idx], ctx.attn, scale,
-                   sliding_window=sliding_window, logit_softcap=logit_softcap)
+                   sliding_window=sliding_window, logit_softcap=logit_softcap, kv_scale=kv_scale)
 
     op = torch.library.custom_op(qualname, attend, mutates_args=())
     op.register_fake(lambda q, k, v, layer_idx, scale, sliding_window=0, logit_softcap=0.0: torch.empty_like(q))

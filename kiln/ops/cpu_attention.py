@@ -15,16 +15,18 @@ which registers ``torch.ops.kiln_cpu.attend_paged_cpu`` (plus an ``.out`` overlo
   timing is ``benchmarks/cpu_attention.py``.
 
 q, k and v may be row-strided views of one fused qkv projection: the kernel reads them in place.
+The cache is q's dtype or float8_e4m3fn (``cache.dtype=fp8``, with the per-tensor ``kv_scale``).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
 from kiln.forward_context import AttentionMetadata
-from kiln.ops.attention import attend_paged_reference, define_attention_op
+from kiln.ops.attention import attend_paged_reference, define_attention_op, fp8_kv_scale
 from kiln.ops.paged_batch import PagedBatch, PagedBatchSpec, random_paged_batch  # noqa: F401  (checks and tests)
 
 logger = logging.getLogger(__name__)
@@ -50,7 +52,7 @@ def load_extension() -> bool:
 
 
 def _attend_paged_cpu_fake(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-                           sliding_window=0, logit_softcap=0.0):
+                           sliding_window=0, logit_softcap=0.0, kv_scale=None):
     return q.new_empty(q.shape)  # the kernel's output is contiguous even when q is a strided view
 
 
@@ -63,15 +65,18 @@ def cpu_attend_paged(
     scale: float,
     sliding_window: int = 0,
     logit_softcap: float = 0.0,
+    *,
+    kv_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Drop-in for ``attend_paged_reference``: store the new K/V, attend; returns [num_tokens, H, D].
     What the kernel lacks (float16, mixed dtypes, tensors off the CPU) goes to the reference."""
     if not (load_extension() and q.device.type == "cpu" and q.dtype in KERNEL_DTYPES
-            and q.dtype == k.dtype == v.dtype == kv_cache.dtype):
-        return attend_paged_reference(q, k, v, kv_cache, meta, scale, sliding_window, logit_softcap)
+            and q.dtype == k.dtype == v.dtype and kv_cache.dtype in (q.dtype, torch.float8_e4m3fn)):
+        return attend_paged_reference(q, k, v, kv_cache, meta, scale, sliding_window, logit_softcap,
+                                      kv_scale=kv_scale)
     return torch.ops.kiln_cpu.attend_paged_cpu(
         q, k, v, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-        sliding_window, logit_softcap,
+        sliding_window, logit_softcap, fp8_kv_scale(kv_cache, kv_scale),
     )
 
 
@@ -87,21 +92,23 @@ def tolerance(dtype: torch.dtype) -> float:
     return {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
 
 
-def check_against_reference(batch: PagedBatch, sliding_window: int = 0, logit_softcap: float = 0.0) -> float:
+def check_against_reference(batch: PagedBatch, sliding_window: int = 0, logit_softcap: float = 0.0,
+                            *, kv_scale: Optional[torch.Tensor] = None) -> float:
     """Store + attend with the C++ kernel and the reference on copies of the same cache.
     The cache must match bit for bit; the output, poisoned with NaN first, within ``tolerance``.
     Returns the largest absolute output error."""
     scale = batch.q.shape[-1] ** -0.5
     ref_cache, cache = batch.kv_cache.clone(), batch.kv_cache.clone()
     ref = attend_paged_reference(batch.q, batch.k, batch.v, ref_cache, batch.meta, scale, sliding_window,
-                                 logit_softcap)
+                                 logit_softcap, kv_scale=kv_scale)
     out = torch.full(batch.q.shape, float("nan"), dtype=batch.q.dtype)
     m = batch.meta
     torch.ops.kiln_cpu.attend_paged_cpu.out(
         batch.q, batch.k, batch.v, cache, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc, scale,
-        sliding_window, logit_softcap, out=out,
+        sliding_window, logit_softcap, fp8_kv_scale(cache, kv_scale), out=out,
     )
-    if not torch.equal(cache, ref_cache):
+    if not torch.equal(cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache,
+                       ref_cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else ref_cache):
         raise AssertionError("kv cache after the store differs from the reference's")
     tol = tolerance(batch.q.dtype)
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)

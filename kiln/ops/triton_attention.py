@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from kiln.forward_context import AttentionMetadata
-from kiln.ops.attention import attend_paged_reference, define_attention_op
+from kiln.ops.attention import attend_paged_reference, define_attention_op, fp8_kv_scale
 from kiln.ops.paged_batch import PagedBatch, PagedBatchSpec, random_paged_batch  # noqa: F401  (checks and tests)
 from kiln.ops.pdl import pdl_args
 from kiln.ops.triton_kv_store import triton_store_kv
@@ -146,7 +146,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PRESCALE_Q: tl.constexpr = False,
+    PRESCALE_Q: tl.constexpr = False, kv_scale_ptr=None, KV_SCALED: tl.constexpr = False,
     k_new_ptr=None, v_new_ptr=None, slot_mapping_ptr=None, stride_kt=0, stride_kh=0, stride_vt=0, stride_vh=0,
     FUSED_STORE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
@@ -168,6 +168,8 @@ def _decode_kernel(
     d_ok = d < HEAD_DIM
     q_ptrs = q_ptr + req * stride_qt + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if KV_SCALED:  # FP8 cache scales: k_scale joins the score scale, v_scale the output
+        qk_scale = qk_scale * tl.load(kv_scale_ptr)
     if PRESCALE_Q:  # the score scale goes into q before its cast (see _dot_args)
         q = (q.to(tl.float32) * qk_scale).to(DOT_DTYPE)
         qk_scale = 1.0
@@ -204,6 +206,8 @@ def _decode_kernel(
             tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty), mask=d_ok)
             tl.store(v_cache_ptr + dst, v_new.to(v_cache_ptr.dtype.element_ty), mask=d_ok)
 
+    if KV_SCALED:
+        acc = acc * tl.load(kv_scale_ptr + 1)
     if SINGLE_SPLIT:
         o = acc / l_i[:, None]
         tl.store(out_ptr + req * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -252,7 +256,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PRESCALE_Q: tl.constexpr = False,
+    PRESCALE_Q: tl.constexpr = False, kv_scale_ptr=None, KV_SCALED: tl.constexpr = False,
 ):
     q_block, kv_head = tl.program_id(0), tl.program_id(2)
     req = first_req + tl.program_id(1)
@@ -273,6 +277,8 @@ def _prefill_kernel(
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if KV_SCALED:
+        qk_scale = qk_scale * tl.load(kv_scale_ptr)
     if PRESCALE_Q:
         q = (q.to(tl.float32) * qk_scale).to(DOT_DTYPE)
         qk_scale = 1.0
@@ -316,6 +322,8 @@ def _prefill_kernel(
             s = tl.where(key_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, v.to(DOT_DTYPE), m_i, l_i, acc, DOT_PRECISION)
 
+    if KV_SCALED:
+        acc = acc * tl.load(kv_scale_ptr + 1)
     o = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -342,10 +350,12 @@ def num_decode_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num
     return max(1, min(want, triton.cdiv(max_seq_len, min_split)))
 
 
-def _kernel_args(q, kv_cache, meta, out) -> dict:
+def _kernel_args(q, kv_cache, meta, out, kv_scale=None) -> dict:
     """Pointer and stride arguments shared by the decode and prefill kernels."""
     k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, num_kv_heads, head_dim]
+    kv_scale = fp8_kv_scale(kv_cache, kv_scale)
     return dict(
+        kv_scale_ptr=kv_scale, KV_SCALED=kv_scale is not None,
         q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, block_tables_ptr=meta.block_tables,
         seq_lens_ptr=meta.seq_lens, out_ptr=out,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
@@ -383,9 +393,9 @@ def _score_args(q, scale: float, sliding_window: int, logit_softcap: float) -> d
 
 
 def _launch_decodes(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_window=0, logit_softcap=0.0,
-                    new_kv=None) -> None:
-    """``new_kv``: (k, v) of a decode-only batch whose new keys are not yet stored: the decode
-    kernel stores them and reads them from registers (one launch fewer a layer)."""
+                    kv_scale=None, new_kv=None) -> None:
+    """``new_kv``: (k, v) of a decode-only batch whose new keys are not yet stored (a cache of k's
+    dtype): the decode kernel stores them and reads them from registers (one launch fewer a layer)."""
     nd = meta.num_decodes
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
@@ -406,7 +416,7 @@ def _launch_decodes(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_wi
         store = dict(k_new_ptr=k, v_new_ptr=v, slot_mapping_ptr=meta.slot_mapping, stride_kt=k.stride(0),
                      stride_kh=k.stride(1), stride_vt=v.stride(0), stride_vh=v.stride(1), FUSED_STORE=True)
     _decode_kernel[(nd, num_kv_heads, num_splits)](
-        **_kernel_args(q, kv_cache, meta, out), part_out_ptr=part_out, part_lse_ptr=part_lse,
+        **_kernel_args(q, kv_cache, meta, out, kv_scale), part_out_ptr=part_out, part_lse_ptr=part_lse,
         split_tokens=split_tokens, **_score_args(q, scale, sliding_window, logit_softcap),
         GROUP=group, PAGE_SIZE=kv_cache.shape[2],
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n, SINGLE_SPLIT=single,
@@ -421,7 +431,8 @@ def _launch_decodes(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_wi
         )
 
 
-def _launch_prefills(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_window=0, logit_softcap=0.0) -> None:
+def _launch_prefills(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_window=0, logit_softcap=0.0,
+                     kv_scale=None) -> None:
     num_prefills = meta.num_reqs - meta.num_decodes
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
@@ -431,7 +442,7 @@ def _launch_prefills(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_w
     block_m = max(16, block_q * group_pow2)
     grid = (triton.cdiv(meta.max_query_len, block_q), num_prefills, num_kv_heads)
     _prefill_kernel[grid](
-        **_kernel_args(q, kv_cache, meta, out), query_start_loc_ptr=meta.query_start_loc,
+        **_kernel_args(q, kv_cache, meta, out, kv_scale), query_start_loc_ptr=meta.query_start_loc,
         first_req=meta.num_decodes, **_score_args(q, scale, sliding_window, logit_softcap),
         GROUP=group, PAGE_SIZE=kv_cache.shape[2],
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.prefill_block_n,
@@ -465,9 +476,10 @@ def _dot_args(q: torch.Tensor, kv_cache: Optional[torch.Tensor] = None) -> dict:
 
 
 def attend_paged_cached(q, kv_cache, meta: AttentionMetadata, scale: float, out, cfg: LaunchConfig = LaunchConfig(),
-                        sliding_window: int = 0, logit_softcap: float = 0.0, new_kv=None):
+                        sliding_window: int = 0, logit_softcap: float = 0.0, *, kv_scale=None, new_kv=None):
     """Attention only (the new K/V must already be in ``kv_cache``, unless ``new_kv`` gives them
     for a decode-only batch: see ``_launch_decodes``); writes every row of ``out``.
+    ``kv_scale``: an FP8 cache's [2] float32 (k_scale, v_scale), read on the device.
     A head_dim that is not a power of two (Phi-3's 96) is padded to one inside the kernels."""
     head_dim = q.shape[2]
     if not 16 <= head_dim <= 256 or q.stride(2) != 1 or kv_cache.stride(4) != 1:
@@ -477,9 +489,9 @@ def attend_paged_cached(q, kv_cache, meta: AttentionMetadata, scale: float, out,
     if sliding_window < 0 or logit_softcap < 0:
         raise ValueError("sliding_window and logit_softcap must be >= 0 (0: off)")
     if meta.num_decodes > 0:
-        _launch_decodes(q, kv_cache, meta, scale, out, cfg, sliding_window, logit_softcap, new_kv)
+        _launch_decodes(q, kv_cache, meta, scale, out, cfg, sliding_window, logit_softcap, kv_scale, new_kv)
     if meta.num_decodes < meta.num_reqs:
-        _launch_prefills(q, kv_cache, meta, scale, out, cfg, sliding_window, logit_softcap)
+        _launch_prefills(q, kv_cache, meta, scale, out, cfg, sliding_window, logit_softcap, kv_scale)
     return out
 
 
@@ -492,17 +504,20 @@ def triton_attend_paged(
     scale: float,
     sliding_window: int = 0,
     logit_softcap: float = 0.0,
+    *,
+    kv_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Drop-in for ``attend_paged_reference``: store the new K/V, attend; returns [num_tokens, H, D].
     A decode-only batch (one token per request, no padding rows) in a cache of k's dtype stores them
     inside the decode kernel instead of a launch of its own."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if meta.num_decodes == meta.num_reqs == q.shape[0] and kv_cache.dtype == k.dtype and q.shape[0] > 0:
+    if (meta.num_decodes == meta.num_reqs == q.shape[0] and kv_cache.dtype == k.dtype and kv_scale is None
+            and q.shape[0] > 0):
         return attend_paged_cached(q, kv_cache, meta, scale, out, sliding_window=sliding_window,
                                    logit_softcap=logit_softcap, new_kv=(k, v))
-    triton_store_kv(k, v, kv_cache, meta.slot_mapping)
+    triton_store_kv(k, v, kv_cache, meta.slot_mapping, kv_scale=kv_scale)
     return attend_paged_cached(q, kv_cache, meta, scale, out, sliding_window=sliding_window,
-                               logit_softcap=logit_softcap)
+                               logit_softcap=logit_softcap, kv_scale=kv_scale)
 
 
 # ``kiln::attend_paged`` on this kernel: cache and metadata come from the forward context.
@@ -518,7 +533,8 @@ def tolerance(dtype: torch.dtype) -> float:
 
 
 def check_against_reference(batch: PagedBatch, cfg: LaunchConfig = LaunchConfig(), sliding_window: int = 0,
-                            logit_softcap: float = 0.0, fused_store: bool = False) -> float:
+                            logit_softcap: float = 0.0, *, kv_scale: Optional[torch.Tensor] = None,
+                            fused_store: bool = False) -> float:
     """Store + attend with the Triton kernels and the reference on copies of the same cache.
     The cache must match bit for bit; the output, poisoned with NaN first, within ``tolerance``.
     ``fused_store``: the decode kernel stores the new K/V itself (a decode-only batch).
@@ -526,17 +542,18 @@ def check_against_reference(batch: PagedBatch, cfg: LaunchConfig = LaunchConfig(
     q, meta = batch.q, batch.meta
     scale = q.shape[2] ** -0.5
     ref_cache = batch.kv_cache.clone()
-    ref = attend_paged_reference(q, batch.k, batch.v, ref_cache, meta, scale, sliding_window, logit_softcap)
+    ref = attend_paged_reference(q, batch.k, batch.v, ref_cache, meta, scale, sliding_window, logit_softcap,
+                                 kv_scale=kv_scale)
     cache = batch.kv_cache.clone()
     out = torch.full_like(q, float("nan"))
     if fused_store:
         attend_paged_cached(q, cache, meta, scale, out, cfg, sliding_window, logit_softcap, new_kv=(batch.k, batch.v))
     else:
-        triton_store_kv(batch.k, batch.v, cache, meta.slot_mapping)
+        triton_store_kv(batch.k, batch.v, cache, meta.slot_mapping, kv_scale=kv_scale)
     if not torch.equal(cache, ref_cache):
         raise AssertionError("the Triton store wrote a different cache than store_kv_reference")
     if not fused_store:
-        attend_paged_cached(q, cache, meta, scale, out, cfg, sliding_window, logit_softcap)
+        attend_paged_cached(q, cache, meta, scale, out, cfg, sliding_window, logit_softcap, kv_scale=kv_scale)
     tol = tolerance(q.dtype)
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     return (out.float() - ref.float()).abs().max().item()

@@ -15,9 +15,26 @@ runs on the device (or on the rank processes). One ``step()`` call::
     device   ... k ]     idle                                [ k+1 ........... ]
 
 So ``step()`` returns the outputs of the step that just completed, one call after it was
-scheduled; the first call after an idle engine returns none. ``schedule`` needs only what
-``update`` knows (token ids, eos, max_tokens), never the text. ``overlap=False`` (tests' reference)
-runs each step to the end instead: schedule, submit, wait, update, process.
+scheduled; the first call after an idle engine returns none.
+
+Scheduling ahead: where the executor can take a step before the one in flight has returned its
+tokens (``can_schedule_ahead``: one runner on a GPU, which feeds a decode's input token from the
+step before on the device) and every request of the step in flight is sampled plainly (no
+penalties, logit edits, grammar, speculation or pooling), step k+1 is scheduled and launched
+before step k is waited for, so the host's scheduling and input preparation run while the device
+computes step k::
+
+    host     | schedule k+1 (ahead) | submit k+1 | wait k | update k | process k | schedule k+2 ...
+    device   ... k ...................................] [ k+1 ..................................
+
+(``Scheduler.schedule_ahead``: step k's tokens are placeholders until ``update``; a request
+stopped by a token in step k holds a wasted row in step k+1, as one stopped by a stop string does.)
+Blocks freed while two steps are queued may be handed out again at once: the device runs the steps
+in order on one stream, so a later step's writes always come after the earlier step's.
+
+``schedule`` needs only what ``update`` knows (token ids, eos, max_tokens), never the text.
+``overlap=False`` (tests' reference) runs each step to the end instead: schedule, submit, wait,
+update, process.
 
 Rules:
 - Every request that enters leaves through a finish (stop, length, abort, error) and gives its
@@ -31,7 +48,8 @@ Rules:
 - A request finished while its step is in flight (a stop string found in ``process``, an abort
   between calls) gives its blocks back at once; the step still writes its K/V into them. That is
   safe because blocks are handed out only by ``schedule``, which runs after ``wait`` for the step
-  in flight, and nothing else allocates: ``abort_request`` and ``add_request`` only free or queue.
+  in flight (or, scheduling ahead, launches only behind it on the same stream), and nothing else
+  allocates: ``abort_request`` and ``add_request`` only free or queue.
   ``update`` drops the finished request's token from that step, and it is never reported again.
 - Since step k+1 is scheduled before step k's stop strings are known, a request stopped by one
   still holds its seat, budget and blocks in step k+1 (one wasted row), so a waiting request may
@@ -148,6 +166,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.speculative)
         self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._schedule_ahead = (overlap and getattr(self.executor, "can_schedule_ahead", False)
+                                and not config.speculative.enabled)
         runner = getattr(self.executor, "runner", None)  # only the one-process executor holds one here
         # One compiler (and so one grammar cache) where the runner is in this process.
         self.grammars = runner.grammars if runner is not None else GrammarCompiler(
@@ -216,7 +236,17 @@ class LLMEngine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Advance one step; returns the RequestOutputs of the step that completed in this call
         (``finished_only``: of the requests it finished)."""
-        if self._overlap:
+        if self._overlap and self._in_flight is not None and self._can_schedule_ahead(self._in_flight[0]):
+            in_flight = self._in_flight
+            sched = self.scheduler.schedule_ahead(in_flight[0])  # step k+1, step k still running
+            self._in_flight = None
+            following = None if sched.is_empty else (sched, self.executor.submit(sched, after=in_flight[1]))
+            self._in_flight = in_flight
+            try:
+                updated, logprobs = self._wait_in_flight()  # step k
+            finally:
+                self._in_flight = following
+        elif self._overlap:
             updated, logprobs = self._wait_in_flight()  # step k
             self._submit_next()  # step k+1 runs while ...
         else:
@@ -229,6 +259,18 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+
+    def _can_schedule_ahead(self, in_flight: SchedulerOutput) -> bool:
+        """Whether the step after ``in_flight`` may be scheduled before its tokens are back."""
+        if not self._schedule_ahead:
+            return False
+        for s in in_flight.scheduled:  # finished ones too: the step was launched (sampled) with them
+            req = s.request
+            p = req.sampling_params
+            if (s.num_lookahead_tokens or req.pooling is not None or p.edits_logits or p.repetition_penalty != 1.0
+                    or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+                return False
+        return True
 
     def _submit_next(self) -> None:
         sched = self.scheduler.schedule()

@@ -12,6 +12,10 @@ by a ``ModelInputs``. Nothing is allocated per step::
     qsl:        [0, 1, 2, 7]     seq_lens: [start + num_new_tokens per request]
     sample_rows: the last token row of every request whose chunk reaches its last known token
 
+A decode whose input token is still a placeholder (its step is in flight: the scheduler's
+``schedule_ahead``) gets id 0 in the host mirror; ``placeholder_rows`` then lists its token row and
+request id, for the model runner to feed the real token from the device.
+
 The block table row of a request is rewritten each step (its block list only grows, but a row
 may change owner from one step to the next); entries past a request's blocks are never read.
 """
@@ -32,6 +36,7 @@ class InputBatch:
     def __init__(self, buffers: InputBuffers, block_size: int) -> None:
         self.buffers = buffers
         self.block_size = block_size
+        self.placeholder_rows: list[tuple[int, str]] = []  # of the last prepare: (token row, request id)
 
     def prepare(self, sched: SchedulerOutput, drafts: Optional[dict[str, list[int]]] = None
                 ) -> tuple[ModelInputs, list[int]]:
@@ -50,6 +55,7 @@ class InputBatch:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         num_tokens = 0
+        placeholders = self.placeholder_rows = []
         buf.qsl_np[0] = 0
         for i, s in enumerate(sched.scheduled):
             start, n = s.start, s.num_new_tokens - s.num_lookahead_tokens
@@ -57,11 +63,18 @@ class InputBatch:
             blocks = s.block_ids
             buf.table_np[i, : len(blocks)] = blocks
             if n == 1 and not draft:  # a decode: scalar writes, no arrays
-                buf.ids_np[num_tokens] = s.request.token_ids_slice(start, start + 1)[0]
+                token = s.request.token_ids_slice(start, start + 1)[0]
+                if token < 0:  # still in flight: fed from the device
+                    placeholders.append((num_tokens, s.request.request_id))
+                    token = 0
+                buf.ids_np[num_tokens] = token
                 buf.pos_np[num_tokens] = start
                 buf.slot_np[num_tokens] = blocks[start // bs] * bs + start % bs
             else:
                 ids = s.request.token_ids_slice(start, start + n)
+                if ids[-1] < 0:
+                    raise ValueError(f"request {s.request.request_id}: a chunk of {n} tokens ends in a token "
+                                     "still in flight (only a decode can be scheduled ahead of its token)")
                 if draft:
                     ids = ids + list(draft)
                     n += len(draft)

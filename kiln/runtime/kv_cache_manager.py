@@ -130,7 +130,9 @@ class KVCacheManager:
         blocks = self._blocks.setdefault(request_id, [])
         blocks.extend(computed_blocks)
         blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
-        self._cache_full_blocks(request, blocks, num_tokens // self.block_size)
+        # Never over a placeholder (a token still in flight: Scheduler.schedule_ahead).
+        known = request.num_tokens - request.num_output_placeholders
+        self._cache_full_blocks(request, blocks, min(num_tokens, known) // self.block_size)
         ids = self._block_ids[request_id] = [block.block_id for block in blocks]
         return ids[:]
 

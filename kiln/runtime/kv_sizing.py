@@ -57,6 +57,26 @@ def allocate_kv_caches(shape: KVShape, num_blocks: int, device: torch.device) ->
     return [torch.zeros(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
 
 
+def allocate_kv_scales(shape: KVShape, checkpoint_scales: dict[int, list[float]],
+                       device: torch.device) -> Optional[list[torch.Tensor]]:
+    """An FP8 cache's scales: per layer a float32 [2] (k_scale, v_scale), the checkpoint's or 1, views
+    of one [num_layers, 2] tensor on ``device`` (kernels read them there; calibration writes them in
+    place). None for a cache that is not FP8."""
+    if shape.dtype != torch.float8_e4m3fn:
+        if checkpoint_scales:
+            logger.info("the checkpoint's KV cache scales are unused: the cache is %s (cache.dtype=fp8 uses them)",
+                        shape.dtype)
+        return None
+    scales = torch.ones(shape.num_layers, 2, dtype=torch.float32)
+    for layer, pair in checkpoint_scales.items():
+        if not 0 <= layer < shape.num_layers:
+            raise ValueError(f"the checkpoint has KV cache scales for layer {layer}; the model has {shape.num_layers}")
+        scales[layer] = torch.tensor(pair)
+    if checkpoint_scales:
+        logger.info("FP8 KV cache: k/v scales of %d layers from the checkpoint", len(checkpoint_scales))
+    return list(scales.to(device).unbind(0))
+
+
 def decide_num_blocks(config: CacheConfig, shape: KVShape, device: torch.device, activation_bytes: int = 0,
                       graphs: Optional[GraphMemoryEstimate] = None, max_model_len: Optional[int] = None) -> int:
     """The number of blocks this device's budget holds (see the module docstring)."""

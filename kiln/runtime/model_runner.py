@@ -131,8 +131,10 @@ class ModelRunner:
         t_kv = time.perf_counter()
         profile_seconds = t_kv - t_profile
         self.num_blocks, self.kv_caches = self._make_kv_caches(cache_config, activation_bytes)
+        self.kv_scales = kv_sizing.allocate_kv_scales(self.kv_shape, self.loaded.kv_scales, self.device)
         kv_seconds = time.perf_counter() - t_kv
-        self.compiled.bind_kv_caches(self.kv_caches)
+        self.compiled.bind_kv_caches(self.kv_caches, self.kv_scales,
+                                     calibrate_kv_scales=cache_config.calculate_kv_scales)
         try:
             self.compiled.capture_graphs()
         except torch.OutOfMemoryError as e:
@@ -145,6 +147,10 @@ class ModelRunner:
         if isinstance(self.proposer, DraftProposer):
             self.proposer.bind_kv_caches(self.draft_kv_caches)
         self.sampler = Sampler(seed=model_config.seed)
+        # Pinned buffers the sampled ids are read back through on a GPU (_start_read_back).
+        self._read_back: list[Optional[torch.Tensor]] = [None, None]
+        self._read_back_done = [torch.cuda.Event(), torch.cuda.Event()] if self.device.type == "cuda" else []
+        self._read_back_turn = 0
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, _stop_ids(self.arch.eos_token_id))
         on_gpu = self.device.type == "cuda"
         self.bitmasks = GrammarBitmasks(self.grammars, pin_memory=on_gpu, background=on_gpu)
@@ -233,11 +239,15 @@ class ModelRunner:
         return self.collect(self.launch(sched))
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
+    def launch(self, sched: SchedulerOutput, after: Optional[LaunchedStep] = None) -> LaunchedStep:
         """Prepare the inputs and enqueue forward, logits and sampling; on a GPU it returns while
         they run. Everything read from the requests is read here, except in a step a grammar
         constrains: its bitmask fill and sampling read them until ``collect`` (the engine changes a
-        request only after its step is collected)."""
+        request only after its step is collected).
+
+        ``after``: the step launched before this one and not yet collected (the engine scheduled
+        this one ahead); a decode whose input token is still a placeholder takes the token that
+        step sampled for it, on the device, without a read-back."""
         if sched.is_empty:
             return LaunchedStep()
         drafts = self.proposer.propose(sched) if self.proposer is not None else {}
@@ -245,6 +255,8 @@ class ModelRunner:
         if drafts and self.compiled.verify_graphs is not None:
             drafts = pad_drafts(sched, drafts)
         inputs, sample_rows = self.input_batch.prepare(sched, drafts)
+        if self.input_batch.placeholder_rows:
+            inputs.device_input_ids = self._fed_input_ids(self.input_batch.placeholder_rows, after)
         out = self.compiled.run(inputs)
         prompt_logprobs = self._prompt_logprobs(sched, out.hidden)
         embeddings = self._pool(sched, out.hidden)
@@ -273,8 +285,45 @@ class ModelRunner:
             constrained = ConstrainedStep(logits, requests, greedy_ids, self.bitmasks.start_fill(requests))
             return LaunchedStep(request_ids, constrained=constrained, prompt_logprobs=prompt_logprobs,
                                 embeddings=embeddings)
-        return LaunchedStep(request_ids, self.sampler.launch(logits, requests, greedy_ids),
-                            prompt_logprobs=prompt_logprobs, embeddings=embeddings)
+        samples = self.sampler.launch(logits, requests, greedy_ids)
+        self._start_read_back(samples)
+        return LaunchedStep(request_ids, samples, prompt_logprobs=prompt_logprobs, embeddings=embeddings)
+
+    def _fed_input_ids(self, placeholders: list[tuple[int, str]], after: Optional[LaunchedStep]) -> torch.Tensor:
+        """Token ids of rows [0, last placeholder row] on the device: each placeholder row takes
+        the token ``after`` sampled for its request, every other row its id in the host mirror."""
+        if after is None or after.samples is None:
+            raise RuntimeError("a decode's input token is still in flight, but no step in flight sampled it")
+        sampled = after.samples.token_ids  # [rows of `after`], in after.request_ids order
+        index = {rid: i for i, rid in enumerate(after.request_ids)}
+        num_rows = placeholders[-1][0] + 1
+        src = [index[rid] for _, rid in placeholders]
+        if len(placeholders) == num_rows:  # every row up to the last is a placeholder (the usual decode)
+            if src == list(range(num_rows)):  # in the order of the step before: a view, no kernel
+                return sampled[:num_rows]
+            return sampled.index_select(0, host_to_device(src, self.device, torch.int64))
+        known = self.input_batch.buffers.ids_np[:num_rows].tolist()
+        gather = [0] * num_rows
+        for (row, _), i in zip(placeholders, src):
+            gather[row], known[row] = i, -1
+        packed = host_to_device(gather + known, self.device, torch.int64)
+        return torch.where(packed[num_rows:] >= 0, packed[num_rows:], sampled.index_select(0, packed[:num_rows]))
+
+    def _start_read_back(self, samples: SampledTokens) -> None:
+        """On a GPU: copy the sampled ids to pinned host memory behind the sampling, so ``collect``
+        waits for this step and not for one launched after it. Two buffers take turns: at most two
+        steps are in flight, and a step is collected before the step after the next is launched."""
+        if self.device.type != "cuda":
+            return
+        n = samples.num_reqs
+        turn = self._read_back_turn = 1 - self._read_back_turn
+        host = self._read_back[turn]
+        if host is None or host.shape[0] < n:
+            host = self._read_back[turn] = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
+        host[:n].copy_(samples.token_ids, non_blocking=True)
+        done = self._read_back_done[turn]
+        done.record()
+        samples.host_copy = (host, done)
 
     def _pool(self, sched: SchedulerOutput, hidden: torch.Tensor) -> dict[str, list[float]]:
         """Embeddings of the requests whose prompt ends in this step: the last token's final hidden

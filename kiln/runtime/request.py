@@ -49,6 +49,9 @@ class Request:
     # An embedding request: "last" or "mean" pooling of the prompt's final hidden states, normalized;
     # it runs its prefill only and ends without a token.
     pooling: Optional[str] = None
+    # Scheduling ahead (``Scheduler.schedule_ahead``): the token of the step in flight, not yet
+    # known, is held as a placeholder at the end of output_token_ids until update() writes it.
+    num_output_placeholders: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

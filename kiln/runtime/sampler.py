@@ -53,9 +53,17 @@ class SampledTokens:
     sampled_logprobs: Optional[torch.Tensor] = None  # [len(logprob_rows)]
     top_logprobs: Optional[torch.Tensor] = None  # [len(logprob_rows), max count]
     top_ids: Optional[torch.Tensor] = None  # [len(logprob_rows), max count]
+    # On a GPU: token_ids copied (non-blocking) into pinned host memory, and the event after the
+    # copy, so ``result()`` waits for this step only, not for a step launched after it.
+    host_copy: Optional[tuple[torch.Tensor, torch.cuda.Event]] = None
 
     def result(self) -> SamplerOutput:
-        token_ids = self.token_ids.tolist()  # the device -> host sync
+        if self.host_copy is not None:
+            host, copied = self.host_copy
+            copied.synchronize()  # the device -> host sync
+            token_ids = host[:self.num_reqs].tolist()
+        else:
+            token_ids = self.token_ids.tolist()  # the device -> host sync
         logprobs: list[Optional[dict[int, float]]] = [None] * self.num_reqs
         if not self.logprob_rows:
             return SamplerOutput(token_ids, logprobs)

@@ -17,6 +17,13 @@ Rules kept here:
   resumes where it left off. The victim may already be scheduled in this step: it then leaves the
   step's output and gives its tokens back to the budget. A step that preempted admits nothing new.
 - schedule() never advances num_computed_tokens: ScheduledRequest.start reads it until update().
+- Scheduling ahead (``schedule_ahead``): the next step is scheduled while one is in flight. The
+  step in flight is advanced first, as update() would move it, with a placeholder for each token
+  it samples (``PLACEHOLDER_TOKEN``; the model runner feeds the real one from the device); its
+  update() then writes the tokens in and checks them for a stop. A request that finishes by length
+  with the step in flight is not scheduled again; one stopped by a token (eos, stop ids) holds a
+  wasted row in the step scheduled ahead, as a stop string does. A request preempted while its
+  step is in flight still receives that step's token. No block is hashed over a placeholder.
 - update() also ends a request (FINISHED_LENGTH) once it holds as many tokens as the whole pool
   can (plus the last sampled one), so a request alone always fits and never preempts itself.
 - Speculative decoding: while at most ``speculative.max_batch_size`` requests run, a decoding
@@ -36,6 +43,9 @@ from kiln.config import SchedulerConfig, SpeculativeConfig
 from kiln.runtime.kv_cache_manager import KVCacheManager
 from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.scheduler_output import ScheduledRequest, SchedulerOutput
+
+
+PLACEHOLDER_TOKEN = -1  # an output token sampled in a step still in flight (schedule_ahead)
 
 
 def _priority_key(request: Request) -> tuple[int, float]:
@@ -122,6 +132,29 @@ class Scheduler:
             self._schedule_waiting(step)
         return step.to_output()
 
+    def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput:
+        """The step after ``in_flight``, scheduled before its tokens are known (module rules).
+        Every request of ``in_flight`` must sample one token at most (no lookahead slots) and have
+        no placeholder yet; ``update(in_flight, ...)`` then fills the placeholders in."""
+        for s in in_flight.scheduled:  # checked before anything moves
+            if s.request.status is RequestStatus.RUNNING and (s.num_lookahead_tokens
+                                                               or s.request.num_output_placeholders):
+                raise ValueError(f"request {s.request.request_id}: cannot schedule ahead of a step with "
+                                 "lookahead slots or a token still unknown")
+        flags = []
+        for s in in_flight.scheduled:
+            request = s.request
+            samples = s.samples  # read before num_computed_tokens moves
+            flags.append(samples)
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += s.num_new_tokens
+            if samples and request.pooling is None:
+                request.output_token_ids.append(PLACEHOLDER_TOKEN)
+                request.num_output_placeholders = 1
+        in_flight.advanced = flags
+        return self.schedule()
+
     def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int | list[int]]) -> list[Request]:
         """Advance each scheduled request past its chunk and append sampled tokens.
 
@@ -131,6 +164,8 @@ class Scheduler:
         ``schedule()`` (an abort, or a stop string found while the step was in flight) is skipped:
         its tokens are dropped and it is not returned.
         """
+        if output.advanced is not None:
+            return self._update_advanced(output, sampled_token_ids)
         received = []
         for scheduled in output.scheduled:
             request = scheduled.request
@@ -159,6 +194,31 @@ class Scheduler:
                 self.kv_manager.trim(request)
         return received
 
+    def _update_advanced(self, output: SchedulerOutput, sampled_token_ids: dict[str, int | list[int]]
+                         ) -> list[Request]:
+        """update() of a step that schedule_ahead advanced already: its placeholders take their tokens."""
+        received = []
+        for scheduled, samples in zip(output.scheduled, output.advanced):
+            request = scheduled.request
+            if not request.num_output_placeholders:
+                if samples and request.pooling is not None and request.status is RequestStatus.RUNNING:
+                    received.append(request)  # an embedding: its prompt is done, the runner pooled it
+                    self._finish(request, RequestStatus.FINISHED_STOPPED)
+                continue
+            request.num_output_placeholders = 0
+            if request.status.finished:  # finished while in flight (abort, stop string): token dropped
+                request.output_token_ids.pop()
+                continue
+            if request.request_id not in sampled_token_ids:
+                raise ValueError(f"request {request.request_id} reached its last token but has no sampled token")
+            token_id = _as_list(sampled_token_ids[request.request_id])[0]
+            request.output_token_ids[-1] = token_id
+            received.append(request)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self._finish(request, status)  # a request preempted meanwhile leaves the waiting queue
+        return received
+
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """Finish a request from outside (stop string, abort); unknown or finished ids are ignored."""
         if not status.finished:
@@ -175,6 +235,9 @@ class Scheduler:
                 return
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
+            if request.num_output_placeholders and request.num_tokens >= min(request.max_num_tokens,
+                                                                              self.max_num_tokens_in_pool):
+                continue  # its token in flight ends it by length (schedule_ahead)
             num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, step.token_budget)
             if num_new_tokens == 0:
                 continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from kiln.runtime.request import Request
 
@@ -33,6 +34,9 @@ class SchedulerOutput:
     # Execution order: decode requests (one new token, context > 0) first, then prefill chunks.
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    # Set by Scheduler.schedule_ahead once the next step was scheduled while this one was in flight:
+    # per scheduled request, whether its chunk samples (read before its num_computed_tokens moved).
+    advanced: Optional[list[bool]] = None
 
     @property
     def num_batched_tokens(self) -> int:

@@ -7,7 +7,10 @@ a step for nothing; there the step runs in ``wait``. Nothing the runner reads ch
 two calls (the engine's pipeline rule), so both orders give the same tokens.
 
 Rules kept here: a ``forget`` made while a step is in flight (e.g. of a seeded generator the step
-still draws from) is held back and applied after that step's ``wait``.
+still draws from) is held back and applied after that step's ``wait``. On a GPU a step may be
+submitted ``after`` the one in flight (the engine's scheduling ahead): its decodes whose input token
+is still a placeholder take it from that step's sampled tokens on the device; two steps are then
+in flight, and they are waited for in order.
 """
 
 from __future__ import annotations
@@ -39,13 +42,18 @@ class UniProcExecutor(Executor):
         self._describe_model(self.runner.num_blocks, self.runner.max_model_len, self.runner.tokenizer,
                              self.runner.arch)
         self._launch_in_submit = self.runner.device.type == "cuda"
-        self._in_flight = False
+        self.can_schedule_ahead = self._launch_in_submit
+        self._in_flight = 0  # steps submitted and not yet waited for
         self._forgets: list[str] = []  # forgotten while a step was in flight: applied after it
 
-    def submit(self, sched: SchedulerOutput) -> Union[LaunchedStep, _Deferred]:
-        self._check_idle(self._in_flight)
-        handle = self.runner.launch(sched) if self._launch_in_submit else _Deferred(sched)
-        self._in_flight = True
+    def submit(self, sched: SchedulerOutput, after: Optional[LaunchedStep] = None) -> Union[LaunchedStep, _Deferred]:
+        """``after``: the step in flight, whose tokens this step's placeholders take (GPU only)."""
+        if after is None or not self.can_schedule_ahead:
+            self._check_idle(self._in_flight > 0)
+        elif self._in_flight > 1:
+            raise RuntimeError("two steps are already in flight: wait() for one before submitting another")
+        handle = self.runner.launch(sched, after) if self._launch_in_submit else _Deferred(sched)
+        self._in_flight += 1
         return handle
 
     def wait(self, handle: Union[LaunchedStep, _Deferred]) -> RunnerOutput:
@@ -53,9 +61,9 @@ class UniProcExecutor(Executor):
             launched = self.runner.launch(handle.sched) if isinstance(handle, _Deferred) else handle
             return self.runner.collect(launched)
         finally:
-            self._in_flight = False
+            self._in_flight = max(0, self._in_flight - 1)
             forgets, self._forgets = self._forgets, []
-            self.forget(forgets)
+            self._forget_now(forgets)
 
     def shutdown(self) -> None:
         self.runner.shutdown()
@@ -64,5 +72,10 @@ class UniProcExecutor(Executor):
         if self._in_flight:
             self._forgets.extend(request_ids)
             return
+        self._forget_now(request_ids)
+
+    def _forget_now(self, request_ids: list[str]) -> None:
+        # After a wait: a step still in flight (scheduled ahead) sampled only plain rows, which read
+        # nothing a forget drops (a seeded generator was drawn from at its launch).
         for rid in request_ids:
             self.runner.forget(rid)
