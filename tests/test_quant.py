@@ -22,7 +22,7 @@ from kiln.config import CompileConfig, ModelConfig
 from kiln.models.arch import PRESETS
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.quantize import (QuantLinear, checkpoint_quantization, gguf_canonical_int4, make_quant_linear,
-                                  q4_1_blocks, quantize_model, resolve_quantization)
+                                  q4_1_blocks, quantize_lm_head, quantize_model, resolve_quantization)
 from kiln.models.registry import REGISTERED_MODELS
 from kiln.ops import quant
 from kiln.ops.registry import reference_kernels, select_kernels
@@ -237,6 +237,30 @@ def _logits(forward, model) -> torch.Tensor:
     return torch.cat(out)
 
 
+def test_int4_model_on_cuda_reads_an_int8_lm_head():
+    """quantize_lm_head: an untied head of an int4 model on CUDA becomes an int8 QuantLinear whose
+    logits stay within int8's per-channel rounding of the float head's; any other case keeps it."""
+    arch = dataclasses.replace(ARCH, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(arch).eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.1)
+    hidden = torch.randn(3, arch.hidden_size)
+    with torch.inference_mode():
+        want = model.compute_logits(hidden)
+    for scheme, kernels in (("int4", CPU), ("fp8", reference_kernels("cuda")), ("int8", reference_kernels("cuda"))):
+        assert quantize_lm_head(model, scheme, kernels) is None and type(model.lm_head) is nn.Linear
+    assert quantize_lm_head(model, "int4", reference_kernels("cuda")) == "int8"
+    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.scheme == "int8"
+    with torch.inference_mode():
+        got = model.compute_logits(hidden)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    rel = ((got - want).norm() / want.norm()).item()
+    assert 0 < rel < 0.01, rel
+    tied = LlamaForCausalLM(dataclasses.replace(ARCH, tie_word_embeddings=True))
+    assert quantize_lm_head(tied, "int4", reference_kernels("cuda")) is None and tied.lm_head is None
+
+
 def test_quantized_model_kiln_matches_eager_and_float():
     base = _float_model()
     want = _logits(base, base)
@@ -395,3 +419,17 @@ def test_fp8_checkpoint_tensors_load_dequantized(layout):
             assert torch.equal(t, want)
     with pytest.raises(ValueError, match="lack a weight or its weight_scale"):
         list(dequantize_fp8_checkpoint(iter([("a.weight", torch.zeros(2, 2, dtype=quant.FP8_DTYPE))]), torch.float32))
+
+
+def test_dense_int8_dequantizes_in_chunks(monkeypatch):
+    """Above the Triton row limit the int8 op dequantizes a chunk of rows at a time (an LM head
+    would need a 1 GB temporary): the same product as the whole weight at once."""
+    from kiln.ops import quant_cuda
+
+    g = torch.Generator().manual_seed(3)
+    q, s = quant.quantize_int8(torch.randn(300, 64, generator=g))
+    x = torch.randn(20, 64, generator=g)
+    want = F.linear(x, q.float() * s.float()[:, None])
+    monkeypatch.setattr(quant_cuda, "DENSE_CHUNK_BYTES", 64 * 4 * 128)  # 128 rows a chunk: 3 chunks
+    got = quant_cuda._dense_int8(x, q, s)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -201,3 +201,38 @@ def test_plugs_into_attend_paged_op(kernels):
             with forward_context(ctx):
                 out = op(batch.q, batch.k, batch.v, 0, scale, **options)
             torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 7])
+def test_decode_with_fused_store_matches_reference(kernels, size, dtype, window):
+    """A decode-only batch: the decode kernel stores the new K/V itself and reads them from
+    registers; the cache (random in the new slots before) must still match the reference bit for
+    bit. Contexts of one key, a block boundary, several splits with empty ones (static splits)."""
+    spec = _spec(kernels, size, decodes=(1, 16, 17, 45, 3), group=4, dtype=dtype)
+    batch = kernels.random_paged_batch(spec, DEVICE, seed=11)
+    kernels.check_against_reference(batch, _small_tiles(kernels, size), sliding_window=window, fused_store=True)
+    cfg = kernels.LaunchConfig(decode_block_n=16, static_min_split_tokens=16, programs_per_sm=64)
+    with kernels.static_decode_splits(4096):
+        kernels.check_against_reference(batch, cfg, sliding_window=window, fused_store=True)
+
+
+def test_decode_only_batch_takes_the_fused_store(kernels, monkeypatch):
+    """triton_attend_paged on a decode-only batch launches no separate store; with a prefill it does."""
+    from kiln.ops.attention import attend_paged_reference
+
+    stores = []
+    monkeypatch.setattr(kernels, "triton_store_kv", lambda *a, **kw: (stores.append(1), kernels_store(*a, **kw)))
+    kernels_store = importlib.import_module("kiln.ops.triton_kv_store").triton_store_kv
+    for decodes, prefills, want_stores in (((9, 30), (), 0), ((9,), ((26, 10),), 1)):
+        stores.clear()
+        batch = kernels.random_paged_batch(_spec(kernels, "tiny", decodes=decodes, prefills=prefills), DEVICE, seed=12)
+        scale = batch.q.shape[2] ** -0.5
+        ref_cache = batch.kv_cache.clone()
+        ref = attend_paged_reference(batch.q, batch.k, batch.v, ref_cache, batch.meta, scale)
+        cache = batch.kv_cache.clone()
+        out = kernels.triton_attend_paged(batch.q, batch.k, batch.v, cache, batch.meta, scale)
+        assert len(stores) == want_stores
+        assert torch.equal(cache, ref_cache)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

@@ -259,10 +259,13 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [N, hidden] (only the rows to sample) -> [N, vocab] float32.
 
         Under tensor parallelism a collective: every rank must call it for the same rows."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.head_weight is not None:  # a CPU copy in the GEMM's dtype (kiln.ops.cpu_linear.prepare_cpu_decode)
-            weight = self.head_weight
-        logits = decode_linear(hidden, weight)  # [N, this rank's vocab rows]
+        if self.lm_head is not None and type(self.lm_head) is not nn.Linear:  # quantized (kiln.models.quantize)
+            logits = self.lm_head(hidden).to(hidden.dtype)  # [N, this rank's vocab rows]
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            if self.head_weight is not None:  # a CPU copy in the GEMM's dtype (kiln.ops.cpu_linear.prepare_cpu_decode)
+                weight = self.head_weight
+            logits = decode_linear(hidden, weight)  # [N, this rank's vocab rows]
         if self.tp.size > 1:
             logits = torch.ops.kiln.all_gather(logits)  # [N, padded vocab], ranks in order
             if logits.shape[-1] != self.arch.vocab_size:

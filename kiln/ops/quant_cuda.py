@@ -159,10 +159,23 @@ def _linear_int8_triton(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, 
     if x.device.type != "cuda":
         return linear_int8_reference(x, w, scales, group_size)
     if _dense_rows(x):
-        return torch.nn.functional.linear(x, w.to(x.dtype) * scales.to(x.dtype)[:, None])
+        return _dense_int8(x, w, scales)
     from kiln.ops.triton_quant_gemm import triton_linear
 
     return triton_linear("int8", x, w, scales, group_size)
+
+
+DENSE_CHUNK_BYTES = 64 << 20
+
+
+def _dense_int8(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x @ (w * scales).T through cuBLAS, dequantizing at most ``DENSE_CHUNK_BYTES`` of weight
+    rows at a time: an int8 LM head (128k rows) would otherwise need a 1 GB temporary."""
+    rows = max(1, DENSE_CHUNK_BYTES // (w.shape[1] * x.element_size()))
+    if rows >= w.shape[0]:
+        return torch.nn.functional.linear(x, w.to(x.dtype) * scales.to(x.dtype)[:, None])
+    return torch.cat([torch.nn.functional.linear(x, w[i:i + rows].to(x.dtype) * scales[i:i + rows].to(x.dtype)[:, None])
+                      for i in range(0, w.shape[0], rows)], dim=-1)
 
 
 def _linear_int4_triton(x: torch.Tensor, w: torch.Tensor, scales_zeros: torch.Tensor,

@@ -60,6 +60,7 @@ import triton.language as tl
 from kiln.forward_context import AttentionMetadata
 from kiln.ops.attention import attend_paged_reference, define_attention_op, fp8_kv_scale
 from kiln.ops.paged_batch import PagedBatch, PagedBatchSpec, random_paged_batch  # noqa: F401  (checks and tests)
+from kiln.ops.pdl import pdl_args
 from kiln.ops.triton_kv_store import triton_store_kv
 
 LOG2_E = 1.4426950408889634
@@ -146,7 +147,12 @@ def _decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PRESCALE_Q: tl.constexpr = False, kv_scale_ptr=None, KV_SCALED: tl.constexpr = False,
+    k_new_ptr=None, v_new_ptr=None, slot_mapping_ptr=None, stride_kt=0, stride_kh=0, stride_vt=0, stride_vh=0,
+    FUSED_STORE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # kiln.ops.pdl
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     if SLIDING:  # the query (position seq_len - 1) sees the last `window` keys: the splits cover those
@@ -170,6 +176,13 @@ def _decode_kernel(
     else:
         q = q.to(DOT_DTYPE)
 
+    if FUSED_STORE:
+        # The new key and value (position seq_len - 1) come from k/v, not the cache; the split that
+        # holds that position stores them in their slot after its loop (triton_store_kv's work).
+        last = seq_len - 1
+        k_new = tl.load(k_new_ptr + req * stride_kt + kv_head * stride_kh + d, mask=d_ok, other=0.0)
+        v_new = tl.load(v_new_ptr + req * stride_vt + kv_head * stride_vh + d, mask=d_ok, other=0.0)
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
@@ -179,9 +192,19 @@ def _decode_kernel(
         key_ok = offs_n < kv_end
         k_t, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, offs_n, key_ok, kv_head, d, d_ok,
                                stride_cb, stride_cs, stride_ch, PAGE_SIZE, HEAD_DIM == HEAD_DIM_P2)
+        if FUSED_STORE:
+            is_new = offs_n == last
+            k_t = tl.where(is_new[None, :], k_new.to(k_t.dtype)[:, None], k_t)
+            v = tl.where(is_new[:, None], v_new.to(v.dtype)[None, :], v)
         s = _scores(q, k_t.to(DOT_DTYPE), qk_scale, cap_log2, inv_cap, SOFTCAP, DOT_PRECISION)
         s = tl.where(key_ok[None, :], s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v.to(DOT_DTYPE), m_i, l_i, acc, DOT_PRECISION)
+    if FUSED_STORE:
+        if (last >= kv_start) & (last < kv_end):
+            slot = tl.load(slot_mapping_ptr + req).to(tl.int64)
+            dst = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs + kv_head * stride_ch + d
+            tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty), mask=d_ok)
+            tl.store(v_cache_ptr + dst, v_new.to(v_cache_ptr.dtype.element_ty), mask=d_ok)
 
     if KV_SCALED:
         acc = acc * tl.load(kv_scale_ptr + 1)
@@ -202,8 +225,12 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
-                         HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, SPLITS_POW2: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, SPLITS_POW2: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
     """out[req, head] = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     req, head = tl.program_id(0), tl.program_id(1)
     splits = tl.arange(0, SPLITS_POW2)
     ok = splits < num_splits
@@ -366,7 +393,9 @@ def _score_args(q, scale: float, sliding_window: int, logit_softcap: float) -> d
 
 
 def _launch_decodes(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_window=0, logit_softcap=0.0,
-                    kv_scale=None) -> None:
+                    kv_scale=None, new_kv=None) -> None:
+    """``new_kv``: (k, v) of a decode-only batch whose new keys are not yet stored (a cache of k's
+    dtype): the decode kernel stores them and reads them from registers (one launch fewer a layer)."""
     nd = meta.num_decodes
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
@@ -381,18 +410,24 @@ def _launch_decodes(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_wi
     single = num_splits == 1
     part_out = out if single else q.new_empty((nd, num_heads, num_splits, head_dim), dtype=torch.float32)
     part_lse = out if single else q.new_empty((nd, num_heads, num_splits), dtype=torch.float32)
+    store = {}
+    if new_kv is not None:
+        k, v = new_kv
+        store = dict(k_new_ptr=k, v_new_ptr=v, slot_mapping_ptr=meta.slot_mapping, stride_kt=k.stride(0),
+                     stride_kh=k.stride(1), stride_vt=v.stride(0), stride_vh=v.stride(1), FUSED_STORE=True)
     _decode_kernel[(nd, num_kv_heads, num_splits)](
         **_kernel_args(q, kv_cache, meta, out, kv_scale), part_out_ptr=part_out, part_lse_ptr=part_lse,
         split_tokens=split_tokens, **_score_args(q, scale, sliding_window, logit_softcap),
         GROUP=group, PAGE_SIZE=kv_cache.shape[2],
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n, SINGLE_SPLIT=single,
         **_dot_args(q, kv_cache), num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
+        **store, **pdl_args(q),
     )
     if not single:
         _merge_splits_kernel[(nd, num_heads)](
             part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_P2=triton.next_power_of_2(head_dim),
-            SPLITS_POW2=triton.next_power_of_2(num_splits), num_warps=4 if head_dim >= 128 else 2,
+            SPLITS_POW2=triton.next_power_of_2(num_splits), num_warps=4 if head_dim >= 128 else 2, **pdl_args(q),
         )
 
 
@@ -441,8 +476,9 @@ def _dot_args(q: torch.Tensor, kv_cache: Optional[torch.Tensor] = None) -> dict:
 
 
 def attend_paged_cached(q, kv_cache, meta: AttentionMetadata, scale: float, out, cfg: LaunchConfig = LaunchConfig(),
-                        sliding_window: int = 0, logit_softcap: float = 0.0, *, kv_scale=None):
-    """Attention only (the new K/V must already be in ``kv_cache``); writes every row of ``out``.
+                        sliding_window: int = 0, logit_softcap: float = 0.0, *, kv_scale=None, new_kv=None):
+    """Attention only (the new K/V must already be in ``kv_cache``, unless ``new_kv`` gives them
+    for a decode-only batch: see ``_launch_decodes``); writes every row of ``out``.
     ``kv_scale``: an FP8 cache's [2] float32 (k_scale, v_scale), read on the device.
     A head_dim that is not a power of two (Phi-3's 96) is padded to one inside the kernels."""
     head_dim = q.shape[2]
@@ -453,7 +489,7 @@ def attend_paged_cached(q, kv_cache, meta: AttentionMetadata, scale: float, out,
     if sliding_window < 0 or logit_softcap < 0:
         raise ValueError("sliding_window and logit_softcap must be >= 0 (0: off)")
     if meta.num_decodes > 0:
-        _launch_decodes(q, kv_cache, meta, scale, out, cfg, sliding_window, logit_softcap, kv_scale)
+        _launch_decodes(q, kv_cache, meta, scale, out, cfg, sliding_window, logit_softcap, kv_scale, new_kv)
     if meta.num_decodes < meta.num_reqs:
         _launch_prefills(q, kv_cache, meta, scale, out, cfg, sliding_window, logit_softcap, kv_scale)
     return out
@@ -471,9 +507,15 @@ def triton_attend_paged(
     *,
     kv_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Drop-in for ``attend_paged_reference``: store the new K/V, attend; returns [num_tokens, H, D]."""
-    triton_store_kv(k, v, kv_cache, meta.slot_mapping, kv_scale=kv_scale)
+    """Drop-in for ``attend_paged_reference``: store the new K/V, attend; returns [num_tokens, H, D].
+    A decode-only batch (one token per request, no padding rows) in a cache of k's dtype stores them
+    inside the decode kernel instead of a launch of its own."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if (meta.num_decodes == meta.num_reqs == q.shape[0] and kv_cache.dtype == k.dtype and kv_scale is None
+            and q.shape[0] > 0):
+        return attend_paged_cached(q, kv_cache, meta, scale, out, sliding_window=sliding_window,
+                                   logit_softcap=logit_softcap, new_kv=(k, v))
+    triton_store_kv(k, v, kv_cache, meta.slot_mapping, kv_scale=kv_scale)
     return attend_paged_cached(q, kv_cache, meta, scale, out, sliding_window=sliding_window,
                                logit_softcap=logit_softcap, kv_scale=kv_scale)
 
@@ -491,9 +533,11 @@ def tolerance(dtype: torch.dtype) -> float:
 
 
 def check_against_reference(batch: PagedBatch, cfg: LaunchConfig = LaunchConfig(), sliding_window: int = 0,
-                            logit_softcap: float = 0.0, *, kv_scale: Optional[torch.Tensor] = None) -> float:
+                            logit_softcap: float = 0.0, *, kv_scale: Optional[torch.Tensor] = None,
+                            fused_store: bool = False) -> float:
     """Store + attend with the Triton kernels and the reference on copies of the same cache.
     The cache must match bit for bit; the output, poisoned with NaN first, within ``tolerance``.
+    ``fused_store``: the decode kernel stores the new K/V itself (a decode-only batch).
     Returns the largest absolute output error."""
     q, meta = batch.q, batch.meta
     scale = q.shape[2] ** -0.5
@@ -501,11 +545,15 @@ def check_against_reference(batch: PagedBatch, cfg: LaunchConfig = LaunchConfig(
     ref = attend_paged_reference(q, batch.k, batch.v, ref_cache, meta, scale, sliding_window, logit_softcap,
                                  kv_scale=kv_scale)
     cache = batch.kv_cache.clone()
-    triton_store_kv(batch.k, batch.v, cache, meta.slot_mapping, kv_scale=kv_scale)
-    if not torch.equal(cache, ref_cache):
-        raise AssertionError("triton_store_kv wrote a different cache than store_kv_reference")
     out = torch.full_like(q, float("nan"))
-    attend_paged_cached(q, cache, meta, scale, out, cfg, sliding_window, logit_softcap, kv_scale=kv_scale)
+    if fused_store:
+        attend_paged_cached(q, cache, meta, scale, out, cfg, sliding_window, logit_softcap, new_kv=(batch.k, batch.v))
+    else:
+        triton_store_kv(batch.k, batch.v, cache, meta.slot_mapping, kv_scale=kv_scale)
+    if not torch.equal(cache, ref_cache):
+        raise AssertionError("the Triton store wrote a different cache than store_kv_reference")
+    if not fused_store:
+        attend_paged_cached(q, cache, meta, scale, out, cfg, sliding_window, logit_softcap, kv_scale=kv_scale)
     tol = tolerance(q.dtype)
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     return (out.float() - ref.float()).abs().max().item()

@@ -12,6 +12,7 @@ kernels do each op in one pass:
 Numerics follow the references op for op: the residual sum is rounded to the input dtype, the
 norm's statistics are float32, the normed row is rounded before the weight multiplies it, and
 silu is rounded before the multiply by ``up``. Only the sum's order inside the mean differs.
+On Hopper both launch with programmatic dependent launch (``kiln.ops.pdl``).
 
 ``check_against_reference`` compares both with the references on fresh random inputs. The ops
 ``kiln_triton::add_rms_norm`` and ``kiln_triton::silu_and_mul`` (the schemas of the generic ops) are
@@ -26,13 +27,17 @@ import triton.language as tl
 
 from kiln.ops.activation import define_silu_and_mul_op, silu_and_mul_reference
 from kiln.ops.layernorm import add_rms_norm_reference, define_add_rms_norm_op
+from kiln.ops.pdl import pdl_args
 
 _SILU_BLOCK = 1024
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, eps,
-                         stride_x, stride_r, stride_o, stride_nr, BLOCK: tl.constexpr):
+                         stride_x, stride_r, stride_o, stride_nr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # kiln.ops.pdl: wait for the kernel before, let the next one's blocks launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -48,7 +53,10 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, ep
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row, block = tl.program_id(0), tl.program_id(1)
     cols = block * BLOCK + tl.arange(0, BLOCK)
     ok = cols < d
@@ -71,7 +79,7 @@ def triton_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
         _add_rms_norm_kernel[(num_tokens,)](
             x, residual, weight.contiguous(), out, new_residual, hidden, eps,
             x.stride(0), residual.stride(0), out.stride(0), new_residual.stride(0),
-            BLOCK=block, num_warps=min(16, max(4, block // 512)),
+            BLOCK=block, num_warps=min(16, max(4, block // 512)), **pdl_args(x),
         )
     return out, new_residual
 
@@ -84,7 +92,7 @@ def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = x.new_empty((num_tokens, d))
     if num_tokens:
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, _SILU_BLOCK))](
-            x, out, d, x.stride(0), out.stride(0), BLOCK=_SILU_BLOCK, num_warps=4,
+            x, out, d, x.stride(0), out.stride(0), BLOCK=_SILU_BLOCK, num_warps=4, **pdl_args(x),
         )
     return out
 
