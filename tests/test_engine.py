@@ -288,6 +288,35 @@ def test_schedule_ahead_only_of_steps_launched_with_plain_rows(smol, monkeypatch
     assert engine._can_schedule_ahead(SchedulerOutput([ScheduledRequest(plain, 3, [1])]))
 
 
+
+def test_abort_while_scheduled_ahead(smol, smol_greedy, monkeypatch):
+    """Scheduling ahead forced on the CPU: a request aborted while the step scheduled ahead of the
+    one before is in flight leaves no blocks behind, is never reported again, and the other
+    request's tokens are the greedy ones."""
+    engine = smol.engine
+    monkeypatch.setattr(engine, "_schedule_ahead", True)
+    monkeypatch.setattr(engine.executor, "can_schedule_ahead", True)
+    monkeypatch.setattr(engine.executor, "_launch_in_submit", True)
+    ahead = []
+    schedule_ahead = engine.scheduler.schedule_ahead
+    monkeypatch.setattr(engine.scheduler, "schedule_ahead", lambda s: ahead.append(s) or schedule_ahead(s))
+    engine.add_request("a", PROMPTS[2], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    engine.add_request("b", PROMPTS[3], SamplingParams(max_tokens=6, temperature=0.0))
+    engine.step()
+    engine.step()  # the prefill's outputs; the first decode of both was scheduled ahead of them
+    assert len(ahead) == 1 and ahead[0].advanced is not None
+    in_flight = engine._in_flight[0]
+    assert [s.request.request_id for s in in_flight.scheduled] == ["a", "b"]
+    out = engine.abort_request("a")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert engine.kv_manager.get_block_ids("a") == []
+    later = []
+    while engine.has_unfinished_requests():
+        later += engine.step()
+    assert "a" not in {o.request_id for o in later}
+    assert later[-1].request_id == "b" and later[-1].outputs[0].token_ids == smol_greedy[3][:6]
+    _assert_no_leak(smol)
+
 def test_a_step_is_processed_while_the_next_one_is_in_flight(smol, monkeypatch):
     engine = smol.engine
     monkeypatch.setattr(engine, "_schedule_ahead", False)  # the loop that waits before it schedules (on a GPU too)
