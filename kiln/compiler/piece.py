@@ -12,6 +12,8 @@ Rules kept here:
   heuristic compares the token count with the other sizes of a matmul whose sizes are not
   aligned (``K > M``: Qwen2-MoE's 60-expert router and 1-wide shared-expert gate guarded
   ``num_tokens < hidden_size``). Static builds keep it.
+- A piece on the CPU is built with Inductor's C++ wrapper (``cpp_wrapper``): no Python between
+  its kernels.
 - Inside ``PieceCompiler.progress()`` each build advances a progress bar (on a terminal only).
 """
 
@@ -35,6 +37,10 @@ logger = logging.getLogger(__name__)
 
 # Inductor settings of the dynamic build only (see the module docstring).
 DYNAMIC_BUILD_PATCHES = {"shape_padding": False}
+# Inductor settings of a piece whose inputs are all on the CPU: a C++ wrapper calls the piece's
+# kernels and extern ops, not a Python ``call`` function (a decode step calls ~30 pieces of ~10
+# kernels each; SmolLM2 bf16 batch-1 decode, 1 thread: 31.0 -> 28.1 ms a step).
+CPU_BUILD_PATCHES = {"cpp_wrapper": True}
 
 
 def piece_key(gm: torch.fx.GraphModule, example_args: list[Any]) -> str:
@@ -188,8 +194,9 @@ class PieceCompiler:
         self.passes.label = f"piece_{key}_{variant}"
         if self._bar is not None:
             self._bar.set_postfix_str(f"piece {key[:8]} {variant}")
-        artifact = standalone_compile(gm, args, dynamic_shapes=dynamic_shapes,
-                                      options={"config_patches": {**self.patches, **(patches or {})}})
+        on_cpu = all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
+        patches = {**self.patches, **(CPU_BUILD_PATCHES if on_cpu else {}), **(patches or {})}
+        artifact = standalone_compile(gm, args, dynamic_shapes=dynamic_shapes, options={"config_patches": patches})
         elapsed = time.perf_counter() - t0
         self.num_compiles += 1
         self.compile_seconds += elapsed
