@@ -305,8 +305,14 @@ def test_abort_while_scheduled_ahead(smol, smol_greedy, monkeypatch):
     engine.step()
     engine.step()  # the prefill's outputs; the first decode of both was scheduled ahead of them
     assert len(ahead) == 1 and ahead[0].advanced is not None
-    in_flight = engine._in_flight[0]
-    assert [s.request.request_id for s in in_flight.scheduled] == ["a", "b"]
+    _abort_a_and_finish_b(smol, smol_greedy)
+
+
+def _abort_a_and_finish_b(smol, smol_greedy):
+    """With the first decode of requests a and b in flight: abort a (its blocks freed at once, its
+    step still writing them), run b to the end; a is never reported again, b's tokens are greedy."""
+    engine = smol.engine
+    assert [s.request.request_id for s in engine._in_flight[0].scheduled] == ["a", "b"]
     out = engine.abort_request("a")
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert engine.kv_manager.get_block_ids("a") == []
@@ -316,6 +322,8 @@ def test_abort_while_scheduled_ahead(smol, smol_greedy, monkeypatch):
     assert "a" not in {o.request_id for o in later}
     assert later[-1].request_id == "b" and later[-1].outputs[0].token_ids == smol_greedy[3][:6]
     _assert_no_leak(smol)
+    return out
+
 
 def test_a_step_is_processed_while_the_next_one_is_in_flight(smol, monkeypatch):
     engine = smol.engine
@@ -344,17 +352,8 @@ def test_abort_while_its_step_is_in_flight(smol, smol_greedy):
     engine.add_request("b", PROMPTS[3], SamplingParams(max_tokens=6, temperature=0.0))
     engine.step()
     engine.step()  # outputs of the prefill; the first decode of both is in flight
-    in_flight = [s.request.request_id for s in engine._in_flight[0].scheduled]
-    assert in_flight == ["a", "b"]
-    out = engine.abort_request("a")
-    assert out.finished and out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) == 1
-    assert engine.kv_manager.get_block_ids("a") == []  # freed now; its step still writes them
-    later = []
-    while engine.has_unfinished_requests():
-        later += engine.step()
-    assert "a" not in {o.request_id for o in later}
-    assert later[-1].request_id == "b" and later[-1].outputs[0].token_ids == smol_greedy[3][:6]
-    _assert_no_leak(smol)
+    out = _abort_a_and_finish_b(smol, smol_greedy)
+    assert len(out.outputs[0].token_ids) == 1
 
 
 @pytest.mark.gpu
