@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 
 from kiln.ops import pdl
@@ -33,3 +34,15 @@ def test_kiln_pdl_setting(monkeypatch):
         monkeypatch.setenv("KILN_PDL", setting)
         assert pdl.use_pdl(_cuda_tensor(), "gemm") is gemm
         assert pdl.use_pdl(_cuda_tensor()) is other
+
+
+def test_pdl_setting_words_and_a_clear_error(monkeypatch):
+    monkeypatch.setattr(pdl, "_sm_major", lambda index: 9)
+    for off in ("0", "off", "False"):
+        monkeypatch.setenv("KILN_PDL", off)
+        assert not pdl.use_pdl(_cuda_tensor())
+    monkeypatch.setenv("KILN_PDL", "on")
+    assert pdl.use_pdl(_cuda_tensor())
+    monkeypatch.setenv("KILN_PDL", "maybe")
+    with pytest.raises(ValueError, match="KILN_PDL='maybe'.*choose 1"):
+        pdl.use_pdl(_cuda_tensor())
