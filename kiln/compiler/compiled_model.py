@@ -10,7 +10,9 @@ runtime then only writes steps into ``inputs`` and calls ``run``::
                                                and the persistent InputBuffers
     set_verify_shape(VerifyShape)          ─> (speculative decoding) full graphs for k + 1 tokens a request
     bind_kv_caches(kv_caches, kv_scales)   ─> the caches (and FP8 scales) every forward context carries
-    capture_graphs()                       ─> full / piecewise CUDA graphs, as compile.cudagraph asks
+    capture_graphs(max_size)               ─> full / piecewise CUDA graphs, as compile.cudagraph asks
+                                               (all sizes, or those up to max_size: compile.capture=lazy)
+    capture_next()                         ─> (lazy) one more size, between steps, until none is pending
     per step:
       InputBatch writes the step into
       compiled.inputs' host mirrors
@@ -128,6 +130,7 @@ class CompiledModel:
         self.verify_graphs: Optional[FullCUDAGraphs] = None  # uniform verify batches (set_verify_shape)
         self.verify_shape: Optional[VerifyShape] = None
         self.piecewise_graphs: Optional[PiecewiseCUDAGraphs] = None  # any batch up to the largest size
+        self._graph_pool: Optional[tuple] = None  # the one pool every graph is captured into
         logger.info("kernels on %s: %s", kernels.device_type,
                     ", ".join(f"{op} {name}" for op, name in kernels.describe().items()))
 
@@ -151,11 +154,13 @@ class CompiledModel:
         self._calibrate_kv_scales = calibrate_kv_scales and kv_scales is not None
 
     def capture_graphs(self, record: Optional[GraphRecorder] = None,
-                       modes: Optional[set[GraphMode]] = None) -> None:
+                       modes: Optional[set[GraphMode]] = None, max_size: Optional[int] = None) -> None:
         """Capture what ``compile.cudagraph`` asks for (``modes`` overrides it) over the bound caches:
         full graphs first (the piece wrappers are not installed yet, so nothing nests), then piece
-        graphs, all in one memory pool (graphs never run concurrently). Off the GPU this captures
-        nothing, unless ``record`` emulates piecewise capture (tests)."""
+        graphs, all in one memory pool (graphs never run concurrently). ``max_size``: only sizes up
+        to it (requests for full graphs, tokens for piece graphs) now; the others stay pending for
+        ``capture_next``, and until then a batch runs on the next captured size up or without
+        graphs. Off the GPU this captures nothing, unless ``record`` emulates piecewise capture (tests)."""
         has_pieces = isinstance(self.forward, KilnForward)
         if modes is None:
             modes = wanted_graph_modes(self.config.cudagraph, has_pieces) if self.device.type == "cuda" else set()
@@ -163,18 +168,43 @@ class CompiledModel:
             return
         if not self.kv_caches:
             raise RuntimeError("bind the KV caches before capturing CUDA graphs")
-        pool = torch.cuda.graph_pool_handle() if record is None else None
+        pool = self._graph_pool = torch.cuda.graph_pool_handle() if record is None else None
+
+        def capture(graphs) -> None:
+            sizes = graphs.pending_sizes if max_size is None else [s for s in graphs.pending_sizes if s <= max_size]
+            graphs.capture(self._capture_scope, self.kv_caches, pool, sizes=sizes)
+
         if GraphMode.FULL in modes:
             self.full_graphs = FullCUDAGraphs(self.forward, self.inputs, self.config.capture_sizes,
                                               compute_logits=self.model.compute_logits)
-            self.full_graphs.capture(self._capture_scope, self.kv_caches, pool)
+            capture(self.full_graphs)
             if self.verify_shape is not None:
                 self.verify_graphs = self._verify_graphs(self.config.capture_sizes)
-                self.verify_graphs.capture(self._capture_scope, self.kv_caches, pool)
+                capture(self.verify_graphs)
         if GraphMode.PIECEWISE in modes:
-            self.piecewise_graphs = PiecewiseCUDAGraphs(self.forward, self.inputs,
-                                                        piecewise_capture_sizes(self.config.capture_sizes, modes), record)
-            self.piecewise_graphs.capture(self._capture_scope, self.kv_caches, pool)
+            sizes = piecewise_capture_sizes(self.config.capture_sizes, modes)
+            self.piecewise_graphs = PiecewiseCUDAGraphs(self.forward, self.inputs, sizes, record)
+            capture(self.piecewise_graphs)
+
+    @property
+    def num_pending_captures(self) -> int:
+        """Sizes (of any kind of graph) planned and not captured yet."""
+        return sum(len(g.pending_sizes) for g in self._graph_sets())
+
+    def capture_next(self) -> Optional[int]:
+        """Capture one pending size: the largest pending full-graph size, then verify graphs', then
+        piece graphs' (largest first, as in one capture call, so a size reuses the larger one's
+        memory). Only between steps, with none in flight: capture rewrites the input buffers and
+        overwrites graph outputs in the pool. Returns the size, or None when nothing is pending."""
+        for graphs in self._graph_sets():
+            pending = graphs.pending_sizes
+            if pending:
+                graphs.capture(self._capture_scope, self.kv_caches, self._graph_pool, log=False, sizes=[pending[-1]])
+                return pending[-1]
+        return None
+
+    def _graph_sets(self) -> list:
+        return [g for g in (self.full_graphs, self.verify_graphs, self.piecewise_graphs) if g is not None]
 
     def _verify_graphs(self, capture_sizes) -> FullCUDAGraphs:
         shape = self.verify_shape
