@@ -36,8 +36,9 @@ Lazy CUDA-graph capture (``compile.capture=lazy``): the sizes the runner did not
 start-up are captured one at a time between steps, with no step in flight (a capture rewrites the
 input buffers and graph outputs a step reads): a call whose capture is due waits for the step in
 flight, returns its outputs without submitting another, and the next call captures one size
-before it submits. Never before the first step, and at most ``CAPTURE_SHARE`` of a busy engine's
-time; an idle server captures in its loop (``capture_idle``).
+before it submits. Never before the first step; a size a batch ran without (it would have
+replayed that graph were every size captured) at the next step boundary, the others in at most
+``CAPTURE_SHARE`` of a busy engine's time; an idle server captures in its loop (``capture_idle``).
 
 ``schedule`` needs only what ``update`` knows (token ids, eos, max_tokens), never the text.
 ``overlap=False`` (tests' reference) runs each step to the end instead: schedule, submit, wait,
@@ -97,7 +98,7 @@ logger = logging.getLogger(__name__)
 
 Prompt = Union[str, list[int], TokenizedPrompt]
 
-CAPTURE_SHARE = 0.25  # of a busy engine's wall time, at most, spent capturing CUDA graphs lazily
+CAPTURE_SHARE = 0.1  # of a busy engine's wall time, at most, spent capturing sizes no batch asked for yet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,7 +299,7 @@ class LLMEngine:
 
     def _capture_due(self) -> bool:
         return (self._captures_pending and self._num_steps_done > 0
-                and time.perf_counter() >= self._next_capture_at)
+                and (self.executor.has_wanted_captures or time.perf_counter() >= self._next_capture_at))
 
     def _capture_between_steps(self) -> None:
         t0 = time.perf_counter()

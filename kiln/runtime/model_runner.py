@@ -187,6 +187,10 @@ class ModelRunner:
     def has_pending_captures(self) -> bool:
         return self.lazy_capture and self.compiled.num_pending_captures > 0
 
+    @property
+    def has_wanted_captures(self) -> bool:
+        return self.lazy_capture and self.compiled.has_wanted_captures
+
     def capture_pending(self) -> bool:
         """Capture one more pending CUDA-graph size; call only between steps, with no step in flight
         (the engine's rule). Returns whether sizes are still pending. The KV cache was sized after

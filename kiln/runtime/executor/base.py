@@ -66,6 +66,11 @@ class Executor(abc.ABC):
         """CUDA-graph sizes left for ``capture_pending`` (``compile.capture=lazy``)."""
         return False
 
+    @property
+    def has_wanted_captures(self) -> bool:
+        """Whether a pending size is one a batch ran without (it is captured at the next step boundary)."""
+        return False
+
     def capture_pending(self) -> bool:
         """Capture one pending CUDA-graph size; only with no step in flight. Returns whether more are pending."""
         return False
