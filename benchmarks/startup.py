@@ -33,6 +33,7 @@ Writes ``benchmarks/results/startup-<system>-<time>.json`` and appends rows to `
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -117,7 +118,8 @@ def then_batch(llm, shape: str) -> dict:
     after, tokens_after = timed()
     same = sum(a == b for a, b in zip(tokens, tokens_after)) / n
     return {"batch_first_tok_s": during, "capture_drain_s": drain, "batch_steady_tok_s": after,
-            "batch_same_tokens": same, "batch_first_tokens": tokens[0][:8]}
+            "batch_same_tokens": same, "batch_first_tokens": tokens[0][:8],
+            "batch_steady_hash": hashlib.sha256(json.dumps(tokens_after).encode()).hexdigest()[:12]}
 
 
 def start(opts: dict, scratch: Path, run: str, machine: Optional[str] = None) -> dict:
@@ -317,7 +319,8 @@ def report(args, cold: dict, warm: dict, restart: Optional[dict] = None) -> None
     if "batch_first_tok_s" in warm:
         print("warm, then a batch: " + ", ".join(f"{k} {warm[k]:.3g}" if isinstance(warm[k], float) else f"{k} {warm[k]}"
                                                  for k in ("batch_first_tok_s", "capture_drain_s", "batch_steady_tok_s",
-                                                           "batch_same_tokens", "batch_first_tokens")))
+                                                           "batch_same_tokens", "batch_first_tokens",
+                                                           "batch_steady_hash")))
     if args.no_save and not args.out:
         return
     records = []
