@@ -13,9 +13,6 @@ from kiln.config import CompileConfig, EngineConfig, ParallelConfig
 from tests.test_cuda_graphs import (MIXED_CAPTURE_SIZES, _agreeing_prefix, _greedy, _mixed_llm, _mixed_workload,
                                     _prompts, dispatch_log, emulated_graph)  # noqa: F401 - dispatch_log is a fixture
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
 def test_capture_resolves_to_lazy_only_in_the_engine_process():
     assert EngineConfig().resolved("cuda").compile.capture == "lazy"
     assert EngineConfig(parallel=ParallelConfig(backend="mp")).resolved("cuda").compile.capture == "startup"
