@@ -33,6 +33,7 @@ Writes ``benchmarks/results/startup-<system>-<time>.json`` and appends rows to `
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -85,12 +86,40 @@ def child(opts: dict) -> None:
     if sampler is not None:
         sampler.stop()
         Path(opts["sample_dir"], f"stacks-{opts['run']}.txt").write_text(sampler.report())
+    batch = then_batch(llm, opts["then_batch"]) if opts.get("then_batch") and opts["run"].startswith("warm") else {}
     runner = llm.engine.executor.runner
-    print("RESULT " + json.dumps({
+    print("RESULT " + json.dumps({**batch,
         "ready_wall": ready, "first_token_wall": first_token, "import_done_wall": t_import, **marks,
         "token": out[0].outputs[0].token_ids[0],
         "cache_hit": bool(getattr(runner.compiled.forward, "cache_hit", False)), **runner.startup_seconds,
     }), flush=True)
+
+
+def then_batch(llm, shape: str) -> dict:
+    """``--then-batch N,T``: right after the first token, N greedy requests of T new tokens (offline
+    throughput while lazily captured graphs are still being captured), then every pending size
+    captured (``capture_idle``, where the engine has it) and the same batch again (steady state)."""
+    from kiln import SamplingParams
+
+    n, max_tokens = (int(x) for x in shape.split(","))
+    prompts = [[100 + i] + [200, 300, 400, 500, 600, 700, 800] * 4 for i in range(n)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    def timed() -> tuple[float, list[list[int]]]:
+        t0 = time.time()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return n * max_tokens / (time.time() - t0), [list(o.outputs[0].token_ids) for o in outs]
+
+    during, tokens = timed()
+    t0 = time.time()
+    while getattr(llm.engine, "capture_idle", lambda: False)():
+        pass
+    drain = time.time() - t0
+    after, tokens_after = timed()
+    same = sum(a == b for a, b in zip(tokens, tokens_after)) / n
+    return {"batch_first_tok_s": during, "capture_drain_s": drain, "batch_steady_tok_s": after,
+            "batch_same_tokens": same, "batch_first_tokens": tokens[0][:8],
+            "batch_steady_hash": hashlib.sha256(json.dumps(tokens_after).encode()).hexdigest()[:12]}
 
 
 def start(opts: dict, scratch: Path, run: str, machine: Optional[str] = None) -> dict:
@@ -239,6 +268,8 @@ def main() -> None:
     parser.add_argument("--no-save", action="store_true", help="print only; write no results files")
     parser.add_argument("--sample-stacks", default=None, metavar="DIR",
                         help="sample each start's main-thread stack; write the top functions to DIR/stacks-<run>.txt")
+    parser.add_argument("--then-batch", default=None, metavar="N,T",
+                        help="after the first token of a warm start: N requests of T tokens, twice (tok/s)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -261,7 +292,7 @@ def main() -> None:
     try:
         opts = {"model": args.model, "cudagraph": args.cudagraph, "device": args.device, "mode": args.mode,
                 "max_model_len": args.max_model_len, "cache_dir": str(prepared_cache_dir(scratch, source)),
-                "sample_dir": args.sample_stacks}
+                "sample_dir": args.sample_stacks, "then_batch": args.then_batch}
         if checkpoint is not None:
             drop_page_cache(checkpoint)
         cold = start(opts, scratch, "cold")
@@ -285,6 +316,11 @@ def report(args, cold: dict, warm: dict, restart: Optional[dict] = None) -> None
     ratio = warm["ttft_s"] / cold["ttft_s"]
     print(console_table(header, rows))
     print(f"warm / cold time to first token: {ratio:.2f}")
+    if "batch_first_tok_s" in warm:
+        print("warm, then a batch: " + ", ".join(f"{k} {warm[k]:.3g}" if isinstance(warm[k], float) else f"{k} {warm[k]}"
+                                                 for k in ("batch_first_tok_s", "capture_drain_s", "batch_steady_tok_s",
+                                                           "batch_same_tokens", "batch_first_tokens",
+                                                           "batch_steady_hash")))
     if args.no_save and not args.out:
         return
     records = []

@@ -137,6 +137,9 @@ class SchedulerConfig:
 
 COMPILE_MODES = ("auto", "eager", "stock", "kiln")
 CUDAGRAPH_MODES = ("auto", "none", "piecewise", "full", "full_and_piecewise")
+# When CUDA graphs are captured: every capture size before the engine is ready ("startup"), or only
+# those up to max_startup_capture_size, the rest between engine steps once serving ("lazy").
+CAPTURE_MODES = ("auto", "startup", "lazy")
 
 
 @dataclass(frozen=True)
@@ -150,11 +153,16 @@ class CompileConfig:
     cudagraph: str = "auto"  # auto: full_and_piecewise on CUDA, none on the CPU
     sizes: tuple[int, ...] = ()  # extra sizes Inductor specializes for
     capture_sizes: Optional[tuple[int, ...]] = None  # None: default_capture_sizes(max_num_seqs, max tokens)
+    capture: str = "auto"  # CAPTURE_MODES; auto: lazy where the engine runs the model in its own process
+    max_startup_capture_size: int = 8  # lazy: sizes up to this are captured before the engine is ready
     debug_dump_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_choice("compile", "mode", self.mode, COMPILE_MODES)
         _check_choice("compile", "cudagraph", self.cudagraph, CUDAGRAPH_MODES)
+        _check_choice("compile", "capture", self.capture, CAPTURE_MODES)
+        if int(self.max_startup_capture_size) < 0:
+            raise ValueError(f"compile.max_startup_capture_size must be >= 0, got {self.max_startup_capture_size}")
         object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
         if self.capture_sizes is not None:
             sizes = tuple(sorted({int(s) for s in self.capture_sizes}))
@@ -358,6 +366,9 @@ class EngineConfig:
     def resolved(self, device_type: str) -> "EngineConfig":
         """This config with every ``auto`` / ``None`` default decided for ``device_type``."""
         compile, scheduler = resolve_for_device(self.compile, self.scheduler, device_type)
+        if compile.capture == "auto":
+            # Lazy capture runs between the engine's steps: only where the model runs in its process.
+            compile = dataclasses.replace(compile, capture="lazy" if self.parallel.backend == "uni" else "startup")
         return dataclasses.replace(self, compile=compile, scheduler=scheduler)
 
 

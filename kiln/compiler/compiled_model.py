@@ -10,7 +10,9 @@ runtime then only writes steps into ``inputs`` and calls ``run``::
                                                and the persistent InputBuffers
     set_verify_shape(VerifyShape)          ─> (speculative decoding) full graphs for k + 1 tokens a request
     bind_kv_caches(kv_caches, kv_scales)   ─> the caches (and FP8 scales) every forward context carries
-    capture_graphs()                       ─> full / piecewise CUDA graphs, as compile.cudagraph asks
+    capture_graphs(max_size)               ─> full / piecewise CUDA graphs, as compile.cudagraph asks
+                                               (all sizes, or those up to max_size: compile.capture=lazy)
+    capture_next()                         ─> (lazy) one more size, between steps, until none is pending
     per step:
       InputBatch writes the step into
       compiled.inputs' host mirrors
@@ -30,7 +32,7 @@ import contextlib
 import gc
 import logging
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -39,7 +41,7 @@ from kiln.compiler.artifact_cache import ArtifactCache
 from kiln.compiler.capture import KilnForward
 from kiln.compiler.cudagraph import FullCUDAGraphs, GraphMode, piecewise_capture_sizes, wanted_graph_modes
 from kiln.compiler.forward import build_forward, build_now, compile_seconds
-from kiln.compiler.inputs import InputBuffers, InputLimits, ModelInputs, VerifyShape
+from kiln.compiler.inputs import InputBuffers, InputLimits, ModelInputs, VerifyShape, next_capture_size
 from kiln.compiler.piecewise import GraphRecorder, PiecewiseCUDAGraphs
 from kiln.config import CompileConfig
 from kiln.forward_context import ForwardContext, forward_context
@@ -128,6 +130,9 @@ class CompiledModel:
         self.verify_graphs: Optional[FullCUDAGraphs] = None  # uniform verify batches (set_verify_shape)
         self.verify_shape: Optional[VerifyShape] = None
         self.piecewise_graphs: Optional[PiecewiseCUDAGraphs] = None  # any batch up to the largest size
+        self._graph_pool: Optional[tuple] = None  # the one pool every graph is captured into
+        self._any_pending = False  # planned sizes not captured yet (compile.capture=lazy)
+        self._wanted: list[tuple[Any, int]] = []  # (graphs, size) a batch ran without, not captured yet
         logger.info("kernels on %s: %s", kernels.device_type,
                     ", ".join(f"{op} {name}" for op, name in kernels.describe().items()))
 
@@ -151,11 +156,13 @@ class CompiledModel:
         self._calibrate_kv_scales = calibrate_kv_scales and kv_scales is not None
 
     def capture_graphs(self, record: Optional[GraphRecorder] = None,
-                       modes: Optional[set[GraphMode]] = None) -> None:
+                       modes: Optional[set[GraphMode]] = None, max_size: Optional[int] = None) -> None:
         """Capture what ``compile.cudagraph`` asks for (``modes`` overrides it) over the bound caches:
         full graphs first (the piece wrappers are not installed yet, so nothing nests), then piece
-        graphs, all in one memory pool (graphs never run concurrently). Off the GPU this captures
-        nothing, unless ``record`` emulates piecewise capture (tests)."""
+        graphs, all in one memory pool (graphs never run concurrently). ``max_size``: only sizes up
+        to it (requests for full graphs, tokens for piece graphs) now; the others stay pending for
+        ``capture_next``, and until then a batch runs on the next captured size up or without
+        graphs. Off the GPU this captures nothing, unless ``record`` emulates piecewise capture (tests)."""
         has_pieces = isinstance(self.forward, KilnForward)
         if modes is None:
             modes = wanted_graph_modes(self.config.cudagraph, has_pieces) if self.device.type == "cuda" else set()
@@ -163,18 +170,73 @@ class CompiledModel:
             return
         if not self.kv_caches:
             raise RuntimeError("bind the KV caches before capturing CUDA graphs")
-        pool = torch.cuda.graph_pool_handle() if record is None else None
+        pool = self._graph_pool = torch.cuda.graph_pool_handle() if record is None else None
+
+        def capture(graphs) -> None:
+            sizes = graphs.pending_sizes if max_size is None else [s for s in graphs.pending_sizes if s <= max_size]
+            graphs.capture(self._capture_scope, self.kv_caches, pool, sizes=sizes)
+
         if GraphMode.FULL in modes:
             self.full_graphs = FullCUDAGraphs(self.forward, self.inputs, self.config.capture_sizes,
                                               compute_logits=self.model.compute_logits)
-            self.full_graphs.capture(self._capture_scope, self.kv_caches, pool)
+            capture(self.full_graphs)
             if self.verify_shape is not None:
                 self.verify_graphs = self._verify_graphs(self.config.capture_sizes)
-                self.verify_graphs.capture(self._capture_scope, self.kv_caches, pool)
+                capture(self.verify_graphs)
         if GraphMode.PIECEWISE in modes:
-            self.piecewise_graphs = PiecewiseCUDAGraphs(self.forward, self.inputs,
-                                                        piecewise_capture_sizes(self.config.capture_sizes, modes), record)
-            self.piecewise_graphs.capture(self._capture_scope, self.kv_caches, pool)
+            sizes = piecewise_capture_sizes(self.config.capture_sizes, modes)
+            self.piecewise_graphs = PiecewiseCUDAGraphs(self.forward, self.inputs, sizes, record)
+            capture(self.piecewise_graphs)
+        self._any_pending = self.num_pending_captures > 0
+
+    @property
+    def num_pending_captures(self) -> int:
+        """Sizes (of any kind of graph) planned and not captured yet."""
+        return sum(len(g.pending_sizes) for g in self._graph_sets())
+
+    @property
+    def has_wanted_captures(self) -> bool:
+        """Whether a batch ran without the graph it would replay were every size captured."""
+        return bool(self._wanted)
+
+    def capture_next(self) -> Optional[int]:
+        """Capture one pending size: first one a batch asked for (``has_wanted_captures``), else the
+        largest pending full-graph size, then verify graphs', then piece graphs' (largest first, as
+        in one capture call, so a size reuses the larger one's memory). Only between steps, with
+        none in flight: capture rewrites the input buffers and overwrites graph outputs in the pool.
+        Returns the size, or None when nothing is pending."""
+        while self._wanted:
+            graphs, size = self._wanted.pop(0)
+            if size in graphs.pending_sizes:
+                break
+        else:
+            graphs = next((g for g in self._graph_sets() if g.pending_sizes), None)
+            if graphs is None:
+                self._any_pending = False
+                return None
+            size = graphs.pending_sizes[-1]
+        graphs.capture(self._capture_scope, self.kv_caches, self._graph_pool, log=False, sizes=[size])
+        self._any_pending = self.num_pending_captures > 0
+        return size
+
+    def _want_graph(self, num_tokens: int, num_reqs: int, num_decodes: int, mode: GraphMode, padded: int) -> None:
+        """Lazy capture, after dispatch: note the size this batch would replay were every planned size
+        captured, when it is not (the batch ran on a larger size or without graphs)."""
+        full, pieces = self.full_graphs, self.piecewise_graphs
+        want = None
+        if full is not None and num_decodes == num_reqs:
+            size = next_capture_size(full.sizes, num_reqs)
+            if size is not None:
+                want = (full, size)
+        if want is None and pieces is not None and mode is not GraphMode.FULL:
+            size = next_capture_size(pieces.sizes, num_tokens)
+            if size is not None:
+                want = (pieces, size)
+        if want is not None and want[1] in want[0].pending_sizes and want not in self._wanted:
+            self._wanted.append(want)
+
+    def _graph_sets(self) -> list:
+        return [g for g in (self.full_graphs, self.verify_graphs, self.piecewise_graphs) if g is not None]
 
     def _verify_graphs(self, capture_sizes) -> FullCUDAGraphs:
         shape = self.verify_shape
@@ -266,6 +328,8 @@ class CompiledModel:
         q = inputs.uniform_query_len
         mode, padded = dispatch(self.full_graphs, self.piecewise_graphs, n, num_reqs, inputs.num_decodes,
                                 self.verify_graphs, q)
+        if self._any_pending:
+            self._want_graph(n, num_reqs, inputs.num_decodes, mode, padded)
         if mode is GraphMode.FULL:
             graphs = self.full_graphs if inputs.num_decodes == num_reqs and q == 1 else self.verify_graphs
             size = padded // graphs.query_len  # requests

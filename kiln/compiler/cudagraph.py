@@ -14,10 +14,13 @@ What this module owns:
   ``piecewise`` graphs (the pieces between attention ops, ``compile.mode=kiln`` only) live in
   ``kiln.compiler.piecewise``; which one a batch replays is ``kiln.compiler.compiled_model.dispatch``.
 
-Rules kept here: captures happen at start-up, never while serving; all graphs share one memory
-pool and are captured from the largest size down, so smaller graphs reuse the larger one's
-blocks; capture runs inside the attention kernel's ``graph_capture(max_model_len)`` context (for
-the Triton decode kernel: split counts that do not depend on the capture batch's context lengths).
+Rules kept here: captures happen at start-up, or (``compile.capture=lazy``) between engine steps,
+never while a step is in flight; a batch only ever replays a captured size (``padded_size`` looks
+at ``captured_sizes``), so sizes not captured yet run on the next captured size up or without
+graphs; all graphs share one memory pool and each call captures from the largest size down, so
+smaller graphs reuse the larger one's blocks; capture runs inside the attention kernel's
+``graph_capture(max_model_len)`` context (for the Triton decode kernel: split counts that do not
+depend on the capture batch's context lengths).
 Padding only ever reads and writes the null block. Graphs are recorded with ``graph_capture``
 (``torch.cuda.graph`` without its per-graph device sync and cache flush); capture loops synchronize
 before rewriting host buffers and flush the allocator's cache once at the end.
@@ -25,6 +28,7 @@ before rewriting host buffers and flush the allocator's cache once at the end.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import enum
 import logging
@@ -153,14 +157,20 @@ class FullCUDAGraphs:
         self.query_len = query_len  # tokens per request: 1 (decode), k + 1 (verify of k proposed tokens)
         max_reqs = min(buffers.max_num_reqs, buffers.max_num_tokens // query_len, max_num_reqs or buffers.max_num_reqs)
         # In requests: the graph of a size runs size * query_len tokens.
-        self.sizes = sorted(s for s in capture_sizes if s <= max_reqs)
+        self.sizes = sorted(s for s in capture_sizes if s <= max_reqs)  # planned; captured_sizes: done
+        self.captured_sizes: list[int] = []  # sorted
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, GraphOutputs]] = {}
         self.capture_seconds = 0.0
         self.memory_bytes = 0
 
     def padded_size(self, num_reqs: int) -> Optional[int]:
-        """The smallest capture size that holds ``num_reqs`` requests, or None."""
-        return next_capture_size(self.sizes, num_reqs)
+        """The smallest captured size that holds ``num_reqs`` requests, or None."""
+        return next_capture_size(self.captured_sizes, num_reqs)
+
+    @property
+    def pending_sizes(self) -> list[int]:
+        """Planned sizes not captured yet, ascending."""
+        return [s for s in self.sizes if s not in self._graphs]
 
     def _run(self, size: int) -> GraphOutputs:
         n = size * self.query_len
@@ -172,17 +182,21 @@ class FullCUDAGraphs:
 
     @torch.inference_mode()
     def capture(self, scope: CaptureScope, kv_caches: list[torch.Tensor], pool: Optional[tuple] = None,
-                log: bool = True) -> None:
-        """Capture every size, largest first, into one shared pool (``pool``, else a new one), each
-        inside ``scope`` of its capture batch; logs time and memory. Outputs are held weakly
-        (``weak_ref``): a smaller size's capture reuses the larger one's memory."""
+                log: bool = True, sizes: Optional[list[int]] = None) -> None:
+        """Capture ``sizes`` (default: every planned size not captured yet), largest first, into one
+        shared pool (``pool``, else a new one), each inside ``scope`` of its capture batch; logs time
+        and memory, which add up over calls. Outputs are held weakly (``weak_ref``): a smaller
+        size's capture reuses the larger one's memory."""
+        sizes = self.pending_sizes if sizes is None else sorted(set(sizes) & set(self.pending_sizes))
+        if not sizes:
+            return
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         t0 = time.perf_counter()
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         buf = self.buffers
         q = self.query_len
-        for size in reversed(self.sizes):
+        for size in reversed(sizes):
             # A verify batch (q > 1) runs the prefill kernel's path (no request has one token): its
             # launch depends on num_reqs and max_query_len alone, both fixed by the capture.
             buf.fill_null_requests(0, 0, size, q)
@@ -196,15 +210,18 @@ class FullCUDAGraphs:
                     out = self._run(size)
             self._graphs[size] = (graph, weak_refs(out))
             del out
+            bisect.insort(self.captured_sizes, size)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the warm-ups' blocks, outside the graph pool
-        self.capture_seconds = time.perf_counter() - t0
-        self.memory_bytes = free_before - torch.cuda.mem_get_info()[0]
+        seconds, memory_bytes = time.perf_counter() - t0, free_before - torch.cuda.mem_get_info()[0]
+        self.capture_seconds += seconds
+        self.memory_bytes += memory_bytes
         if log:
-            logger.info("CUDA graphs (full%s%s): captured %d sizes %s in %.2f s, using %.0f MiB of GPU memory",
+            logger.info("CUDA graphs (full%s%s): captured %d sizes %s in %.2f s, using %.0f MiB of GPU memory%s",
                         " + logits" if self.compute_logits else "",
-                        f", {q} tokens per request" if q > 1 else "", len(self.sizes), format_sizes(self.sizes),
-                        self.capture_seconds, self.memory_bytes / 2**20)
+                        f", {q} tokens per request" if q > 1 else "", len(sizes), format_sizes(sizes),
+                        seconds, memory_bytes / 2**20,
+                        f"; {len(self.pending_sizes)} sizes left to capture" if self.pending_sizes else "")
 
     def replay(self, size: int) -> GraphOutputs:
         """Run the graph of ``size`` on whatever the buffers hold; returns its static outputs."""

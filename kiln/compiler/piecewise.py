@@ -19,9 +19,11 @@ padded to the next capture size ``S``::
                                                        null block; never attended to, never sampled
 
 Rules kept here:
-- Captures happen at start-up only (``capture``, once the KV cache exists), largest size first, all
-  piece graphs in one memory pool. Outside ``replaying`` and ``capture`` every wrapper calls straight
-  through: that is the no-graph path, and the capture of full graphs, which must not nest.
+- Captures happen at start-up (``capture``, once the KV cache exists) or, with
+  ``compile.capture=lazy``, between engine steps; each call captures largest size first, all piece
+  graphs in one memory pool. A batch replays only a captured size (``padded_size``). Outside
+  ``replaying`` and ``capture`` every wrapper calls straight through: that is the no-graph path,
+  and the capture of full graphs, which must not nest.
 - A piece graph finds its inputs at the addresses it was captured with. By construction they are
   there: step inputs are InputBuffers views, piece outputs are earlier graphs' static outputs, and
   attention writes into one buffer shared by all attention calls (each attention output feeds only
@@ -35,6 +37,7 @@ Rules kept here:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import time
@@ -164,18 +167,24 @@ class PiecewiseCUDAGraphs:
         if forward.split_graph is None:
             raise RuntimeError("build the kiln forward before capturing its pieces")
         self.forward, self.buffers, self.record = forward, buffers, record
-        self.sizes = sorted(s for s in capture_sizes if s <= buffers.max_num_tokens)
+        self.sizes = sorted(s for s in capture_sizes if s <= buffers.max_num_tokens)  # planned
         self.constant_ids = {id(t) for t in forward.constant_inputs()}
         self.step: Optional[_Step] = None  # set only inside replaying() and capture()
         self.captured_sizes: set[int] = set()
+        self._captured_sorted: list[int] = []
         self._attention_buffers: dict[tuple, torch.Tensor] = {}
         self.pieces, self.attention_calls = self._install(forward.split_graph)
         self.capture_seconds = 0.0
         self.memory_bytes = 0
 
     def padded_size(self, num_tokens: int) -> Optional[int]:
-        """The smallest capture size that holds ``num_tokens`` tokens, or None."""
-        return next_capture_size(self.sizes, num_tokens)
+        """The smallest captured size that holds ``num_tokens`` tokens, or None."""
+        return next_capture_size(self._captured_sorted, num_tokens)
+
+    @property
+    def pending_sizes(self) -> list[int]:
+        """Planned sizes not captured yet, ascending."""
+        return [s for s in self.sizes if s not in self.captured_sizes]
 
     @contextlib.contextmanager
     def replaying(self, size: int, num_tokens: int) -> Iterator[None]:
@@ -189,11 +198,15 @@ class PiecewiseCUDAGraphs:
 
     @torch.inference_mode()
     def capture(self, scope: Callable[[ForwardContext], ContextManager[None]], kv_caches: list[torch.Tensor],
-                pool: Optional[tuple] = None, log: bool = True) -> None:
-        """Capture every piece at every size, largest first, into ``pool`` (else a new one): one
-        forward per size over a one-token decode of the null block, padded to the size. Once a
-        size is captured its pieces' inputs and outputs are held weakly (``weak_refs``), so the
-        next size's capture reuses their memory."""
+                pool: Optional[tuple] = None, log: bool = True, sizes: Optional[list[int]] = None) -> None:
+        """Capture every piece at ``sizes`` (default: every planned size not captured yet), largest
+        first, into ``pool`` (else a new one; later calls keep the first call's): one forward per
+        size over a one-token decode of the null block, padded to the size. Once a size is captured
+        its pieces' inputs and outputs are held weakly (``weak_refs``), so the next size's capture
+        reuses their memory. Time and memory add up over calls."""
+        sizes = self.pending_sizes if sizes is None else sorted(set(sizes) & set(self.pending_sizes))
+        if not sizes:
+            return
         is_cuda = self.buffers.device.type == "cuda"
         if self.record is None:
             self.record = cuda_graph_recorder(pool if pool is not None else torch.cuda.graph_pool_handle())
@@ -202,7 +215,7 @@ class PiecewiseCUDAGraphs:
             free_before = torch.cuda.mem_get_info()[0]
         t0 = time.perf_counter()
         buf = self.buffers
-        for size in reversed(self.sizes):
+        for size in reversed(sizes):
             if is_cuda:
                 torch.cuda.synchronize()  # the last size's uploads have read the host buffers rewritten here
             buf.qsl_np[0] = 0
@@ -217,15 +230,20 @@ class PiecewiseCUDAGraphs:
                 if graph is not None:
                     graph.args, graph.outputs = weak_refs(graph.args), weak_refs(graph.outputs)
             self.captured_sizes.add(size)
+            bisect.insort(self._captured_sorted, size)
+        memory_bytes = 0
         if is_cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # blocks of the eager attention calls, outside the graph pool
-            self.memory_bytes = free_before - torch.cuda.mem_get_info()[0]
-        self.capture_seconds = time.perf_counter() - t0
+            memory_bytes = free_before - torch.cuda.mem_get_info()[0]
+        seconds = time.perf_counter() - t0
+        self.capture_seconds += seconds
+        self.memory_bytes += memory_bytes
         if log:
             logger.info("CUDA graphs (piecewise): captured %d pieces at %d sizes %s in %.2f s, using %.0f MiB "
-                        "of GPU memory", len(self.pieces), len(self.sizes), format_sizes(self.sizes),
-                        self.capture_seconds, self.memory_bytes / 2**20)
+                        "of GPU memory%s", len(self.pieces), len(sizes), format_sizes(sizes), seconds,
+                        memory_bytes / 2**20,
+                        f"; {len(self.pending_sizes)} sizes left to capture" if self.pending_sizes else "")
 
     def release(self) -> None:
         """Take this instance's wrappers out of the split graph (the forward calls its pieces and

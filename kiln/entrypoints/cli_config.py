@@ -28,8 +28,8 @@ from typing import NoReturn
 
 from kiln.bench.sweep import BENCH_KINDS, BenchConfig
 from kiln.config import (
-    API_KEY_ENV, COMPILE_MODES, CUDAGRAPH_MODES, REDACTED, CacheConfig, CompileConfig, EngineConfig, ModelConfig,
-    QUANTIZATIONS, ParallelConfig, SchedulerConfig, ServerConfig, SPECULATIVE_METHODS, SpeculativeConfig,
+    API_KEY_ENV, CAPTURE_MODES, COMPILE_MODES, CUDAGRAPH_MODES, REDACTED, CacheConfig, CompileConfig, EngineConfig,
+    ModelConfig, QUANTIZATIONS, ParallelConfig, SchedulerConfig, ServerConfig, SPECULATIVE_METHODS, SpeculativeConfig,
 )
 
 # The Hydra YAML is package data (kiln/configs/), so a wheel install finds it as a checkout does.
@@ -88,6 +88,10 @@ FIELD_HELP = {
     "compile.sizes": "extra batch sizes (tokens) Inductor specializes for",
     "compile.capture_sizes": "batch sizes (tokens) captured as CUDA graphs; a batch is padded up to one; "
                              "null: 1, 2, 4, then every 8 up to scheduler.max_num_seqs",
+    "compile.capture": "when CUDA graphs are captured: startup: every size before ready; lazy: sizes up to "
+                       "compile.max_startup_capture_size before ready, the rest between steps; auto: lazy "
+                       "with parallel.backend=uni, else startup",
+    "compile.max_startup_capture_size": "compile.capture=lazy: capture sizes up to this before ready",
     "compile.debug_dump_dir": "write the bytecode and the graphs before and after each pass here; null: off",
     "server.host": "address to listen on; 0.0.0.0: every interface",
     "server.port": "TCP port",
@@ -145,6 +149,7 @@ CHOICES: dict[str, tuple] = {
     "scheduler.policy": ("fcfs", "priority"),
     "compile.mode": COMPILE_MODES,
     "compile.cudagraph": CUDAGRAPH_MODES,
+    "compile.capture": CAPTURE_MODES,
     "parallel.backend": ("uni", "mp", "ray"),
     "parallel.all_reduce": ("nccl", "symm_mem"),
     "parallel.placement_strategy": ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),

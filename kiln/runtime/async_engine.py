@@ -330,10 +330,14 @@ class AsyncEngine:
     def _loop(self, engine) -> None:
         while True:
             busy = engine.has_unfinished_requests()
-            if not self._take_inputs(engine, block=not busy):
+            # Idle with CUDA graphs left to capture (compile.capture=lazy): one size, then the inputs again.
+            capturing = not busy and getattr(engine, "has_pending_captures", False)
+            if not self._take_inputs(engine, block=not busy and not capturing):
                 return
             if engine.has_unfinished_requests():
                 self._deliver(engine.step())
+            elif capturing:
+                engine.capture_idle()
             self._stats = engine.stats()
 
     def _take_inputs(self, engine, block: bool) -> bool:

@@ -32,6 +32,14 @@ stopped by a token in step k holds a wasted row in step k+1, as one stopped by a
 Blocks freed while two steps are queued may be handed out again at once: the device runs the steps
 in order on one stream, so a later step's writes always come after the earlier step's.
 
+Lazy CUDA-graph capture (``compile.capture=lazy``): the sizes the runner did not capture at
+start-up are captured one at a time between steps, with no step in flight (a capture rewrites the
+input buffers and graph outputs a step reads): a call whose capture is due waits for the step in
+flight, returns its outputs without submitting another, and the next call captures one size
+before it submits. Never before the first step; a size a batch ran without (it would have
+replayed that graph were every size captured) at the next step boundary, the others in at most
+``CAPTURE_SHARE`` of a busy engine's time; an idle server captures in its loop (``capture_idle``).
+
 ``schedule`` needs only what ``update`` knows (token ids, eos, max_tokens), never the text.
 ``overlap=False`` (tests' reference) runs each step to the end instead: schedule, submit, wait,
 update, process.
@@ -89,6 +97,8 @@ from kiln.sampling_params import SEED_MIN, SamplingParams
 logger = logging.getLogger(__name__)
 
 Prompt = Union[str, list[int], TokenizedPrompt]
+
+CAPTURE_SHARE = 0.1  # of a busy engine's wall time, at most, spent capturing sizes no batch asked for yet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +184,10 @@ class LLMEngine:
             self.tokenizer, self.executor.vocab_size,
             list(self.executor.eos_token_ids) or None)
         self.inputs = InputProcessor(self.tokenizer, self.executor.vocab_size, self.max_model_len, self.grammars)
+        self._captures_pending = self.executor.has_pending_captures
+        self._capture_held = False  # the last step() left nothing in flight: capture before the next step
+        self._next_capture_at = 0.0  # time.perf_counter(); 0: after the first step
+        self._num_steps_done = 0
         phases = dict(runner.startup_seconds) if runner is not None else {}
         self.startup = StartupReport(self.kv_manager.num_usable_blocks, config.cache.block_size,
                                      time.perf_counter() - t_start, phases)
@@ -236,7 +250,11 @@ class LLMEngine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Advance one step; returns the RequestOutputs of the step that completed in this call
         (``finished_only``: of the requests it finished)."""
-        if self._overlap and self._in_flight is not None and self._can_schedule_ahead(self._in_flight[0]):
+        if self._capture_held:
+            self._capture_held = False
+            self._capture_between_steps()
+        hold = self._capture_due() and (self._in_flight is not None or not self._overlap)
+        if self._overlap and self._in_flight is not None and not hold and self._can_schedule_ahead(self._in_flight[0]):
             in_flight = self._in_flight
             sched = self.scheduler.schedule_ahead(in_flight[0])  # step k+1, step k still running
             self._in_flight = None
@@ -248,17 +266,46 @@ class LLMEngine:
                 self._in_flight = following
         elif self._overlap:
             updated, logprobs = self._wait_in_flight()  # step k
-            self._submit_next()  # step k+1 runs while ...
+            if not hold:  # hold: nothing in flight, so the next call captures, then submits
+                self._submit_next()  # step k+1 runs while ...
         else:
+            if hold:
+                self._capture_between_steps()
             self._submit_next()
             updated, logprobs = self._wait_in_flight()
         outputs = self._process(updated, logprobs, finished_only)  # ... step k is detokenized
+        # Only for requests still running: a new request after idle never waits for a capture.
+        self._capture_held = (hold and self._overlap and self._in_flight is None
+                              and self.scheduler.has_unfinished_requests())
         if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
             self._wait_in_flight()  # all in it hit a stop string: drain it, so an idle engine holds no step
         return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+
+    @property
+    def has_pending_captures(self) -> bool:
+        """CUDA-graph sizes still to capture (``compile.capture=lazy``)."""
+        return self._captures_pending
+
+    def capture_idle(self) -> bool:
+        """Capture one pending CUDA-graph size now; for a caller whose engine is idle (no request
+        unfinished, so no step in flight). Returns whether more are pending."""
+        if self._captures_pending and not self.has_unfinished_requests():
+            self._capture_held = False
+            self._captures_pending = self.executor.capture_pending()
+        return self._captures_pending
+
+    def _capture_due(self) -> bool:
+        return (self._captures_pending and self._num_steps_done > 0
+                and (self.executor.has_wanted_captures or time.perf_counter() >= self._next_capture_at))
+
+    def _capture_between_steps(self) -> None:
+        t0 = time.perf_counter()
+        self._captures_pending = self.executor.capture_pending()
+        t1 = time.perf_counter()
+        self._next_capture_at = t1 + (t1 - t0) * (1 - CAPTURE_SHARE) / CAPTURE_SHARE
 
     def _can_schedule_ahead(self, in_flight: SchedulerOutput) -> bool:
         """Whether the step after ``in_flight`` may be scheduled before its tokens are back."""
@@ -284,6 +331,7 @@ class LLMEngine:
         sched, handle = self._in_flight
         self._in_flight = None  # before wait: a failed step is not waited for again
         result = self.executor.wait(handle)
+        self._num_steps_done += 1
         self.spec_stats.add(result.spec_counts)
         if result.prompt_logprobs:
             self.output_processor.add_prompt_logprobs(result.prompt_logprobs)

@@ -138,15 +138,22 @@ class ModelRunner:
         kv_seconds = time.perf_counter() - t_kv
         self.compiled.bind_kv_caches(self.kv_caches, self.kv_scales,
                                      calibrate_kv_scales=cache_config.calculate_kv_scales)
+        # compile.capture=lazy: the smallest sizes now (the first requests' decodes), the rest between
+        # steps (capture_pending); the KV cache was sized after the memory of every size all the same.
+        self.lazy_capture = compile_config.capture == "lazy" and self.device.type == "cuda"
+        startup_max_size = compile_config.max_startup_capture_size if self.lazy_capture else None
         try:
-            self.compiled.capture_graphs()
+            self.compiled.capture_graphs(max_size=startup_max_size)
         except torch.OutOfMemoryError as e:
             raise ValueError(f"CUDA graph capture ran out of GPU memory ({e}); drop the largest "
                              "compile.capture_sizes (or lower scheduler.max_num_seqs), or lower "
                              "cache.gpu_memory_fraction / cache.kv_cache_memory_gib to leave room") from e
         if self.graph_estimate is not None:
-            logger.info("CUDA graphs: %.2f GiB used, %.2f GiB was kept for them",
-                        self.compiled.graph_memory_bytes / 2**30, self.graph_estimate.bytes() / 2**30)
+            logger.info("CUDA graphs: %.2f GiB used, %.2f GiB was kept for them%s",
+                        self.compiled.graph_memory_bytes / 2**30, self.graph_estimate.bytes() / 2**30,
+                        f"; {self.compiled.num_pending_captures} sizes are captured between steps"
+                        if self.has_pending_captures else "")
+        self._lazy_capture_seconds = 0.0
         if isinstance(self.proposer, DraftProposer):
             self.proposer.bind_kv_caches(self.draft_kv_caches)
         self.sampler = Sampler(seed=model_config.seed)
@@ -174,6 +181,47 @@ class ModelRunner:
         logger.info("start-up: load weights %.2f s%s, Dynamo %.2f s, Inductor %.2f s, compile cache load %.2f s, "
                     "CUDA graphs %.2f s, memory profile %.2f s, KV allocation %.2f s, tokenizer wait %.2f s; "
                     "ready in %.2f s", load_seconds, overlap, *list(self.startup_seconds.values())[2:])
+
+    # ---- lazy CUDA-graph capture (compile.capture=lazy) ------------------------------------------
+    @property
+    def has_pending_captures(self) -> bool:
+        return self.lazy_capture and self.compiled.num_pending_captures > 0
+
+    @property
+    def has_wanted_captures(self) -> bool:
+        return self.lazy_capture and self.compiled.has_wanted_captures
+
+    def capture_pending(self) -> bool:
+        """Capture one more pending CUDA-graph size; call only between steps, with no step in flight
+        (the engine's rule). Returns whether sizes are still pending. The KV cache was sized after
+        every size's graph memory, so this fits; should graphs outgrow what was kept for them, or
+        a capture run out of memory, lazy capture stops for good with a warning (the sizes left
+        run on the next captured size up, or without graphs) rather than fail a later step."""
+        if not self.has_pending_captures:
+            return False
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":  # (tests emulate piece graphs on the CPU)
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # the steps' cached activation blocks: graphs take from the pool
+        estimate = self.graph_estimate
+        if estimate is not None and self.compiled.graph_memory_bytes >= estimate.bytes():
+            return self._stop_lazy_capture(f"graphs use {self.compiled.graph_memory_bytes / 2**30:.2f} GiB, "
+                                           f"all of the {estimate.bytes() / 2**30:.2f} GiB kept for them")
+        try:
+            self.compiled.capture_next()
+        except torch.OutOfMemoryError as e:
+            return self._stop_lazy_capture(f"a capture ran out of GPU memory ({e})")
+        self._lazy_capture_seconds += time.perf_counter() - t0
+        if self.compiled.num_pending_captures == 0:
+            logger.info("CUDA graphs: every size captured (%.2f s between steps); %.2f GiB used",
+                        self._lazy_capture_seconds, self.compiled.graph_memory_bytes / 2**30)
+            return False
+        return True
+
+    def _stop_lazy_capture(self, reason: str) -> bool:
+        logger.warning("CUDA graphs: %s; %d sizes stay without graphs", reason, self.compiled.num_pending_captures)
+        self.lazy_capture = False
+        return False
 
     def _profile_memory(self, cache_config: CacheConfig, sched: SchedulerConfig
                         ) -> tuple[int, Optional[kv_sizing.GraphMemoryEstimate]]:

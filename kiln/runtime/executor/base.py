@@ -61,6 +61,20 @@ class Executor(abc.ABC):
     def shutdown(self) -> None:
         pass
 
+    @property
+    def has_pending_captures(self) -> bool:
+        """CUDA-graph sizes left for ``capture_pending`` (``compile.capture=lazy``)."""
+        return False
+
+    @property
+    def has_wanted_captures(self) -> bool:
+        """Whether a pending size is one a batch ran without (it is captured at the next step boundary)."""
+        return False
+
+    def capture_pending(self) -> bool:
+        """Capture one pending CUDA-graph size; only with no step in flight. Returns whether more are pending."""
+        return False
+
     def _check_idle(self, in_flight: bool) -> None:
         """The one-step-in-flight rule, checked by ``submit``."""
         if in_flight:

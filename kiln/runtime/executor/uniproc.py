@@ -68,6 +68,18 @@ class UniProcExecutor(Executor):
     def shutdown(self) -> None:
         self.runner.shutdown()
 
+    @property
+    def has_pending_captures(self) -> bool:
+        return self.runner.has_pending_captures
+
+    @property
+    def has_wanted_captures(self) -> bool:
+        return self.runner.has_wanted_captures
+
+    def capture_pending(self) -> bool:
+        self._check_idle(self._in_flight > 0)  # a capture rewrites the buffers a step reads
+        return self.runner.capture_pending()
+
     def forget(self, request_ids: list[str]) -> None:
         if self._in_flight:
             self._forgets.extend(request_ids)
