@@ -88,9 +88,8 @@ def test_interpreted_int4_gemv_bf16_rows(n, k, cfg, scale_dtype):
     assert _rel(got, _weight_only_reference("int4", x, w, sz, 32)) < 1e-4
 
 
-# (n, k, group, (block_n, block_k, split_k, num_warps, num_stages)): the first tile is loaded before
-# the loop; num_stages 2 also loads tile i + 1 before tile i computes (one tile, several, a K that is
-# not a multiple of the tile, split-K with the prefetch running past a split's end).
+# (n, k, group, (block_n, block_k, split_k, num_warps, num_stages)): one tile, several, a K that is
+# not a multiple of the tile, split-K; weight loads pipelined (num_stages 2) and not.
 GEMV_TILE_CASES = [(24, 256, 32, (8, 256, 1, 4, 1)), (24, 1024, 32, (8, 256, 1, 4, 2)),
                    (40, 448, 64, (16, 128, 1, 4, 2)), (16, 1152, 128, (8, 256, 1, 4, 2)),
                    (24, 640, 32, (8, 128, 2, 4, 2)), (24, 640, 32, (8, 128, 2, 4, 1))]
@@ -99,7 +98,7 @@ GEMV_TILE_CASES = [(24, 256, 32, (8, 256, 1, 4, 1)), (24, 1024, 32, (8, 256, 1, 
 @pytest.mark.skipif(not RUN_KERNELS_HERE or DEVICE == "cuda", reason="CPU: runs in the Triton interpreter")
 @pytest.mark.parametrize("n,k,group,cfg", GEMV_TILE_CASES)
 def test_interpreted_int4_gemv_tiles(n, k, group, cfg):
-    """The one-row GEMV at groups 32 / 64 / 128 with bf16 rows, scales and output, prefetch on and off."""
+    """The one-row GEMV at groups 32 / 64 / 128 with bf16 rows and scales, loads pipelined and not."""
     from kiln.ops.triton_quant_gemm import GemmConfig, triton_linear
 
     gen = torch.Generator().manual_seed(n + k + group)

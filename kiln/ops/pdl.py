@@ -11,8 +11,8 @@ visible::
     with:     [ norm ][ gemv ............ ][ attention ]     (blocks parked in gdc_wait meanwhile)
 
 The rule every kernel launched with PDL keeps: ``gdc_wait`` runs in every program before any
-store, and before any load of memory another kernel of the step writes (so the order of every pair
-of kernels is what it was; constants of the step such as weights may be loaded before it), and ``gdc_launch_dependents`` only says the next kernel's blocks may be launched
+load or store of memory another kernel writes or reads (so the order of every pair of kernels is
+what it was), and ``gdc_launch_dependents`` only says the next kernel's blocks may be launched
 (they still wait for this kernel to finish). In a kernel: ``if USE_PDL: tl.extra.cuda.gdc_wait()``
 first, ``tl.extra.cuda.gdc_launch_dependents()`` once the bulk of its work is issued. Kernels take ``USE_PDL`` as a constexpr: off, they
 compile to what they were; off on the CPU, in Triton's interpreter and before SM90. ``KILN_PDL=0`` (or off)

@@ -306,39 +306,9 @@ def _nibble_pairs(v, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _int4_gemv_loads(w_rows, sz_ptr, offs_n, n_ok, k0, k_hi, N, more, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
-                     SZ_WORD: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The weight words [BLOCK_N, BLOCK_K / 8] of the K tile at ``k0`` and its groups' scales and zeros
-    [BLOCK_N, NG] (as loaded: with ``SZ_WORD`` the bf16 pair (s, z) as one int32, else s and z);
-    ``more`` (a scalar) false masks the whole tile off (the prefetch past the last tile)."""
-    WORDS: tl.constexpr = BLOCK_K // 8
-    NG: tl.constexpr = BLOCK_K // GROUP
-    # k0 is a multiple of BLOCK_K: each thread's words start 16-byte aligned (LDG.128), and a group's
-    # words sit in one thread, so the per-group sum needs no shuffles.
-    offs_w = tl.multiple_of(k0 // 8, 4) + tl.max_contiguous(tl.multiple_of(tl.arange(0, WORDS), 4), 4)
-    offs_g = k0 // GROUP + tl.arange(0, NG)
-    if EVEN_K:
-        w_ok = n_ok[:, None] & more
-        sz_ok = w_ok
-    else:
-        w_ok = n_ok[:, None] & (8 * offs_w < k_hi)[None, :] & more
-        sz_ok = n_ok[:, None] & (offs_g * GROUP < k_hi)[None, :] & more
-    wd = tl.load(w_rows + offs_w[None, :], mask=w_ok, other=0)
-    if SZ_WORD:  # bf16 scale and zero side by side: one 32-bit load, split by shifts
-        s = tl.load(sz_ptr.to(tl.pointer_type(tl.int32)) + offs_g[None, :] * N + offs_n[:, None], mask=sz_ok,
-                    other=0)
-        z = s
-    else:
-        sz = sz_ptr + (offs_g[None, :] * N + offs_n[:, None]) * 2
-        s = tl.load(sz, mask=sz_ok, other=0.0)
-        z = tl.load(sz + 1, mask=sz_ok, other=0.0)
-    return wd, s, z
-
-
-@triton.jit
 def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, y_ptr, N, K, k_split, stride_wn,
                       GROUP: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
-                      EXACT: tl.constexpr, SZ_WORD: tl.constexpr, PREFETCH: tl.constexpr,
+                      EXACT: tl.constexpr, STAGES: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
     """One row: y[n] = sum_k x[k] ((q[n,k] - 8) s + z), the weight read as int32 words [N, K/8].
 
@@ -349,10 +319,10 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, y_ptr, N, K, k_split, stride_wn,
     once: sum x ((q - 8) s + z) = (t - offsets) s + z sum x. About 5 integer/float ops per weight byte
     where the byte-wise path takes 14, so the GEMV is bound by memory, not by the ALU.
 
-    The weights and scales are constants of the step: a program loads its first tile before
-    ``gdc_wait`` (with ``USE_PDL`` (``kiln.ops.pdl``) while the kernel before still runs, so the
-    DRAM latency of the first loads hides behind it), and with ``PREFETCH`` loads tile i + 1 into
-    registers before it computes tile i. Only x is the previous kernel's output."""
+    With ``USE_PDL`` (``kiln.ops.pdl``) its blocks launch while the kernel before still runs and
+    wait for it here; the next kernel's blocks may launch once this one's loads are all issued."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     WORDS: tl.constexpr = BLOCK_K // 8
     NG: tl.constexpr = BLOCK_K // GROUP
     pid_n = tl.program_id(0)
@@ -362,20 +332,19 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, y_ptr, N, K, k_split, stride_wn,
     k_lo = pid_k * k_split
     k_hi = tl.minimum(K, k_lo + k_split)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    sz_cols = sz_ptr + offs_n[:, None] * 2
     offs_j = tl.arange(0, WORDS)
     acc_g = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
-    wd, s_raw, z_raw = _int4_gemv_loads(w_rows, sz_ptr, offs_n, n_ok, k_lo, k_hi, N, k_lo < k_hi, GROUP, EVEN_K,
-                                        SZ_WORD, BLOCK_K)
-    if USE_PDL:  # x is the kernel before's output: wait for it only now
-        tl.extra.cuda.gdc_wait()
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        if PREFETCH:  # the next tile's loads in flight while this one computes
-            wd_next, s_next, z_next = _int4_gemv_loads(w_rows, sz_ptr, offs_n, n_ok, k0 + BLOCK_K, k_hi, N,
-                                                       k0 + BLOCK_K < k_hi, GROUP, EVEN_K, SZ_WORD, BLOCK_K)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):  # weight loads pipelined (cp.async)
+        offs_g = k0 // GROUP + tl.arange(0, NG)
         if EVEN_K:
+            wd = tl.load(w_rows + (k0 // 8 + offs_j)[None, :], mask=n_ok[:, None], other=0)
+            sz_ok = n_ok[:, None]
             x_ok = offs_j >= 0
         else:
             x_ok = k0 + 8 * offs_j < k_hi
+            wd = tl.load(w_rows + (k0 // 8 + offs_j)[None, :], mask=n_ok[:, None] & x_ok[None, :], other=0)
+            sz_ok = n_ok[:, None] & (offs_g * GROUP < k_hi)[None, :]
         x_words = x_ptr + k0 + 8 * offs_j
         t = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
         x_lo_sum = tl.zeros((WORDS,), dtype=tl.float32)
@@ -400,18 +369,10 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, y_ptr, N, K, k_split, stride_wn,
         # weight (under 2.3e-4 of a quantization step, far below bf16 activations' rounding).
         offset = 136.0 * x_lo_g + (136.0 if EXACT else 136.26171875) * x_hi_g
         x_g = x_lo_g + x_hi_g
-        if SZ_WORD:
-            s = (s_raw << 16).to(tl.float32, bitcast=True)
-            z = (z_raw & -65536).to(tl.float32, bitcast=True)
-        else:
-            s = s_raw.to(tl.float32)
-            z = z_raw.to(tl.float32)
+        sz = sz_cols + offs_g[None, :] * (2 * N)
+        s = tl.load(sz, mask=sz_ok, other=0.0).to(tl.float32)
+        z = tl.load(sz + 1, mask=sz_ok, other=0.0).to(tl.float32)
         acc_g += (t_g - offset[None, :]) * s + z * x_g[None, :]
-        if PREFETCH:
-            wd, s_raw, z_raw = wd_next, s_next, z_next
-        else:
-            wd, s_raw, z_raw = _int4_gemv_loads(w_rows, sz_ptr, offs_n, n_ok, k0 + BLOCK_K, k_hi, N,
-                                                k0 + BLOCK_K < k_hi, GROUP, EVEN_K, SZ_WORD, BLOCK_K)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.sum(acc_g, axis=1)
@@ -566,11 +527,6 @@ def _int4_words_fit(w: torch.Tensor, k: int, group_size: int) -> bool:
         w.storage_offset() % 4 == 0)
 
 
-def _sz_words_fit(scales: torch.Tensor) -> bool:
-    """Whether each (scale, zero) pair of the [K/g, N, 2] tensor can be read as one 32-bit word."""
-    return scales.is_contiguous() and scales.data_ptr() % 4 == 0
-
-
 def triton_linear(scheme: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group_size: int,
                   x_scales: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
                   config: Optional[GemmConfig] = None) -> torch.Tensor:
@@ -592,15 +548,13 @@ def triton_linear(scheme: str, x: torch.Tensor, w: torch.Tensor, scales: torch.T
     if scheme == "int4":
         if cfg.block_k % group_size or group_size % 2:
             raise ValueError(f"int4 BLOCK_K {cfg.block_k} must be a multiple of the group size {group_size}")
-        if cfg.block_m == 1 and cfg.block_k % 32 == 0 and _int4_words_fit(w, k, group_size):
+        if cfg.block_m == 1 and _int4_words_fit(w, k, group_size):
             _int4_gemv_kernel[grid](x2, w.view(torch.int32), scales, y, n, k, k_split, w.stride(0) // 4,
                                     GROUP=group_size, ATOMIC=flags["ATOMIC"], EVEN_K=flags["EVEN_K"],
                                     USE_ASM=os.environ.get("TRITON_INTERPRET") != "1",
-                                    EXACT=x2.dtype not in (torch.bfloat16, torch.float16),
-                                    SZ_WORD=scales.dtype == torch.bfloat16 and _sz_words_fit(scales),
-                                    PREFETCH=cfg.num_stages > 1,
+                                    EXACT=x2.dtype not in (torch.bfloat16, torch.float16), STAGES=cfg.num_stages,
                                     BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-                                    num_stages=1, **pdl_args(x2, "gemm"))
+                                    num_stages=cfg.num_stages, **pdl_args(x2, "gemm"))
         elif cfg.block_m >= 16 and _int4_words_fit(w, k, group_size):
             # the uint8 [N, K/2] weight read as int32 words [N, K/8]
             use_asm = not flags["DOT_F32"] and x2.dtype == torch.bfloat16 and scales.dtype == torch.bfloat16
