@@ -2,7 +2,7 @@
 
 For each linear (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336), group 32, bf16
 rows and scales: the baseline's ``triton_linear`` with its own configuration, then this tree's
-kernel for every configuration of a sweep (row tile x K tile x warps x prefetch). Each call is timed
+kernel for every configuration of a sweep (row tile x K tile x warps x stages). Each call is timed
 as the op runs it, replayed from a CUDA graph over weight copies past the L2 (``quant_gemm.graph_time``),
 and checked against the pure-torch dequantization reference on fresh random inputs (a candidate
 off by more than the baseline's error is dropped as wrong). Then groups 64 and 128 and an odd K
@@ -56,7 +56,7 @@ def time_call(fn, copies: int, reps: int = 3) -> float:
     return (time.perf_counter() - t0) / copies
 
 
-# (block_n, block_k, num_warps, num_stages): num_stages 2 is the register prefetch of the next tile
+# (block_n, block_k, num_warps, num_stages), the likelier winners first (a deadline cuts the tail)
 SWEEP = [(8, 2048, 4, 2), (16, 1024, 4, 2), (16, 2048, 8, 2), (8, 1024, 2, 2), (16, 1024, 8, 2), (8, 4096, 4, 1),
          (16, 1024, 4, 1), (8, 2048, 4, 1), (8, 1024, 2, 1), (8, 1024, 4, 2), (16, 2048, 8, 1), (8, 4096, 8, 2),
          (16, 4096, 8, 1), (16, 512, 4, 2), (32, 512, 4, 2), (32, 1024, 8, 2), (4, 2048, 2, 2)]
