@@ -39,8 +39,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-tokens", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--deadline-s", type=float, default=1e9, help="start no new system after this many seconds")
+    p.add_argument("--int4-configs", default="",
+                   help="an int4_gemv_shapes.json: its best one-row GEMV configurations replace MEASURED's")
     p.add_argument("--out", default="benchmarks/results")
     return p.parse_args(argv)
+
+
+def load_int4_configs(path: str) -> dict:
+    """The configurations ``benchmarks/int4_gemv_shapes.py`` picked for an end-to-end run (shape name
+    -> block_n, block_k, warps, stages) into ``kiln.ops.triton_quant_gemm.MEASURED`` (one-row int4)."""
+    from kiln.ops.triton_quant_gemm import load_measured
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from quant_gemm import SHAPES
+
+    found = json.loads(Path(path).read_text())
+    best = found.get("e2e") or found["best"]
+    entries = {f"int4,1,{SHAPES[name][0]},{SHAPES[name][1]}": [1, bn, bk, 1, nw, ns]
+               for name, (bn, bk, nw, ns) in best.items()}
+    load_measured(entries)
+    return entries
 
 
 def sync() -> None:
@@ -111,6 +129,8 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    if args.int4_configs:
+        print(f"int4 GEMV configurations: {load_int4_configs(args.int4_configs)}", flush=True)
     bandwidth = copy_bandwidth()
     records, tables = [], []
     for system in args.systems.split(","):

@@ -73,16 +73,42 @@ def test_interpreted_gemm_matches_reference(scheme, rows, n, k, cfg):
 
 @pytest.mark.skipif(not RUN_KERNELS_HERE or DEVICE == "cuda", reason="CPU: runs in the Triton interpreter")
 @pytest.mark.parametrize("n,k,cfg", [(40, 256, (1, 16, 64, 1)), (72, 448, (1, 32, 128, 2))])
-def test_interpreted_int4_gemv_bf16_rows(n, k, cfg):
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_interpreted_int4_gemv_bf16_rows(n, k, cfg, scale_dtype):
     """bf16 rows take the GEMV's cheaper high-nibble float (the whole word, its offset taken off per
-    group): within 1e-4 of the reference in float32 output."""
+    group): within 1e-4 of the reference in float32 output; bf16 scales and zeros are read as one
+    32-bit word per group."""
     from kiln.ops.triton_quant_gemm import GemmConfig, triton_linear
 
     gen = torch.Generator().manual_seed(n + k)
     w, sz = _weights("int4", n, k, gen)
+    sz = sz.to(scale_dtype)
     x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
     got = triton_linear("int4", x, w, sz, 32, out_dtype=torch.float32, config=GemmConfig(*cfg))
     assert _rel(got, _weight_only_reference("int4", x, w, sz, 32)) < 1e-4
+
+
+# (n, k, group, (block_n, block_k, split_k, num_warps, num_stages)): one tile, several, a K that is
+# not a multiple of the tile, split-K; weight loads pipelined (num_stages 2) and not.
+GEMV_TILE_CASES = [(24, 256, 32, (8, 256, 1, 4, 1)), (24, 1024, 32, (8, 256, 1, 4, 2)),
+                   (40, 448, 64, (16, 128, 1, 4, 2)), (16, 1152, 128, (8, 256, 1, 4, 2)),
+                   (24, 640, 32, (8, 128, 2, 4, 2)), (24, 640, 32, (8, 128, 2, 4, 1))]
+
+
+@pytest.mark.skipif(not RUN_KERNELS_HERE or DEVICE == "cuda", reason="CPU: runs in the Triton interpreter")
+@pytest.mark.parametrize("n,k,group,cfg", GEMV_TILE_CASES)
+def test_interpreted_int4_gemv_tiles(n, k, group, cfg):
+    """The one-row GEMV at groups 32 / 64 / 128 with bf16 rows and scales, loads pipelined and not."""
+    from kiln.ops.triton_quant_gemm import GemmConfig, triton_linear
+
+    gen = torch.Generator().manual_seed(n + k + group)
+    w, sz = _weights("int4", n, k, gen, group)
+    sz = sz.to(torch.bfloat16)
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+    bn, bk, split, warps, stages = cfg
+    got = triton_linear("int4", x, w, sz, group, out_dtype=torch.float32,
+                        config=GemmConfig(1, bn, bk, split, num_warps=warps, num_stages=stages))
+    assert _rel(got, _weight_only_reference("int4", x, w, sz, group)) < 1e-4
 
 
 @pytest.mark.skipif(not RUN_KERNELS_HERE or DEVICE == "cuda", reason="CPU: runs in the Triton interpreter")
