@@ -75,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--warmup-tokens", type=int, default=16)
+    p.add_argument("--warmup-tokens", type=int, default=16, help="new tokens of the warm-up run; 0: no warm-up")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per system (the best counts)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--cprofile", action="store_true", help="also run once under cProfile and print the top functions")
@@ -225,8 +225,11 @@ def run_system(name: str, kwargs: dict, args, profile: bool) -> dict:
     log = StepLog(engine)
     # Every run gets prompts of its own seed: a repeated prompt would hit the prefix cache.
     seeds = iter(range(1, 100))
-    llm.generate(prompts(args.num_requests, args.prompt_len, seed=next(seeds)),
-                 SamplingParams(max_tokens=args.warmup_tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    t = time.perf_counter()
+    if args.warmup_tokens > 0:  # 0: the first timed run is the first the engine sees
+        llm.generate(prompts(args.num_requests, args.prompt_len, seed=next(seeds)),
+                     SamplingParams(max_tokens=args.warmup_tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    warmup = time.perf_counter() - t
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     best, steps, times = float("inf"), None, []
     for _ in range(args.repeats):
@@ -241,7 +244,7 @@ def run_system(name: str, kwargs: dict, args, profile: bool) -> dict:
         assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
         if t < best:
             best, steps = t, log.summary()
-    rec = {"system": name, "kwargs": kwargs, "startup_s": startup, "offline_s": best, "run_s": times,
+    rec = {"system": name, "kwargs": kwargs, "startup_s": startup, "warmup_s": warmup, "offline_s": best, "run_s": times,
            "first_run_tok_s": args.num_requests * args.output_len / times[0],
            "output_tok_s": args.num_requests * args.output_len / best, **steps,
            "max_num_seqs": cfg.scheduler.max_num_seqs, "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
