@@ -52,6 +52,7 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
+#include "paged_attention.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -414,6 +415,8 @@ at::Tensor last_dim_contiguous(const at::Tensor& x) {
   return x.stride(-1) == 1 ? x : x.contiguous();
 }
 
+}  // namespace
+
 // Writes every row of `out` ([num_tokens, num_heads, head_dim], contiguous, q's dtype).
 void attend_paged_cpu_into(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                            at::Tensor& kv_cache, const at::Tensor& slot_mapping_in,
@@ -508,6 +511,8 @@ void attend_paged_cpu_into(const at::Tensor& q_in, const at::Tensor& k_in, const
     for (int64_t i = 0; i < num_items; ++i) attend_item(p, items[i], scratch);
   }
 }
+
+namespace {
 
 at::Tensor attend_paged_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
                             const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,

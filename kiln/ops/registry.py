@@ -30,6 +30,7 @@ from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
+from kiln.forward_context import ForwardContext
 from kiln.ops.attention import AttentionImpl
 
 GENERIC_ATTENTION_OP = "kiln::attend_paged"
@@ -46,6 +47,10 @@ def op_name(target: Any) -> Optional[str]:
 
 
 def _no_capture_context(max_seq_len: int) -> ContextManager[None]:
+    return contextlib.nullcontext()
+
+
+def _no_forward_scope(ctx: ForwardContext) -> ContextManager[None]:
     return contextlib.nullcontext()
 
 
@@ -74,6 +79,9 @@ class AttentionKernel(Kernel):
     # Entered around CUDA-graph capture with the longest context a graph must serve, so launches
     # recorded there stay valid for every batch (the Triton decode kernel sizes its splits by it).
     graph_capture: Callable[[int], ContextManager[None]] = _no_capture_context
+    # Entered around every forward with its context, inside ``forward_context`` (the CPU kernel
+    # hands the step's caches and metadata to its C++ op there).
+    forward_scope: Callable[[ForwardContext], ContextManager[None]] = _no_forward_scope
 
 
 def _no_pack(w: torch.Tensor, scales: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,7 +173,8 @@ def _cpu_attention() -> Optional[AttentionKernel]:
 
     if not cpu_attention.load_extension():
         return None
-    return AttentionKernel("cpu", torch.ops.kiln_cpu.attend_paged, fast=True, impl=cpu_attention.cpu_attend_paged)
+    return AttentionKernel("cpu", torch.ops.kiln_cpu.attend_paged, fast=True, impl=cpu_attention.cpu_attend_paged,
+                           forward_scope=cpu_attention.attention_context)
 
 
 def _triton_attention() -> AttentionKernel:
