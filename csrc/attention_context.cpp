@@ -16,7 +16,7 @@
 // - One context per thread (a forward runs on one thread), set only inside the scope; setting it
 //   twice without a clear is refused, as nested forward contexts are.
 // - Without a context (a forward the scope left to Python: an FP8 cache's calibration step, a
-//   plain forward_context in tests) or for inputs the kernel does not take (float16), the op
+//   plain forward_context in tests) or for inputs the kernel does not take (float16, mixed), the op
 //   calls kiln_cpu::attend_paged_py, the Python op over the forward context: same results.
 
 #include <ATen/core/Tensor.h>
@@ -68,7 +68,8 @@ at::Tensor attend_paged_py(const at::Tensor& q, const at::Tensor& k, const at::T
 at::Tensor attend_paged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer_idx,
                         double scale, int64_t sliding_window, double logit_softcap) {
   const auto dtype = q.scalar_type();
-  if (!current.has_value() || (dtype != at::kFloat && dtype != at::kBFloat16)) {
+  if (!current.has_value() || (dtype != at::kFloat && dtype != at::kBFloat16) || k.scalar_type() != dtype ||
+      v.scalar_type() != dtype) {
     return attend_paged_py(q, k, v, layer_idx, scale, sliding_window, logit_softcap);
   }
   const AttentionContext& ctx = *current;
