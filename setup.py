@@ -28,8 +28,8 @@ def cpu_extensions() -> dict:
     openmp = [] if sys.platform == "darwin" else ["-fopenmp"]  # Apple clang has no OpenMP by default
     ext = CppExtension(
         "kiln._C",
-        ["csrc/paged_attention.cpp", "csrc/gemv.cpp"],
-        depends=["csrc/vec.h"],
+        ["csrc/paged_attention.cpp", "csrc/attention_context.cpp", "csrc/gemv.cpp"],
+        depends=["csrc/vec.h", "csrc/paged_attention.h"],
         extra_compile_args=["-O3", "-fno-math-errno", *arch, *openmp],
         # libgomp has the soname of the copy torch ships, so the process has one OpenMP runtime; the
         # rpath lets `import kiln._C` find libtorch even before torch is imported.

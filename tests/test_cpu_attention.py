@@ -131,6 +131,40 @@ def test_cpu_kernels_route_kiln_attend_paged_to_the_kernel():
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_attention_context_runs_the_kernel_from_cpp(monkeypatch):
+    """Inside ``attention_context`` the C++ op reads the caches and metadata handed to C++: no
+    Python op runs (the Python path is made to fail), and every layer gets its own cache."""
+    batch = _small_batch(seed=12)
+    scale = batch.q.shape[-1] ** -0.5
+    kernels = select_kernels("cpu")
+    assert kernels.attention.forward_scope is ca.attention_context
+    ref_cache = batch.kv_cache.clone()
+    ref = attend_paged_reference(batch.q, batch.k, batch.v, ref_cache, batch.meta, scale)
+    caches = [torch.zeros_like(batch.kv_cache), batch.kv_cache.clone()]
+    ctx = ForwardContext(attn=batch.meta, kv_caches=caches, attention_impl=kernels.attention.impl)
+
+    def python_path(*args, **kwargs):
+        raise AssertionError("the Python attention path ran inside the attention context")
+
+    monkeypatch.setattr(ca, "cpu_attend_paged", python_path)
+    with forward_context(ctx), ca.attention_context(ctx):
+        assert torch.ops.kiln_cpu.has_attention_context()
+        with pytest.raises(RuntimeError, match="already set"):
+            with ca.attention_context(ctx):
+                pass
+        out = torch.ops.kiln_cpu.attend_paged(batch.q, batch.k, batch.v, 1, scale)
+    assert not torch.ops.kiln_cpu.has_attention_context()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(caches[1], ref_cache) and not caches[0].any()
+
+
+def test_attention_context_is_left_to_python_on_a_calibration_step():
+    batch = _small_batch(seed=13)
+    ctx = ForwardContext(attn=batch.meta, kv_caches=[batch.kv_cache], calibrate_kv_scales=True)
+    with ca.attention_context(ctx):
+        assert not torch.ops.kiln_cpu.has_attention_context()
+
+
 def test_without_the_extension_the_reference_is_selected(monkeypatch):
     monkeypatch.setattr(ca, "_extension_loaded", False)
     kernels = select_kernels("cpu")

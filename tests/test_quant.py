@@ -152,6 +152,7 @@ def _compile_with_pass(module: nn.Module, x: torch.Tensor, record: dict) -> torc
         gm.graph.lint()
         gm.recompile()
         record["after"] = _targets(gm)
+        record["casts"] = collections.Counter(n.target for n in gm.graph.nodes if n.op == "call_method")
         return gm.forward
 
     torch._dynamo.reset()
@@ -180,6 +181,9 @@ def test_quant_linear_pass_swaps_linear_on_dequantized_weight(scheme, bias):
     assert record["rewrites"] == 2
     assert after[CPU.quant_linear(scheme).op_name] == 2
     assert after[dequant] == 0 and after["linear"] == 0
+    # The CPU kernels compute in bfloat16 (their packed scales' dtype): the graph casts around each op,
+    # where Inductor fuses the casts into the kernels next to it.
+    assert record["casts"]["to"] == 2 and record["casts"]["type_as"] == 2
     torch.testing.assert_close(compiled, eager)
 
 

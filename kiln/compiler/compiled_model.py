@@ -351,10 +351,12 @@ class CompiledModel:
             hidden = self.forward(buf.input_ids[:padded], buf.positions[:padded])  # [padded, hidden]
         return ModelOutputs(hidden)
 
-    def _forward_scope(self, ctx: ForwardContext) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def _forward_scope(self, ctx: ForwardContext) -> Iterator[None]:
         ctx.attention_impl = self.kernels.attention.impl
         ctx.kv_scales = self.kv_scales
-        return forward_context(ctx)
+        with forward_context(ctx), self.kernels.attention.forward_scope(ctx):
+            yield
 
     @contextlib.contextmanager
     def _capture_scope(self, ctx: ForwardContext) -> Iterator[None]:

@@ -3,14 +3,20 @@
 Reference: ``kiln.ops.attention.attend_paged_reference``; ``cpu_attend_paged`` has its exact
 signature and semantics (store the new K/V, then attend causally over each request's context).
 The kernel is ``csrc/paged_attention.cpp``, built by ``setup.py`` into the module ``kiln._C``,
-which registers ``torch.ops.kiln_cpu.attend_paged_cpu`` (plus an ``.out`` overload). This module:
+which registers ``torch.ops.kiln_cpu.attend_paged_cpu`` (plus an ``.out`` overload) and
+``kiln_cpu::attend_paged(q, k, v, layer_idx, scale, sliding_window=0, logit_softcap=0.0)``, the
+schema of ``kiln::attend_paged``: the op ``AttentionBackendPass`` swaps in on CPU. That one is C++
+end to end (``csrc/attention_context.cpp``): it reads the cache and metadata from an attention
+context the forward's scope (``attention_context``, entered by the compiled model around every
+forward) hands to C++ once a step, so a compiled graph calls the kernel with no Python between.
+Without that context it calls ``kiln_cpu::attend_paged_py``, the same attention through the Python
+forward context. This module:
 
 - loads ``kiln._C`` on first use; without it (installed with no compiler, or a stale build) every
   entry point falls back to the pure-torch reference, and says so once at info level;
-- gives the C++ op its fake impl, so it can appear in a traced graph;
-- defines ``kiln_cpu::attend_paged(q, k, v, layer_idx, scale, sliding_window=0, logit_softcap=0.0)``, the schema of
-  ``kiln::attend_paged``: the op ``AttentionBackendPass`` swaps in on CPU;
-- ``kiln.ops.registry`` selects this op on CPU when ``load_extension()`` succeeds;
+- gives the C++ ops their fake impls, so they can appear in a traced graph;
+- defines ``kiln_cpu::attend_paged_py``, the Python path over the forward context;
+- ``kiln.ops.registry`` selects ``kiln_cpu::attend_paged`` on CPU when ``load_extension()`` succeeds;
 - the correctness check (``check_against_reference``) used by ``tests/test_cpu_attention.py``;
   timing is ``benchmarks/cpu_attention.py``.
 
@@ -20,12 +26,13 @@ The cache is q's dtype or float8_e4m3fn (``cache.dtype=fp8``, with the per-tenso
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
-from kiln.forward_context import AttentionMetadata
+from kiln.forward_context import AttentionMetadata, ForwardContext
 from kiln.ops.attention import attend_paged_reference, define_attention_op, fp8_kv_scale
 from kiln.ops.paged_batch import PagedBatch, PagedBatchSpec, random_paged_batch  # noqa: F401  (checks and tests)
 
@@ -43,6 +50,7 @@ def load_extension() -> bool:
             import kiln._C  # noqa: F401
 
             torch.library.register_fake("kiln_cpu::attend_paged_cpu")(_attend_paged_cpu_fake)
+            torch.library.register_fake("kiln_cpu::attend_paged")(_attend_paged_fake)
             _extension_loaded = True
         except (ImportError, OSError) as e:
             logger.info("C++ CPU attention unavailable (%s); using the pure-torch reference. "
@@ -54,6 +62,10 @@ def load_extension() -> bool:
 def _attend_paged_cpu_fake(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
                            sliding_window=0, logit_softcap=0.0, kv_scale=None):
     return q.new_empty(q.shape)  # the kernel's output is contiguous even when q is a strided view
+
+
+def _attend_paged_fake(q, k, v, layer_idx, scale, sliding_window=0, logit_softcap=0.0):
+    return q.new_empty(q.shape)
 
 
 def cpu_attend_paged(
@@ -80,8 +92,28 @@ def cpu_attend_paged(
     )
 
 
-# ``kiln::attend_paged`` on this kernel: cache and metadata come from the forward context.
-attend_paged = define_attention_op("kiln_cpu::attend_paged", cpu_attend_paged)
+# ``kiln::attend_paged`` on this kernel, cache and metadata from the Python forward context: what
+# the C++ ``kiln_cpu::attend_paged`` calls when no attention context is set.
+attend_paged_py = define_attention_op("kiln_cpu::attend_paged_py", cpu_attend_paged)
+
+
+@contextlib.contextmanager
+def attention_context(ctx: ForwardContext) -> Iterator[None]:
+    """Hand ``ctx``'s caches and metadata to C++ for the duration of one forward, so
+    ``kiln_cpu::attend_paged`` runs the kernel without Python. Left unset (the op then takes the
+    Python path) without the extension, without metadata or caches, and on an FP8 cache's
+    calibration step (its scales are set in Python from the step's keys and values)."""
+    meta = ctx.attn
+    if not (load_extension() and meta is not None and ctx.kv_caches and not ctx.calibrate_kv_scales
+            and ctx.kv_caches[0].device.type == "cpu"):
+        yield
+        return
+    torch.ops.kiln_cpu.set_attention_context(ctx.kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                             meta.query_start_loc, ctx.kv_scales or [])
+    try:
+        yield
+    finally:
+        torch.ops.kiln_cpu.clear_attention_context()
 
 
 # ---------------------------------------------------------------------------------------------

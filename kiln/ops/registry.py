@@ -30,6 +30,7 @@ from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
+from kiln.forward_context import ForwardContext
 from kiln.ops.attention import AttentionImpl
 
 GENERIC_ATTENTION_OP = "kiln::attend_paged"
@@ -46,6 +47,10 @@ def op_name(target: Any) -> Optional[str]:
 
 
 def _no_capture_context(max_seq_len: int) -> ContextManager[None]:
+    return contextlib.nullcontext()
+
+
+def _no_forward_scope(ctx: ForwardContext) -> ContextManager[None]:
     return contextlib.nullcontext()
 
 
@@ -74,6 +79,9 @@ class AttentionKernel(Kernel):
     # Entered around CUDA-graph capture with the longest context a graph must serve, so launches
     # recorded there stay valid for every batch (the Triton decode kernel sizes its splits by it).
     graph_capture: Callable[[int], ContextManager[None]] = _no_capture_context
+    # Entered around every forward with its context, inside ``forward_context`` (the CPU kernel
+    # hands the step's caches and metadata to its C++ op there).
+    forward_scope: Callable[[ForwardContext], ContextManager[None]] = _no_forward_scope
 
 
 def _no_pack(w: torch.Tensor, scales: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +104,11 @@ class QuantLinearKernel(Kernel):
     eager: Optional[Callable[..., torch.Tensor]] = None
     pack: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = _no_pack
     fits: Callable[[int, int, int], bool] = _fits_any
+    # The dtype ``op`` computes its activations in, if it casts them (the CPU kernels: bfloat16).
+    # ``QuantLinearPass`` then casts in the graph, before and after the op, where Inductor fuses the
+    # casts into the kernels around it (the norm writes bfloat16, the residual add reads it): the op
+    # converts nothing, and a decode step makes no cast calls (two a linear, 240 a SmolLM2 step).
+    activation_dtype: Optional[torch.dtype] = None
 
     @property
     def dequant_name(self) -> str:
@@ -165,7 +178,8 @@ def _cpu_attention() -> Optional[AttentionKernel]:
 
     if not cpu_attention.load_extension():
         return None
-    return AttentionKernel("cpu", torch.ops.kiln_cpu.attend_paged, fast=True, impl=cpu_attention.cpu_attend_paged)
+    return AttentionKernel("cpu", torch.ops.kiln_cpu.attend_paged, fast=True, impl=cpu_attention.cpu_attend_paged,
+                           forward_scope=cpu_attention.attention_context)
 
 
 def _triton_attention() -> AttentionKernel:
@@ -218,7 +232,8 @@ def _cpu_int8() -> Optional[QuantLinearKernel]:
     if not quant.cpu_int8_supported():
         return None
     return QuantLinearKernel("cpu", torch.ops.kiln_cpu.linear_int8, fast=True, dequant=torch.ops.kiln.dequant_int8,
-                             pack=quant.pack_int8_cpu, eager=quant._linear_int8_cpu)
+                             pack=quant.pack_int8_cpu, eager=quant._linear_int8_cpu,
+                             activation_dtype=quant.CPU_COMPUTE_DTYPE)
 
 
 def _cpu_int4() -> Optional[QuantLinearKernel]:
@@ -231,7 +246,8 @@ def _cpu_int4() -> Optional[QuantLinearKernel]:
     # Python op's casts and reshapes (about 20 us a call, 120 calls a SmolLM2 decode step).
     op = torch.ops.kiln_cpu.linear_int4_packed if gemv_available() else torch.ops.kiln_cpu.linear_int4
     return QuantLinearKernel("cpu", op, fast=True, dequant=torch.ops.kiln_cpu.dequant_int4,
-                             pack=quant.pack_int4_cpu, fits=quant.cpu_int4_fits, eager=linear_int4_eager())
+                             pack=quant.pack_int4_cpu, fits=quant.cpu_int4_fits, eager=linear_int4_eager(),
+                             activation_dtype=quant.CPU_COMPUTE_DTYPE)
 
 
 def _cuda_fp8() -> Optional[QuantLinearKernel]:

@@ -9,6 +9,7 @@ may hold it, and replaces it with the kernel op of that scheme, which reads the 
              y = torch._C._nn.linear(x, w, bias)          # or aten.linear / aten.mm(x, aten.t(w))
                                                           # or aten.addmm(bias, x, aten.t(w))
     after:   y = torch.ops.kiln_cpu.linear_int4(qweight, ...)(x, qweight, scales_zeros, 32) + bias
+             (a kernel with an ``activation_dtype``, the CPU's: ``op(x.to(bfloat16), ...).type_as(x)``)
 
 The scheme's kernel is the ``KernelSet``'s (``kiln.ops.registry``), found by the dequant op's name,
 so the weight layout and the GEMM always agree. A dequant whose value is used elsewhere too stays
@@ -44,6 +45,15 @@ def _is_transpose(node: Any) -> bool:
     if node.target is aten.permute.default and list(node.args[1]) in ([1, 0], [-1, -2]):
         return True
     return node.target in (aten.transpose.int, torch.transpose) and sorted(node.args[1:3]) in ([0, 1], [-2, -1])
+
+
+def _activation_cast(kernel: QuantLinearKernel, scales: Any) -> Optional[torch.dtype]:
+    """The dtype to cast the activations to around ``kernel``'s op: its ``activation_dtype`` when
+    the weight's scales are in it (the kernel casts x to the scales' dtype), else None."""
+    if kernel.activation_dtype is None or not isinstance(scales, torch.fx.Node):
+        return None
+    val = scales.meta.get("example_value", scales.meta.get("val"))
+    return kernel.activation_dtype if getattr(val, "dtype", None) == kernel.activation_dtype else None
 
 
 class QuantLinearPass(KilnPass):
@@ -93,9 +103,14 @@ class QuantLinearPass(KilnPass):
             kernel = self._kernel_of(dequant)
             qweight, scales, group_size = dequant.args[:3]
             weight_users = [a for a in node.all_input_nodes if a is not x and a is not bias]
+            cast = _activation_cast(kernel, scales)
             with graph.inserting_before(node):
-                gemm = graph.call_function(kernel.op.default, (x, qweight, scales, group_size))
-                gemm.meta.update(node.meta)
+                xc = x if cast is None else graph.call_method("to", (x, cast))
+                gemm = graph.call_function(kernel.op.default, (xc, qweight, scales, group_size))
+                if cast is None:
+                    gemm.meta.update(node.meta)
+                else:  # back to x's dtype; the casts' metadata is left to the retrace
+                    gemm = graph.call_method("type_as", (gemm, x))
                 y = gemm
                 if bias is not None:
                     y = graph.call_function(operator.add, (gemm, bias))
