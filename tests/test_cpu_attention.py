@@ -158,6 +158,16 @@ def test_attention_context_runs_the_kernel_from_cpp(monkeypatch):
     assert torch.equal(caches[1], ref_cache) and not caches[0].any()
 
 
+def test_a_build_without_the_context_op_runs_the_kernel_through_python(monkeypatch):
+    monkeypatch.setattr(ca, "has_context_op", lambda: False)
+    kernels = select_kernels("cpu")
+    assert kernels.attention.op_name == "kiln_cpu::attend_paged_py"
+    assert kernels.attention.impl is ca.cpu_attend_paged
+    batch = _small_batch(seed=14)
+    with ca.attention_context(ForwardContext(attn=batch.meta, kv_caches=[batch.kv_cache])):
+        assert not torch.ops.kiln_cpu.has_attention_context()
+
+
 def test_attention_context_is_left_to_python_on_a_calibration_step():
     batch = _small_batch(seed=13)
     ctx = ForwardContext(attn=batch.meta, kv_caches=[batch.kv_cache], calibrate_kv_scales=True)

@@ -50,13 +50,20 @@ def load_extension() -> bool:
             import kiln._C  # noqa: F401
 
             torch.library.register_fake("kiln_cpu::attend_paged_cpu")(_attend_paged_cpu_fake)
-            torch.library.register_fake("kiln_cpu::attend_paged")(_attend_paged_fake)
+            if has_context_op():
+                torch.library.register_fake("kiln_cpu::attend_paged")(_attend_paged_fake)
             _extension_loaded = True
         except (ImportError, OSError) as e:
             logger.info("C++ CPU attention unavailable (%s); using the pure-torch reference. "
                         "Build it with `pip install --no-build-isolation -e .`", e)
             _extension_loaded = False
     return _extension_loaded
+
+
+def has_context_op() -> bool:
+    """Whether the loaded ``kiln._C`` has the C++ ``kiln_cpu::attend_paged`` (a build older than
+    ``csrc/attention_context.cpp`` has only ``attend_paged_cpu``)."""
+    return hasattr(torch.ops.kiln_cpu, "attend_paged")
 
 
 def _attend_paged_cpu_fake(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
@@ -104,7 +111,7 @@ def attention_context(ctx: ForwardContext) -> Iterator[None]:
     Python path) without the extension, without metadata or caches, and on an FP8 cache's
     calibration step (its scales are set in Python from the step's keys and values)."""
     meta = ctx.attn
-    if not (load_extension() and meta is not None and ctx.kv_caches and not ctx.calibrate_kv_scales
+    if not (load_extension() and has_context_op() and meta is not None and ctx.kv_caches and not ctx.calibrate_kv_scales
             and ctx.kv_caches[0].device.type == "cpu"):
         yield
         return

@@ -178,6 +178,8 @@ def _cpu_attention() -> Optional[AttentionKernel]:
 
     if not cpu_attention.load_extension():
         return None
+    if not cpu_attention.has_context_op():  # a stale build: the kernel through the Python op
+        return AttentionKernel("cpu", torch.ops.kiln_cpu.attend_paged_py, fast=True, impl=cpu_attention.cpu_attend_paged)
     return AttentionKernel("cpu", torch.ops.kiln_cpu.attend_paged, fast=True, impl=cpu_attention.cpu_attend_paged,
                            forward_scope=cpu_attention.attention_context)
 
