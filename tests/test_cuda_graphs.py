@@ -167,12 +167,13 @@ def test_piece_graph_copies_inputs_that_moved_and_checks_scalars():
 MIXED_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)
 
 
-def _mixed_llm(mode: str, cudagraph: str, device: str = "cuda", dtype: str = "float32", model: str = "random:tiny"):
+def _mixed_llm(mode: str, cudagraph: str, device: str = "cuda", dtype: str = "float32", model: str = "random:tiny",
+               capture: str = "auto"):
     """A 64-token step budget with capture sizes up to 32: steps of 33-64 tokens run without graphs."""
     from kiln import LLM
 
     return LLM(model=model, dtype=dtype, device=device, max_model_len=1024,
-               compile={"mode": mode, "cudagraph": cudagraph, "capture_sizes": MIXED_CAPTURE_SIZES},
+               compile={"mode": mode, "cudagraph": cudagraph, "capture_sizes": MIXED_CAPTURE_SIZES, "capture": capture},
                cache={"kv_cache_memory_gib": 1.0}, scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 64})
 
 
@@ -328,7 +329,7 @@ def test_full_graphs_match_hf_float32():
 @pytest.mark.parametrize("cudagraph", ["piecewise", "full_and_piecewise"])
 def test_piecewise_graphs_match_no_graphs_float32(cudagraph, dispatch_log):
     want = _mixed_workload(_mixed_llm("kiln", "none"), 49152)
-    llm = _mixed_llm("kiln", cudagraph)
+    llm = _mixed_llm("kiln", cudagraph, capture="startup")  # every size before the first step (lazy: test_lazy_capture)
     runner = llm.engine.executor.runner
     graphs = runner.compiled.piecewise_graphs
     assert graphs is not None and graphs.captured_sizes == set(MIXED_CAPTURE_SIZES)
