@@ -54,6 +54,11 @@ PHASES = ("load_weights_s", "weights_wait_s", "dynamo_s", "inductor_s", "cache_l
           "tokenizer_wait_s", "ready_s")
 
 
+
+def capture_option(capture: str) -> dict:
+    """The ``compile.capture`` keyword for ``--capture`` (none for ``unset``)."""
+    return {} if capture == "unset" else {"capture": capture}
+
 def child(opts: dict) -> None:
     """One start: build the engine, generate one token, print the timings as one JSON line."""
     import logging
@@ -76,7 +81,8 @@ def child(opts: dict) -> None:
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)7.0f ms %(name)s: %(message)s")
 
     t_import = time.time()
-    llm = LLM(model=opts["model"], compile={"mode": opts.get("mode", "kiln"), "cudagraph": opts["cudagraph"]},
+    llm = LLM(model=opts["model"], compile={"mode": opts.get("mode", "kiln"), "cudagraph": opts["cudagraph"],
+                                           **capture_option(opts.get("capture", "lazy"))},
               cache={"dir": opts["cache_dir"]}, device=opts["device"],
               **({"max_model_len": opts["max_model_len"]} if opts.get("max_model_len") else {}))
     ready = time.time()
@@ -268,6 +274,9 @@ def main() -> None:
     parser.add_argument("--no-save", action="store_true", help="print only; write no results files")
     parser.add_argument("--sample-stacks", default=None, metavar="DIR",
                         help="sample each start's main-thread stack; write the top functions to DIR/stacks-<run>.txt")
+    parser.add_argument("--capture", default="lazy", choices=("startup", "lazy", "unset"),
+                        help="compile.capture (lazy: what kiln serve does by default; LLM's default is startup; "
+                             "unset: pass none, for trees older than the option)")
     parser.add_argument("--then-batch", default=None, metavar="N,T",
                         help="after the first token of a warm start: N requests of T tokens, twice (tok/s)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -291,6 +300,7 @@ def main() -> None:
         ensure_converted(args.model, source)
     try:
         opts = {"model": args.model, "cudagraph": args.cudagraph, "device": args.device, "mode": args.mode,
+                "capture": args.capture,
                 "max_model_len": args.max_model_len, "cache_dir": str(prepared_cache_dir(scratch, source)),
                 "sample_dir": args.sample_stacks, "then_batch": args.then_batch}
         if checkpoint is not None:
@@ -329,7 +339,7 @@ def report(args, cold: dict, warm: dict, restart: Optional[dict] = None) -> None
         metrics["warm_over_cold_ttft"] = round(ratio, 3)
         model = f"checkpoint:{args.checkpoint}" if args.checkpoint else args.model
         config = {"system": f"{name}-{model.replace(':', '_')}", "start": name, "model": model,
-                  "compile.mode": args.mode, "compile.cudagraph": args.cudagraph}
+                  "compile.mode": args.mode, "compile.cudagraph": args.cudagraph, "compile.capture": args.capture}
         records.append(make_record("startup", model, config, metrics))
     if args.out:
         json_paths, table = save_results("startup", records, Path(args.out), config_keys=["start", "compile.cudagraph"])

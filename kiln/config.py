@@ -153,7 +153,7 @@ class CompileConfig:
     cudagraph: str = "auto"  # auto: full_and_piecewise on CUDA, none on the CPU
     sizes: tuple[int, ...] = ()  # extra sizes Inductor specializes for
     capture_sizes: Optional[tuple[int, ...]] = None  # None: default_capture_sizes(max_num_seqs, max tokens)
-    capture: str = "auto"  # CAPTURE_MODES; auto: lazy where the engine runs the model in its own process
+    capture: str = "auto"  # CAPTURE_MODES; auto: lazy where the engine runs the model in its own process (LLM: startup)
     max_startup_capture_size: int = 8  # lazy: sizes up to this are captured before the engine is ready
     debug_dump_dir: Optional[str] = None
 

@@ -458,9 +458,9 @@ def test_weak_ref_aliases_cuda_memory_without_owning_it():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_default_config_captures_every_size_and_sizes_the_kv_cache_after_the_graphs(caplog):
-    """No options on a GPU: kiln mode, full graphs at 1, 2, 4, 8, ..., 512 and piece graphs, sizes up to 8
-    captured at start-up and the rest between steps (compile.capture=lazy); the graph memory of every
-    size is profiled before the KV cache is sized, and the tokens match the run without graphs."""
+    """No options on a GPU: kiln mode, full graphs at 1, 2, 4, 8, ..., 512 and piece graphs, every size
+    captured at start-up (LLM's compile.capture); the graph memory of every size is profiled before the
+    KV cache is sized, and the tokens match the run without graphs."""
     import logging
 
     from kiln import LLM
@@ -470,10 +470,7 @@ def test_default_config_captures_every_size_and_sizes_the_kv_cache_after_the_gra
     runner = llm.engine.executor.runner
     assert (runner.compile_config.mode, runner.compile_config.cudagraph) == ("kiln", "full_and_piecewise")
     assert runner.compiled.full_graphs.sizes == list((1, 2, 4) + tuple(range(8, 513, 8)))
-    assert runner.compile_config.capture == "lazy" and runner.compiled.full_graphs.captured_sizes == [1, 2, 4, 8]
-    assert runner.compiled.piecewise_graphs.captured_sizes == {1, 2, 4, 8}
-    while llm.engine.capture_idle():
-        pass
+    assert runner.compile_config.capture == "startup" and not llm.engine.has_pending_captures
     assert runner.compiled.full_graphs.captured_sizes == runner.compiled.full_graphs.sizes
     # beside full graphs, a thinner list up to 512, then every 256 tokens up to max_num_batched_tokens
     assert sorted(runner.compiled.piecewise_graphs.captured_sizes) == [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320,

@@ -23,6 +23,15 @@ def test_capture_resolves_to_lazy_only_in_the_engine_process():
         CompileConfig(max_startup_capture_size=-1)
 
 
+def test_offline_llm_captures_at_startup_unless_told():
+    """LLM (offline batches) turns auto into startup; an explicit choice is kept."""
+    from kiln import LLM
+
+    tiny = {"model": "random:tiny", "device": "cpu", "max_model_len": 256}
+    assert LLM(**tiny, compile={"mode": "eager"}).config.compile.capture == "startup"
+    assert LLM(**tiny, compile={"mode": "eager", "capture": "lazy"}).config.compile.capture == "lazy"
+
+
 def _lazy_pieces_on_cpu(llm, max_size: int):
     """The runner of a CPU ``llm`` (kiln mode, no graphs) switched to lazily captured, emulated piece graphs."""
     runner = llm.engine.executor.runner
@@ -167,11 +176,11 @@ def test_lazy_capture_on_gpu_matches_no_graphs_and_startup_capture(dispatch_log)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_default_lazy_capture_bfloat16_batch_of_five():
-    """The default (lazy) on random:qwen2.5-0.5b bf16: five greedy requests give the same tokens
+def test_lazy_capture_bfloat16_batch_of_five():
+    """Lazy capture (the server's default) on random:qwen2.5-0.5b bf16: five greedy requests give the same tokens
     before and after every size is captured, and (bf16 on random weights: near ties) mostly the
     tokens of the same engine with graph dispatch off."""
-    llm = _lazy_llm("random:qwen2.5-0.5b", "bfloat16", "auto", max_startup=8)
+    llm = _lazy_llm("random:qwen2.5-0.5b", "bfloat16", "lazy", max_startup=8)
     runner = llm.engine.executor.runner
     assert runner.lazy_capture and runner.compile_config.capture == "lazy"
     prompts = _prompts(49152)
