@@ -219,6 +219,11 @@ class CompiledModel:
         self._any_pending = self.num_pending_captures > 0
         return size
 
+    def drop_pending_captures(self) -> None:
+        """Capture no more sizes: the pending ones stay without graphs, and batches stop noting them."""
+        self._any_pending = False
+        self._wanted.clear()
+
     def _want_graph(self, num_tokens: int, num_reqs: int, num_decodes: int, mode: GraphMode, padded: int) -> None:
         """Lazy capture, after dispatch: note the size this batch would replay were every planned size
         captured, when it is not (the batch ran on a larger size or without graphs)."""

@@ -90,7 +90,7 @@ FIELD_HELP = {
                              "null: 1, 2, 4, then every 8 up to scheduler.max_num_seqs",
     "compile.capture": "when CUDA graphs are captured: startup: every size before ready; lazy: sizes up to "
                        "compile.max_startup_capture_size before ready, the rest between steps; auto: lazy "
-                       "with parallel.backend=uni, else startup",
+                       "for the server with parallel.backend=uni, else startup (offline LLM: startup)",
     "compile.max_startup_capture_size": "compile.capture=lazy: capture sizes up to this before ready",
     "compile.debug_dump_dir": "write the bytecode and the graphs before and after each pass here; null: off",
     "server.host": "address to listen on; 0.0.0.0: every interface",

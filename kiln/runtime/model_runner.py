@@ -221,6 +221,7 @@ class ModelRunner:
     def _stop_lazy_capture(self, reason: str) -> bool:
         logger.warning("CUDA graphs: %s; %d sizes stay without graphs", reason, self.compiled.num_pending_captures)
         self.lazy_capture = False
+        self.compiled.drop_pending_captures()
         return False
 
     def _profile_memory(self, cache_config: CacheConfig, sched: SchedulerConfig
