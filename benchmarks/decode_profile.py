@@ -32,7 +32,7 @@ from quant_gpu import profile_decode, profile_table  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--systems", default="llama3-8b:none,llama3-8b:int4,qwen2.5-0.5b:none",
-                   help="comma-separated preset:quantization[@KILN_PDL value]")
+                   help="comma-separated preset:quantization[@KILN_PDL value | @NAME=VALUE+NAME=VALUE]")
     p.add_argument("--label", default="kiln", help="names this tree's rows and files")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -67,18 +67,19 @@ def sync() -> None:
 
 
 def run_system(system: str, args, bandwidth: float) -> tuple[dict, str]:
-    """``system``: preset:quantization, optionally @<KILN_PDL> (kiln.ops.pdl; read when graphs are captured)."""
+    """``system``: preset:quantization, optionally @<KILN_PDL> (kiln.ops.pdl) or @NAME=VALUE+NAME=VALUE for
+    environment settings read when graphs are captured (KILN_PDL, KILN_DECODE_MERGE)."""
     import os
 
-    system_name, _, pdl = system.partition("@")
-    saved = os.environ.get("KILN_PDL")
-    if pdl:
-        os.environ["KILN_PDL"] = pdl
+    system_name, _, env = system.partition("@")
+    settings = dict(kv.split("=", 1) for kv in env.split("+")) if "=" in env else ({"KILN_PDL": env} if env else {})
+    saved = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
     try:
         return _run_system(system_name, args, bandwidth, system)
     finally:
-        if pdl:
-            os.environ.pop("KILN_PDL") if saved is None else os.environ.__setitem__("KILN_PDL", saved)
+        for key, value in saved.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
 
 
 def _run_system(system_name: str, args, bandwidth: float, system: str) -> tuple[dict, str]:

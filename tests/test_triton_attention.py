@@ -236,3 +236,42 @@ def test_decode_only_batch_takes_the_fused_store(kernels, monkeypatch):
         assert len(stores) == want_stores
         assert torch.equal(cache, ref_cache)
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+class _CountLaunches:
+    """Stands in for a Triton kernel: counts ``kernel[grid](...)`` launches, then runs it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("merge", ["fused", "kernel"])
+def test_split_decodes_merge_in_the_decode_kernel_or_their_own(kernels, size, merge, monkeypatch):
+    """Split decodes merge either in the decode kernel (the last live split of each decode and kv
+    head merges, counted in the device's counters) or in the separate merge kernel
+    (``KILN_DECODE_MERGE=kernel``); both give the reference's output. The fused merge launches no
+    merge kernel and leaves every counter at zero, so the next launch (a graph replay) counts from
+    zero again: a second batch through the same counters must match too. Static splits cover
+    contexts of one live split (written directly) and of several."""
+    monkeypatch.setenv("KILN_DECODE_MERGE", merge)
+    merges = _CountLaunches(kernels._merge_splits_kernel)
+    monkeypatch.setattr(kernels, "_merge_splits_kernel", merges)
+    spec = _spec(kernels, size, decodes=(90, 2, 17, 33), group=4)
+    cfg = _small_tiles(kernels, size)
+    for seed in (13, 14):
+        batch = kernels.random_paged_batch(spec, DEVICE, seed=seed)
+        kernels.check_against_reference(batch, cfg)
+    static = kernels.LaunchConfig(decode_block_n=16, static_min_split_tokens=16, programs_per_sm=64)
+    with kernels.static_decode_splits(512):
+        kernels.check_against_reference(batch, static)
+        kernels.check_against_reference(batch, static, fused_store=True)
+    if merge == "fused":
+        assert merges.launches == 0
+        assert not kernels._counters[batch.q.device].any()
+    else:
+        assert merges.launches == 4

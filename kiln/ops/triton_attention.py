@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -149,6 +150,7 @@ def _decode_kernel(
     PRESCALE_Q: tl.constexpr = False, kv_scale_ptr=None, KV_SCALED: tl.constexpr = False,
     k_new_ptr=None, v_new_ptr=None, slot_mapping_ptr=None, stride_kt=0, stride_kh=0, stride_vt=0, stride_vh=0,
     FUSED_STORE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    counters_ptr=None, FUSED_MERGE: tl.constexpr = False, SPLITS_POW2: tl.constexpr = 1,
 ):
     if USE_PDL:  # kiln.ops.pdl
         tl.extra.cuda.gdc_wait()
@@ -156,10 +158,17 @@ def _decode_kernel(
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     if SLIDING:  # the query (position seq_len - 1) sees the last `window` keys: the splits cover those
-        kv_start = tl.maximum(seq_len - window, 0) + split * split_tokens
+        kv_base = tl.maximum(seq_len - window, 0)
     else:
-        kv_start = split * split_tokens
+        kv_base = 0
+    kv_start = kv_base + split * split_tokens
     kv_end = tl.minimum(kv_start + split_tokens, seq_len)
+    if FUSED_MERGE:
+        # Only the splits that hold keys take part: the others leave at once, and a context that
+        # fits one split is written by that split alone, with no partials and no count.
+        live = tl.maximum(tl.cdiv(seq_len - kv_base, split_tokens), 1)
+        if split >= live:
+            return
 
     rows = tl.arange(0, BLOCK_M)  # row r is query head kv_head * GROUP + r
     row_ok = rows < GROUP
@@ -212,6 +221,28 @@ def _decode_kernel(
         o = acc / l_i[:, None]
         tl.store(out_ptr + req * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    elif FUSED_MERGE:
+        # An empty context (a padding row's seq_len 0) leaves l_i = 0 and writes zeros.
+        empty = l_i == 0.0
+        o = acc / tl.where(empty, 1.0, l_i)[:, None]
+        if live == 1:
+            tl.store(out_ptr + req * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        else:
+            lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+            num_splits = tl.num_programs(2)
+            part = (req * (tl.num_programs(1) * GROUP) + heads) * num_splits + split  # [nd, H, splits]
+            tl.store(part_lse_ptr + part, lse, mask=row_ok)
+            tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+            # The last live split to finish merges them all (_merge_heads), then re-arms the counter
+            # for the next launch. The barrier puts every thread's partial stores before the count.
+            tl.debug_barrier()
+            counter = counters_ptr + req * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel") == live - 1:
+                _merge_heads(part_out_ptr, part_lse_ptr, out_ptr, req, kv_head * GROUP, num_splits, live,
+                             stride_ot, stride_oh, tl.num_programs(1) * GROUP, GROUP, HEAD_DIM, HEAD_DIM_P2,
+                             SPLITS_POW2)
+                tl.atomic_xchg(counter, 0, sem="relaxed")
     else:
         # An empty split (past this request's context) leaves l_i = 0: it stores lse = -inf, o = 0.
         empty = l_i == 0.0
@@ -221,6 +252,27 @@ def _decode_kernel(
         part = (req * (tl.num_programs(1) * GROUP) + heads) * num_splits + split  # [nd, H, splits]
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_heads(part_out_ptr, part_lse_ptr, out_ptr, req, first_head, num_splits, live, stride_ot, stride_oh,
+                 num_heads, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+                 SPLITS_POW2: tl.constexpr):
+    """out[req, h] for the GROUP heads from first_head: the first ``live`` splits' partials merged
+    as _merge_splits_kernel does. Partials are read from L2 (``.cg``): other SMs wrote them."""
+    splits = tl.arange(0, SPLITS_POW2)
+    ok = splits < live
+    d = tl.arange(0, HEAD_DIM_P2)
+    d_ok = d < HEAD_DIM
+    for r in tl.static_range(GROUP):
+        head = first_head + r
+        part = (req * num_heads + head) * num_splits + splits
+        lse = tl.load(part_lse_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp2(lse - tl.max(lse, 0))
+        o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None] & d_ok[None, :],
+                    other=0.0, cache_modifier=".cg")
+        o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(out_ptr + req * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit
@@ -366,6 +418,26 @@ def _kernel_args(q, kv_cache, meta, out, kv_scale=None) -> dict:
 
 _static_max_seq_len: Optional[int] = None  # set only inside static_decode_splits()
 
+# One int32 a (decode, kv head) that the decode kernel's fused merge counts split arrivals in; every
+# launch leaves it at zero. Allocated once per device and never freed or grown, because CUDA graphs
+# keep its address. A batch with more (decode, kv head) pairs merges in the separate kernel.
+MERGE_COUNTERS = 1 << 16
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device, needed: int) -> Optional[torch.Tensor]:
+    """The device's merge counters, or None where the separate merge kernel runs instead: more
+    pairs than counters, ``KILN_DECODE_MERGE=kernel`` (to measure), or the first need arising
+    inside a CUDA-graph capture (allocating there would tie the counters to the graph's pool)."""
+    if needed > MERGE_COUNTERS or os.environ.get("KILN_DECODE_MERGE", "fused") == "kernel":
+        return None
+    counters = _counters.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _counters[device] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
+    return counters
+
 
 @contextlib.contextmanager
 def static_decode_splits(max_seq_len: int) -> Iterator[None]:
@@ -410,6 +482,7 @@ def _launch_decodes(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_wi
     single = num_splits == 1
     part_out = out if single else q.new_empty((nd, num_heads, num_splits, head_dim), dtype=torch.float32)
     part_lse = out if single else q.new_empty((nd, num_heads, num_splits), dtype=torch.float32)
+    counters = None if single else _merge_counters(q.device, nd * num_kv_heads)
     store = {}
     if new_kv is not None:
         k, v = new_kv
@@ -421,9 +494,10 @@ def _launch_decodes(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_wi
         GROUP=group, PAGE_SIZE=kv_cache.shape[2],
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n, SINGLE_SPLIT=single,
         **_dot_args(q, kv_cache), num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
-        **store, **pdl_args(q),
+        **store, **pdl_args(q), counters_ptr=counters, FUSED_MERGE=counters is not None,
+        SPLITS_POW2=triton.next_power_of_2(num_splits),
     )
-    if not single:
+    if not single and counters is None:
         _merge_splits_kernel[(nd, num_heads)](
             part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_P2=triton.next_power_of_2(head_dim),
