@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from common import console_table, copy_bandwidth, device_name
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+EXTRA_SHAPES = {"lm_head": (128256, 4096)}  # timed when named in --shapes
 GROUP = 32
 
 
@@ -78,7 +79,11 @@ def sweep_configs(scheme: str, m: int):
     """(block_m, block_n, block_k, num_warps, num_stages) x split-K per scheme and row bucket."""
     from kiln.ops.triton_quant_gemm import GemmConfig
 
-    if m == 1 and scheme == "fp8":  # num_stages > 1 pipelines the weight loads through shared memory
+    if m == 1 and scheme == "dense":  # bf16 weights: twice fp8's bytes a row
+        tiles = [(1, bn, bk, nw, ns) for bn, bk, nw in [(8, 512, 4), (4, 1024, 4), (8, 256, 2), (16, 256, 4),
+                                                        (4, 512, 2), (8, 1024, 8), (2, 1024, 2)] for ns in (2, 3, 4)]
+        splits = (1,)
+    elif m == 1 and scheme == "fp8":  # num_stages > 1 pipelines the weight loads through shared memory
         tiles = [(1, bn, bk, nw, ns) for bn, bk, nw in [(8, 512, 2), (4, 1024, 2), (8, 1024, 4), (16, 512, 4),
                                                         (8, 1024, 2), (4, 2048, 4)] for ns in (1, 2, 3, 4)]
         splits = (1,)
@@ -113,7 +118,7 @@ def main(argv=None) -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     records, best = [], {}
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in {**SHAPES, **EXTRA_SHAPES}.items():
         if name not in args.shapes.split(","):
             continue
         w = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -124,7 +129,8 @@ def main(argv=None) -> None:
         q4, sz4 = quant.quantize_int4(w, GROUP, torch.bfloat16)
         int4 = [(q4.clone(), sz4.clone()) for _ in range(max(2, copies * 3))]
         tiny = [pack_int4_cuda(q4, sz4, GROUP) for _ in range(max(2, copies * 3))]
-        bytes_ = {"bf16": n * k * 2, "fp8": n * k + 4 * n, "int4": n * k // 2 + (k // GROUP) * n * 4}
+        bytes_ = {"bf16": n * k * 2, "fp8": n * k + 4 * n, "int4": n * k // 2 + (k // GROUP) * n * 4,
+                  "dense": n * k * 2}
         for m in rows_list:
             if time.perf_counter() - t0 > args.deadline_s:
                 print(f"deadline: {name} M={m} not run", flush=True)
@@ -156,11 +162,16 @@ def main(argv=None) -> None:
                 print(f"{name} M={m}: " + ", ".join(f"{r['system']} {r['us']:.1f}us" for r in records
                                                     if r["shape"] == name and r["m"] == m), flush=True)
                 continue
-            for scheme, weights in (("fp8", fp8), ("int4", int4)):
-                if scheme not in args.schemes.split(","):
+            dense = [(b, None) for b in bf16]
+            for scheme, weights in (("fp8", fp8), ("int4", int4), ("dense", dense)):
+                if scheme not in args.schemes.split(",") or (scheme == "dense" and m != 1):
                     continue
-                want = quant.linear_reference(scheme)(x, *weights[0], GROUP) if scheme == "int4" else (
-                    x.float() @ quant.dequant_fp8_reference(*weights[0], GROUP, torch.float32).t())
+                if scheme == "int4":
+                    want = quant.linear_reference(scheme)(x, *weights[0], GROUP)
+                elif scheme == "fp8":
+                    want = x.float() @ quant.dequant_fp8_reference(*weights[0], GROUP, torch.float32).t()
+                else:
+                    want = x.float() @ weights[0][0].float().t()
                 configs = list(sweep_configs(scheme, m)) if args.sweep and m in (1, 16) else []
                 configs.append(config_for(scheme, m, n, k, GROUP))
                 results = []

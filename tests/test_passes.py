@@ -348,7 +348,7 @@ def test_uuid_tracks_source_and_options():
 def test_pass_list_order_and_auto_fusion():
     names = [p.name for p in build_passes(PassConfig())]
     assert names == ["SDPAToPagedAttentionPass", "MergeSiblingLinearsPass", "AttentionBackendPass", "MoEBackendPass", "QuantLinearPass",
-                     "NoOpEliminationPass", "SiluMulFusionPass", "AddRMSNormFusionPass", "Fp8QuantFusionPass"]
+                     "DenseLinearPass", "NoOpEliminationPass", "SiluMulFusionPass", "AddRMSNormFusionPass", "Fp8QuantFusionPass"]
     cpu = {p.name: p.options() for p in build_passes(PassConfig(kernels=select_kernels("cpu")))}
     cuda = {p.name: p.options() for p in build_passes(PassConfig(kernels=select_kernels("cuda")))}
     assert cpu["SiluMulFusionPass"] == {"enabled": False}  # no CPU kernel beats Inductor's loop
@@ -356,6 +356,7 @@ def test_pass_list_order_and_auto_fusion():
     assert cuda["AddRMSNormFusionPass"] == {"enabled": True, "op": "kiln_triton::add_rms_norm"}
     assert cuda["MoEBackendPass"] == {"device_type": "cuda", "kernel": "kiln_triton::fused_moe"}
     assert cpu["MoEBackendPass"] == {"device_type": "cpu", "kernel": "kiln::fused_moe"}
+    assert not cpu["DenseLinearPass"]["enabled"]  # the CPU's dense linear is F.linear itself
     with pytest.raises(ValueError, match="fusion"):
         PassConfig(fusion="sometimes")
 

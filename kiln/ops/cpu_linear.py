@@ -70,13 +70,19 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def decode_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` in ``x``'s dtype; for a CPU weight of a GEMV dtype through
     ``torch.ops.kiln_cpu.linear_bf16`` (one row: the GEMV; more: ``F.linear``), in eager mode and in
-    compiled graphs alike; without the extension, one eager row through ``torch.mv``."""
+    compiled graphs alike; without the extension, one eager row through ``torch.mv``. A CUDA
+    bf16/fp16 weight goes through ``kiln_cuda::linear_dense`` (``kiln.ops.dense_linear``: the
+    Triton GEMV at one row, cuBLAS above)."""
     if w.dtype in GEMV_DTYPES and w.device.type == "cpu":
         if gemv_available():
             return torch.ops.kiln_cpu.linear_bf16(x, w, bias)
         if x.dim() == 2 and x.shape[0] == 1 and not torch.compiler.is_compiling():
             y = torch.mv(w, x[0].to(w.dtype)).unsqueeze(0).to(x.dtype)
             return y if bias is None else y + bias
+    if w.is_cuda and w.dtype in (torch.bfloat16, torch.float16):
+        from kiln.ops import dense_linear  # noqa: F401  (defines the op)
+
+        return torch.ops.kiln_cuda.linear_dense(x.to(w.dtype), w, bias).to(x.dtype)
     return F.linear(x.to(w.dtype), w, bias).to(x.dtype)
 
 

@@ -15,6 +15,8 @@ the first candidate of an op whose device matches and whose loader returns a ker
                                             kiln_cpu::linear_int4 (aten)     kiln::linear_int4
     linear_fp8    kiln_cuda::linear_fp8 (SM89+; Triton at decode rows,       kiln::linear_fp8
                   _scaled_mm above)
+    linear_dense  kiln_cuda::linear_dense (Triton GEMV at one row,          kiln::linear_dense
+                  cuBLAS above)
 
 ``select_kernels(device_type)`` returns the ``KernelSet`` a ``CompiledModel`` is built with. Nothing
 here is process-global state: two models on two devices in one process hold two KernelSets, and
@@ -125,6 +127,12 @@ def _reference_quant(scheme: str) -> QuantLinearKernel:
                              dequant=getattr(torch.ops.kiln, f"dequant_{scheme}"))
 
 
+def _reference_linear_dense() -> Kernel:
+    import kiln.ops.dense_linear  # noqa: F401  (defines the op)
+
+    return Kernel("reference", torch.ops.kiln.linear_dense)
+
+
 def _reference_int8() -> QuantLinearKernel:
     return _reference_quant("int8")
 
@@ -149,6 +157,7 @@ class KernelSet:
     linear_int8: QuantLinearKernel = field(default_factory=_reference_int8)
     linear_int4: QuantLinearKernel = field(default_factory=_reference_int4)
     linear_fp8: QuantLinearKernel = field(default_factory=_reference_fp8)
+    linear_dense: Kernel = field(default_factory=_reference_linear_dense)
 
     def quant_linear(self, scheme: str) -> QuantLinearKernel:
         """The GEMM of quantization ``scheme`` (int8 | int4 | fp8)."""
@@ -161,7 +170,7 @@ class KernelSet:
     def describe(self) -> dict[str, str]:
         """op -> kernel name, for logs and the artifact cache key."""
         return {"attention": self.attention.name, "add_rms_norm": self.add_rms_norm.name,
-                "silu_and_mul": self.silu_and_mul.name, "moe": self.moe.name,
+                "silu_and_mul": self.silu_and_mul.name, "moe": self.moe.name, "linear_dense": self.linear_dense.name,
                 **{f"linear_{s}": self.quant_linear(s).name for s in QUANT_SCHEMES}}
 
 
@@ -279,6 +288,16 @@ def _triton_int4() -> Optional[QuantLinearKernel]:
                              dequant=torch.ops.kiln.dequant_int4, fits=quant_cuda.int4_triton_fits)
 
 
+def _triton_linear_dense() -> Optional[Kernel]:
+    from kiln.ops import quant_cuda
+
+    if not quant_cuda.triton_supported():
+        return None
+    import kiln.ops.dense_linear  # noqa: F401
+
+    return Kernel("triton", torch.ops.kiln_cuda.linear_dense, fast=True)
+
+
 def _cuda_int4() -> Optional[QuantLinearKernel]:
     from kiln.ops import quant_cuda
 
@@ -299,6 +318,7 @@ REGISTRY: dict[str, tuple[tuple[str, Callable[[], Optional[Kernel]]], ...]] = {
     "linear_int8": (("cuda", _triton_int8), ("cpu", _cpu_int8), (ANY_DEVICE, _reference_int8)),
     "linear_int4": (("cuda", _triton_int4), ("cuda", _cuda_int4), ("cpu", _cpu_int4), (ANY_DEVICE, _reference_int4)),
     "linear_fp8": (("cuda", _cuda_fp8), (ANY_DEVICE, _reference_fp8)),
+    "linear_dense": (("cuda", _triton_linear_dense), (ANY_DEVICE, _reference_linear_dense)),
 }
 
 

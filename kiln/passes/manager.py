@@ -9,6 +9,8 @@ The list (``build_passes``) runs in order; each pass says where it runs (``KilnP
 2. ``AttentionBackendPass`` (dynamo): the generic attention call becomes the KernelSet's kernel op.
    ``MoEBackendPass`` (dynamo): likewise the generic ``kiln.fused_moe`` (mixture-of-experts models).
 3. ``QuantLinearPass`` (dynamo): a linear on a dequantized weight -> the KernelSet's quantized GEMM.
+   ``DenseLinearPass`` (dynamo): a linear on a bf16/fp16 weight -> the set's dense GEMM (CUDA: a
+   Triton GEMV at one row, cuBLAS above).
 4. ``NoOpEliminationPass`` (post_grad): views, slices and casts that return their input.
 5. ``SiluMulFusionPass`` (post_grad): ``silu(gate) * up`` -> ``kiln.silu_and_mul``.
 6. ``AddRMSNormFusionPass`` (post_grad): residual add + RMSNorm -> ``kiln.add_rms_norm``.
@@ -54,6 +56,7 @@ from kiln.ops.registry import Kernel, KernelSet, reference_kernels
 from kiln.passes.add_rms_norm_fusion import AddRMSNormFusionPass
 from kiln.passes.attention_backend import AttentionBackendPass
 from kiln.passes.base import STAGES, KilnPass, source_hash
+from kiln.passes.dense_linear import DenseLinearPass
 from kiln.passes.fp8_quant_fusion import Fp8QuantFusionPass
 from kiln.passes.merge_linears import MergeSiblingLinearsPass
 from kiln.passes.moe_backend import MoEBackendPass
@@ -95,6 +98,7 @@ def build_passes(config: PassConfig) -> list[KilnPass]:
         AttentionBackendPass(k),
         MoEBackendPass(k),
         QuantLinearPass(k),
+        DenseLinearPass(enabled=config.fusion_enabled(k.linear_dense), op=k.linear_dense.op, device_type=k.device_type),
         NoOpEliminationPass(),
         SiluMulFusionPass(enabled=config.fusion_enabled(k.silu_and_mul), op=k.silu_and_mul.op),
         AddRMSNormFusionPass(enabled=config.fusion_enabled(k.add_rms_norm), op=k.add_rms_norm.op),
