@@ -137,11 +137,13 @@ def test_default_configs_take_every_shape():
 
 def test_measured_configs_fit_their_shapes():
     pytest.importorskip("triton")
-    from kiln.ops.triton_quant_gemm import MEASURED, config_for
+    from kiln.ops.triton_quant_gemm import MEASURED, MEASURED_ON, _measured, config_for
 
-    for (scheme, bucket, n, k), cfg in MEASURED.items():
-        assert cfg.block_m == bucket and k % cfg.block_k == 0, (scheme, bucket, n, k)
-        assert scheme != "int4" or cfg.block_k % 32 == 0
+    for table in (MEASURED, *MEASURED_ON.values()):
+        for (scheme, bucket, n, k), cfg in table.items():
+            assert cfg.block_m == bucket and k % cfg.block_k == 0, (scheme, bucket, n, k)
+            assert scheme != "int4" or cfg.block_k % 32 == 0
+    for (scheme, bucket, n, k), cfg in _measured().items():  # this card's table: MEASURED and its own entries
         assert config_for(scheme, bucket, n, k) == cfg
     assert config_for("int8", 1, 4096, 4096) == config_for("fp8", 1, 4096, 4096)
 
