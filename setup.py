@@ -28,7 +28,7 @@ def cpu_extensions() -> dict:
     openmp = [] if sys.platform == "darwin" else ["-fopenmp"]  # Apple clang has no OpenMP by default
     ext = CppExtension(
         "kiln._C",
-        ["csrc/paged_attention.cpp", "csrc/attention_context.cpp", "csrc/gemv.cpp"],
+        ["csrc/paged_attention.cpp", "csrc/attention_context.cpp", "csrc/gemv.cpp", "csrc/gemv_q8_0.cpp"],
         depends=["csrc/vec.h", "csrc/paged_attention.h"],
         extra_compile_args=["-O3", "-fno-math-errno", *arch, *openmp],
         # libgomp has the soname of the copy torch ships, so the process has one OpenMP runtime; the

@@ -85,7 +85,9 @@ def weight_bytes_per_step(model) -> int:
         total -= nbytes(model.embed_tokens.weight)
     head = getattr(model, "head_weight", None)  # the LM head's copy a step reads instead (CPU, quantized)
     if head is not None:
-        total += nbytes(head) - nbytes(model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight)
+        q8 = getattr(model, "head_q8", None)  # one row reads the Q8_0 copy instead (kiln.ops.cpu_linear)
+        read = nbytes(head) if q8 is None else nbytes(q8.qweight) + nbytes(q8.scales)
+        total += read - nbytes(model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight)
     return total
 
 

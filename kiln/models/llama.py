@@ -32,7 +32,7 @@ from torch import nn
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.attend_paged)
 import kiln.ops.collective  # noqa: F401  (registers torch.ops.kiln.all_reduce and all_gather)
 from kiln.models.arch import ArchConfig, is_sparse_layer
-from kiln.ops.cpu_linear import decode_linear
+from kiln.ops.cpu_linear import Q8Head, head_linear
 from kiln.models.moe import SparseMoeBlock
 from kiln.models.rope import rope_cos_sin_table
 from kiln.models.parallel import (SINGLE, Shard, TensorParallel, check_tensor_parallel, column_shard, head_shards,
@@ -220,6 +220,7 @@ class LlamaForCausalLM(nn.Module):
         num_vocab_rows = self.embed_tokens.num_embeddings
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, num_vocab_rows, bias=False)
         self.head_weight: torch.Tensor | None = None
+        self.head_q8: Q8Head | None = None  # a CPU one-row head (kiln.ops.cpu_linear.prepare_cpu_decode)
         # Not persistent: recomputed from ArchConfig, never loaded from a checkpoint.
         num_positions = arch.context_limit
         self.register_buffer("cos_sin_cache", rope_cos_sin_table(arch, num_positions), persistent=False)
@@ -265,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             if self.head_weight is not None:  # a CPU copy in the GEMM's dtype (kiln.ops.cpu_linear.prepare_cpu_decode)
                 weight = self.head_weight
-            logits = decode_linear(hidden, weight)  # [N, this rank's vocab rows]
+            logits = head_linear(hidden, weight, self.head_q8)  # [N, this rank's vocab rows]
         if self.tp.size > 1:
             logits = torch.ops.kiln.all_gather(logits)  # [N, padded vocab], ranks in order
             if logits.shape[-1] != self.arch.vocab_size:

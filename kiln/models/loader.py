@@ -236,15 +236,20 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
                            kv_scales=kv_scales, tokenizing=tokenizing)
     model.load_weights(weights)
     apply_quantization(model, scheme, kernels, gguf_path if tp.size == 1 else None, int4_projections)
-    _prepare_decode(model, device)
+    _prepare_decode(model, device, gguf_path if tp.size == 1 else None)
     return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len, kv_scales=kv_scales, tokenizing=tokenizing)
 
 
-def _prepare_decode(model, device) -> None:
+def _prepare_decode(model, device, gguf_path: Optional[str] = None) -> None:
     if torch.device(device).type == "cpu":
+        from kiln.models.quantize import read_gguf_head_q8_0
         from kiln.ops.cpu_linear import prepare_cpu_decode
 
-        prepare_cpu_decode(model)
+        quantized = getattr(model, "quantization", "none") in ("int8", "int4")
+        head_blocks = None
+        if quantized and gguf_path is not None:  # the head in the GGUF's own Q8_0 blocks, if stored so
+            head_blocks = read_gguf_head_q8_0(gguf_path, tied=getattr(model, "lm_head", None) is None)
+        prepare_cpu_decode(model, head_blocks)
 
 
 def use_generic(impl: str, model_type: Optional[str]) -> bool:

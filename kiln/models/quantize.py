@@ -268,7 +268,7 @@ def _dequant_fp8_tensor(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"FP8 checkpoint: weight_scale of shape {tuple(scale.shape)} does not fit a weight of {(n, k)}")
 
 
-# ---- GGUF: Q4_1 blocks as int4 weights ------------------------------------------------------------
+# ---- GGUF: Q4_1 blocks as int4 weights, the Q8_0 LM head --------------------------------------------
 
 def gguf_has_int4(gguf_path: str) -> bool:
     from gguf import GGMLQuantizationType, GGUFReader
@@ -309,6 +309,29 @@ def read_gguf_int4(gguf_path: str, num_heads: int, num_kv_heads: int,
             q, d, m = (unpermute_rotary_rows(a, heads) for a in (q, d, m))
         out[hf_tensor_name(t.name).removesuffix(".weight")] = (q, d, m)
     return out
+
+
+def q8_0_blocks(data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """A GGUF Q8_0 tensor's raw bytes -> (q int8 [rows, cols], d float16 [rows, cols/32]).
+
+    A block is 32 weights in 34 bytes: d (fp16), then 32 int8 values; weight = q * d."""
+    blocks = np.ascontiguousarray(data).reshape(rows, cols // 32, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    q = blocks[..., 2:34].copy().view(np.int8).reshape(rows, cols)
+    return q, d
+
+
+def read_gguf_head_q8_0(gguf_path: str, tied: bool) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """The LM head's Q8_0 blocks (``q8_0_blocks``), if the GGUF stores it so: ``output.weight``, or
+    for a tied model the embedding ``token_embd.weight``; None otherwise."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    name = "token_embd.weight" if tied else "output.weight"
+    for t in GGUFReader(gguf_path).tensors:
+        if t.name == name and t.tensor_type == GGMLQuantizationType.Q8_0:
+            cols, rows = (int(s) for s in t.shape)  # GGUF lists the fastest dim first
+            return q8_0_blocks(t.data, rows, cols)
+    return None
 
 
 def gguf_canonical_int4(blocks: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],

@@ -15,11 +15,18 @@ goes through ``torch.mv`` (no worse than ``F.linear``).
 ``decode_linear`` is that choice; ``use_decode_gemv`` switches a CPU model's bfloat16 ``nn.Linear``
 layers to it (``GemvLinear``), and ``prepare_cpu_decode`` also gives a quantized float32 model a
 bfloat16 LM head.
+
+A quantized model's LM head goes further at one row: Q8_0 (int8 values, one float16 scale per
+block of 32, as llama.cpp stores a GGUF's embedding) through ``torch.ops.kiln_cpu.gemv_q8_0``
+(``csrc/gemv_q8_0.cpp``: the activation row quantized the same way, AVX512-VNNI integer dot
+products), half the bytes of bfloat16. A GGUF's own Q8_0 head is repacked as stored, never
+re-quantized; another checkpoint's head is quantized per block of 32 (``quantize_q8_0``). More
+rows keep the bfloat16 head (oneDNN's AMX), and so does a ``kiln._C`` built without the op.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +63,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake("kiln_cpu::linear_int4_packed")
     def _(x, w, scales_zeros, group_size):
         return x.new_empty((*x.shape[:-1], scales_zeros.shape[1]))
+
+    if hasattr(torch.ops.kiln_cpu, "gemv_q8_0"):
+        @torch.library.register_fake("kiln_cpu::gemv_q8_0")
+        def _(x, qweight, scales):
+            return x.new_empty((x.shape[0], qweight.shape[0]), dtype=torch.float32)
 
 
 def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -112,14 +124,96 @@ def use_decode_gemv(model: nn.Module) -> int:
     return count
 
 
-def prepare_cpu_decode(model: nn.Module) -> None:
+# ---- Q8_0 LM head ---------------------------------------------------------------------------------
+
+Q8_BLOCK = 32  # weights per Q8_0 scale
+Q8_CHUNK = 64  # two blocks: one 512-bit load of the GEMV, the packed row's K padding
+
+
+def q8_0_available() -> bool:
+    """Whether ``kiln._C`` is built with ``torch.ops.kiln_cpu.gemv_q8_0``."""
+    return gemv_available() and hasattr(torch.ops.kiln_cpu, "gemv_q8_0")
+
+
+def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` (K a multiple of 32) -> Q8_0 as llama.cpp quantizes: (q int8 [N, K], d float16
+    [N, K/32]), ``d = absmax / 127`` per block, ``q = round(w / d)`` (with d before its float16
+    rounding)."""
+    q, d = quantize_q8_0_activation(w)
+    return q, d.to(torch.float16)
+
+
+def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 ``(q int8 [N, K], d float16 [N, K/32])`` -> the GEMV's layout (``csrc/gemv_q8_0.cpp``):
+    ``qweight uint8 [N, Kp]`` (q + 128, K padded to a multiple of 64 with zero blocks, each 64-byte
+    chunk's two blocks interleaved 4 bytes at a time) and ``scales float16 [N, Kp/32]``."""
+    n, k = q.shape
+    kp = -(-k // Q8_CHUNK) * Q8_CHUNK
+    u = F.pad(q.to(torch.int16) + 128, (0, kp - k), value=128).to(torch.uint8)
+    u = u.reshape(n, kp // Q8_CHUNK, 2, 8, 4).transpose(2, 3).reshape(n, kp)  # [block, group, byte] -> [group, block, byte]
+    return u.contiguous(), F.pad(d.to(torch.float16), (0, (kp - k) // Q8_BLOCK)).contiguous()
+
+
+def quantize_q8_0_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> (q int8 [M, K], d float32 [M, K/32]): Q8_0 with the scale kept in float32, in
+    the kernel's float32 arithmetic (``q = round(x * (1 / d))``, ties to even)."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // Q8_BLOCK, Q8_BLOCK)
+    d = blocks.abs().amax(-1) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return torch.round(blocks * inv.unsqueeze(-1)).to(torch.int8).reshape(m, k), d
+
+
+def gemv_q8_0_reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """What ``gemv_q8_0`` computes, in float64: ``x [M, K]`` rows quantized to Q8_0 (float32
+    arithmetic, as the kernel), then exact block dot products times both scales."""
+    qx, dx = quantize_q8_0_activation(x)
+    m, k = x.shape
+    n = q.shape[0]
+    dots = torch.einsum("mbi,nbi->mnb", qx.double().reshape(m, k // Q8_BLOCK, Q8_BLOCK),
+                        q.double().reshape(n, k // Q8_BLOCK, Q8_BLOCK))  # [M, N, blocks], exact
+    return (dots * d.double().unsqueeze(0) * dx.double().unsqueeze(1)).sum(-1)
+
+
+class Q8Head(NamedTuple):
+    """A CPU LM head in ``gemv_q8_0``'s layout (``pack_q8_0``)."""
+
+    qweight: torch.Tensor  # [N, Kp] uint8
+    scales: torch.Tensor  # [N, Kp / 32] float16
+
+
+def head_linear(x: torch.Tensor, w: torch.Tensor, q8: Optional[Q8Head] = None) -> torch.Tensor:
+    """The LM head ``x @ w.T`` in ``x``'s dtype: one row through the Q8_0 GEMV when the model has a
+    ``Q8Head`` (``prepare_cpu_decode``), else ``decode_linear``."""
+    if q8 is not None and x.dim() == 2 and x.shape[0] == 1:
+        return torch.ops.kiln_cpu.gemv_q8_0(x, q8.qweight, q8.scales).to(x.dtype)
+    return decode_linear(x, w)
+
+
+def q8_0_head(head: torch.Tensor, blocks=None) -> Optional[Q8Head]:
+    """``head [N, K]``'s ``Q8Head``: from the checkpoint's Q8_0 ``blocks`` ((q, d) arrays of the same
+    shape, repacked as stored) or quantized from ``head``; None without the op or for a K that is
+    not whole blocks."""
+    n, k = head.shape
+    if not q8_0_available() or k % Q8_BLOCK:
+        return None
+    if blocks is not None and tuple(blocks[0].shape) == (n, k):
+        q, d = (torch.as_tensor(a) for a in blocks)
+    else:
+        q, d = quantize_q8_0(head.detach())
+    return Q8Head(*pack_q8_0(q, d))
+
+
+def prepare_cpu_decode(model: nn.Module, head_blocks=None) -> None:
     """Decode GEMMs of a loaded CPU model: ``GemvLinear`` for its bfloat16 linears, and for a model
     whose decoder linears are quantized (their kernels compute in bfloat16, ``kiln.ops.quant``) a
     bfloat16 copy of the LM head weight (``model.head_weight``, read by ``compute_logits``), which
     halves the largest read of a float32 model's step; a quantized GGUF's embedding is Q8_0, whose
-    values bfloat16 holds to 2^-9 relative."""
+    values bfloat16 holds to 2^-9 relative. One-row logits of such a model go through a Q8_0 head
+    (``model.head_q8``), from ``head_blocks`` (the GGUF's Q8_0 (q, d) of the head) where given."""
     use_decode_gemv(model)
     if getattr(model, "quantization", "none") in ("int8", "int4") and hasattr(model, "embed_tokens"):
         head = model.embed_tokens.weight if getattr(model, "lm_head", None) is None else model.lm_head.weight
         if head.device.type == "cpu" and head.dtype == torch.float32:
             model.head_weight = head.detach().to(torch.bfloat16)
+            model.head_q8 = q8_0_head(head, head_blocks)
