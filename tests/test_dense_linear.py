@@ -127,3 +127,16 @@ def test_kernel_sets_choose_the_dense_gemm_and_the_pass_follows():
         assert cuda.linear_dense.op is torch.ops.kiln_cuda.linear_dense
         passes = [p for p in build_passes(PassConfig(kernels=cuda)) if isinstance(p, DenseLinearPass)]
         assert passes[0].enabled and passes[0].device_type == "cuda"
+
+
+def test_linear_dense_with_mismatched_shapes_raises_like_f_linear():
+    """A weight whose K is not x's never reaches the GEMV (which would read past x's row): the op
+    raises F.linear's error, on every device."""
+    from kiln.ops import dense_linear  # noqa: F401  (defines the ops)
+
+    x = torch.randn(1, 16, device=DEVICE).bfloat16()
+    w = torch.randn(8, 24, device=DEVICE).bfloat16()
+    assert not dense_linear.gemv_fits(x, w)
+    for op in (torch.ops.kiln_cuda.linear_dense, torch.ops.kiln.linear_dense):
+        with pytest.raises(RuntimeError, match="shape|size"):
+            op(x, w)

@@ -13,8 +13,8 @@ node, weights cycled past the L2).
 weight's dtype, else ``F.linear`` (the row count is read on the host: a captured CUDA graph has
 one, so it replays the kernel it was captured with). ``kiln::linear_dense`` is the reference,
 ``F.linear`` itself. ``DenseLinearPass`` (``kiln.passes.dense_linear``) writes the KernelSet's op
-in place of a compiled graph's dense linears; ``compute_logits`` calls ``dense_linear`` for the
-LM head, which runs outside the compiled graph.
+in place of a compiled graph's dense linears; the LM head, which runs outside the compiled graph,
+reaches the op through ``kiln.ops.cpu_linear.decode_linear``.
 """
 
 from __future__ import annotations
@@ -32,9 +32,11 @@ GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 def gemv_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the Triton GEMV takes ``x @ w.T``: one row, a CUDA weight of a GEMV dtype that x
-    shares, rows of w contiguous (the kernel reads w[n, k] at n * stride + k)."""
+    shares, rows of w contiguous (the kernel reads w[n, k] at n * stride + k) and as long as x's.
+    Anything else goes to ``F.linear``, which also raises the error a mismatched shape deserves."""
     return (x.is_cuda and w.is_cuda and w.dtype in GEMV_DTYPES and x.dtype == w.dtype and w.dim() == 2
-            and w.stride(1) == 1 and x.numel() == x.shape[-1] and os.environ.get("KILN_DENSE_GEMV", "1") != "0")
+            and w.stride(1) == 1 and x.numel() == x.shape[-1] == w.shape[1]
+            and os.environ.get("KILN_DENSE_GEMV", "1") != "0")
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
