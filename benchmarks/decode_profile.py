@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def load_int4_configs(path: str) -> dict:
     """The configurations ``benchmarks/int4_gemv_shapes.py`` picked for an end-to-end run (shape name
-    -> block_n, block_k, warps, stages) into ``kiln.ops.triton_quant_gemm.MEASURED`` (one-row int4)."""
+    -> block_n, block_k, warps, stages) over ``kiln.ops.triton_quant_gemm``'s tables (one-row int4)."""
     from kiln.ops.triton_quant_gemm import load_measured
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))

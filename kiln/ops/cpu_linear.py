@@ -91,10 +91,11 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
         if x.dim() == 2 and x.shape[0] == 1 and not torch.compiler.is_compiling():
             y = torch.mv(w, x[0].to(w.dtype)).unsqueeze(0).to(x.dtype)
             return y if bias is None else y + bias
-    if w.is_cuda and w.dtype in (torch.bfloat16, torch.float16):
-        from kiln.ops import dense_linear  # noqa: F401  (defines the op)
+    if w.is_cuda:
+        from kiln.ops import dense_linear  # defines the op
 
-        return torch.ops.kiln_cuda.linear_dense(x.to(w.dtype), w, bias).to(x.dtype)
+        if w.dtype in dense_linear.GEMV_DTYPES:
+            return torch.ops.kiln_cuda.linear_dense(x.to(w.dtype), w, bias).to(x.dtype)
     return F.linear(x.to(w.dtype), w, bias).to(x.dtype)
 
 

@@ -467,11 +467,10 @@ M_BUCKETS = (1, 16, 32, 64)
 
 def load_measured(best: dict) -> None:
     """Entries ``"scheme,M,N,K": [block_m, block_n, block_k, split_k, num_warps, num_stages]`` (as
-    benchmarks/quant_gemm.py writes them) into ``MEASURED``."""
+    benchmarks/quant_gemm.py writes them) over every card's table (``LOADED``)."""
     for key, cfg in best.items():
         scheme, m, n, k = key.split(",")
-        MEASURED[(scheme, m_bucket(int(m)), int(n), int(k))] = LOADED[(scheme, m_bucket(int(m)), int(n), int(k))] = (
-            GemmConfig(*cfg))
+        LOADED[(scheme, m_bucket(int(m)), int(n), int(k))] = GemmConfig(*cfg)
     _device_table.cache_clear()
 
 
@@ -529,9 +528,7 @@ def _device_table(device_name: str) -> dict:
 
 
 def _measured() -> dict:
-    if not torch.cuda.is_available():
-        return MEASURED
-    return _device_table(torch.cuda.get_device_name())
+    return _device_table(torch.cuda.get_device_name() if torch.cuda.is_available() else "")
 
 
 def config_for(scheme: str, m: int, n: int, k: int, group_size: int = 32) -> GemmConfig:
