@@ -32,7 +32,7 @@ from quant_gpu import profile_decode, profile_table  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--systems", default="llama3-8b:none,llama3-8b:int4,qwen2.5-0.5b:none",
-                   help="comma-separated preset:quantization[@KILN_PDL value | @NAME=VALUE+NAME=VALUE]")
+                   help="comma-separated preset:quantization[:int4 group size][@KILN_PDL value | @NAME=VALUE+NAME=VALUE]")
     p.add_argument("--label", default="kiln", help="names this tree's rows and files")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -86,9 +86,11 @@ def _run_system(system_name: str, args, bandwidth: float, system: str) -> tuple[
     from kiln import LLM, SamplingParams
 
     preset, _, quantization = system_name.partition(":")
+    quantization, _, group = quantization.partition(":")  # int4:128 -> int4 in groups of 128 columns
+    model_options = {"int4_group_size": int(group)} if group else {}
     t0 = time.perf_counter()
     llm = LLM(model={"model": f"random:{preset}", "dtype": "bfloat16", "quantization": quantization or "none",
-                     "max_model_len": args.max_model_len},
+                     "max_model_len": args.max_model_len, **model_options},
               compile={"mode": "kiln", "cudagraph": "full", "capture_sizes": (1, 2, 4)},
               cache={"gpu_memory_fraction": 0.85}, scheduler={"max_num_seqs": 4})
     startup_s = time.perf_counter() - t0

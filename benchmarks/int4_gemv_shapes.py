@@ -211,15 +211,18 @@ def layer_chain(base, best: dict, num_layers: int) -> list[dict]:
 
 
 def main(argv=None) -> None:
+    global GROUP
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--baseline-root", required=True, help="a kiln tree whose int4 GEMV is the baseline")
     p.add_argument("--shapes", default="qkv,o,gate_up,down")
     p.add_argument("--chain-layers", type=int, default=8)
     p.add_argument("--deadline-s", type=float, default=200.0, help="stop sweeping after this many seconds")
     p.add_argument("--max-configs", type=int, default=len(SWEEP))
+    p.add_argument("--group", type=int, default=GROUP, help="int4 group size of the timed weights")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (a dry run, e.g. in the Triton interpreter)")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
+    GROUP = args.group
     if args.tiny:
         SHAPE_SET.clear()
         SHAPE_SET.update(TINY_SHAPES)

@@ -73,13 +73,18 @@ class ModelConfig:
     # none | int8 | int4 (weight-only) | fp8 (weights and activations) | auto: the checkpoint's own
     # (its quantization_config; a GGUF keeps its 4-bit blocks). Random presets take any of them.
     quantization: str = "none"
-
+    # Input columns per scale and zero of int4 weights quantized at load (from a bf16/fp32 checkpoint
+    # or a random preset); a linear whose in_features it does not divide takes the largest group that
+    # does. Checkpoints that bring their own groups (AWQ, GPTQ, the GGUF's blocks) keep theirs.
+    int4_group_size: int = 32
 
     def __post_init__(self) -> None:
         _check_choice("model", "dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
         _check_choice("model", "impl", self.impl, ("auto", "native", "transformers"))
         _check_choice("model", "quantization", self.quantization, QUANTIZATIONS)
         _check_choice("model", "device", self.device, ("auto", "cpu", "cuda"))
+        if self.int4_group_size < 2 or self.int4_group_size % 2:
+            raise ValueError(f"model.int4_group_size must be an even number of columns >= 2, got {self.int4_group_size}")
         _check_positive("model", "max_model_len", self.max_model_len, allow_none=True)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -297,6 +298,29 @@ def test_model_config_quantization_choices():
     assert ModelConfig(quantization="int4").quantization == "int4"
     with pytest.raises(ValueError, match=r"model.quantization='int3' is not allowed"):
         ModelConfig(quantization="int3")
+
+
+def test_int4_group_size_sets_the_groups_of_weights_quantized_at_load(tmp_path):
+    """model.int4_group_size: every linear of a random preset quantized at load has groups of that
+    many columns, or the largest group dividing its in_features (tiny's 64-column rows at 128); the
+    scales grow with smaller groups and the artifact-cache key changes with them."""
+    from kiln.compiler.artifact_cache import cache_key, key_factors
+    from kiln.models.loader import load_model
+    from kiln.passes.manager import PassConfig, PassManager, build_passes
+
+    passes = PassManager(build_passes(PassConfig(kernels=CPU)))
+    keys = set()
+    for group in (16, 32, 128):
+        config = ModelConfig(model="random:tiny", quantization="int4", int4_group_size=group)
+        loaded = load_model(config, str(tmp_path), torch.device("cpu"), torch.float32)
+        linears = {name: m for name, m in loaded.model.named_modules() if isinstance(m, QuantLinear)}
+        assert linears and all(m.scheme == "int4" for m in linears.values())
+        for name, m in linears.items():
+            assert m.group_size == math.gcd(m.in_features, group), (name, m.group_size)
+        keys.add(cache_key(key_factors(loaded.model, "random:tiny", CompileConfig(mode="kiln"), passes, 64)))
+    assert len(keys) == 3
+    with pytest.raises(ValueError, match="int4_group_size must be an even number"):
+        ModelConfig(int4_group_size=33)
 
 
 def _write_config(tmp_path, qc):

@@ -186,7 +186,8 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     gguf_path = None
     if spec.startswith(RANDOM_PREFIX):
         loaded = _load_random(spec[len(RANDOM_PREFIX):], model_config, cache_dir, device, dtype, tp)
-        apply_quantization(loaded.model, resolve_quantization(model_config.quantization, None, None), kernels)
+        apply_quantization(loaded.model, resolve_quantization(model_config.quantization, None, None), kernels,
+                           group_size=model_config.int4_group_size)
         _prepare_decode(loaded.model, device)
         return loaded
     if spec in REGISTERED_MODELS:
@@ -235,7 +236,8 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
                            WeightFill(lambda: model.load_weights(weights), next(model.parameters()).device),
                            kv_scales=kv_scales, tokenizing=tokenizing)
     model.load_weights(weights)
-    apply_quantization(model, scheme, kernels, gguf_path if tp.size == 1 else None, int4_projections)
+    apply_quantization(model, scheme, kernels, gguf_path if tp.size == 1 else None, int4_projections,
+                       model_config.int4_group_size)
     _prepare_decode(model, device, gguf_path if tp.size == 1 else None)
     return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len, kv_scales=kv_scales, tokenizing=tokenizing)
 

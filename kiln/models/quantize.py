@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 from typing import Iterable, Iterator, Optional
@@ -89,6 +90,8 @@ def make_quant_linear(linear: nn.Linear, scheme: str, kernels: KernelSet, group_
     n, k = linear.out_features, linear.in_features
     if scheme == "int4" and canonical is not None:
         group_size = k // canonical[1].shape[0]
+    elif scheme == "int4" and k % group_size:
+        group_size = math.gcd(k, group_size)  # the largest group that divides this linear's columns
     gs = group_size if scheme == "int4" else -1
     kernel = kernels.quant_linear(scheme)
     if not kernel.fits(n, k, gs):
@@ -399,9 +402,11 @@ def fuse_int4_projections(projections: dict[str, tuple[torch.Tensor, torch.Tenso
 
 
 def apply_quantization(model: nn.Module, scheme: str, kernels: KernelSet, gguf_path: Optional[str] = None,
-                       int4_projections: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None) -> None:
+                       int4_projections: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None,
+                       group_size: int = quant.INT4_GROUP_SIZE) -> None:
     """Quantize ``model`` (already loaded) to ``scheme``; int4 keeps a GGUF's own blocks, or an AWQ/GPTQ
-    checkpoint's (``int4_projections``: Hugging Face projection name -> canonical int4)."""
+    checkpoint's (``int4_projections``: Hugging Face projection name -> canonical int4), else groups
+    of ``group_size`` columns."""
     if scheme == "none":
         model.quantization = "none"
         return
@@ -414,7 +419,9 @@ def apply_quantization(model: nn.Module, scheme: str, kernels: KernelSet, gguf_p
         blocks = read_gguf_int4(gguf_path, arch.num_heads, arch.num_kv_heads, arch.family)
         canonical = gguf_canonical_int4(blocks, next(model.parameters()).dtype)
         source = ", weights from the GGUF's Q4_1 blocks"
-    count = quantize_model(model, scheme, kernels, canonical=canonical)
+    if scheme == "int4" and canonical is None:
+        source = f", groups of {group_size} columns"
+    count = quantize_model(model, scheme, kernels, group_size, canonical=canonical)
     head_scheme = quantize_lm_head(model, scheme, kernels)
     kinds = sorted({m.kernel.name for m in model.modules() if isinstance(m, QuantLinear)})
     logger.info("quantized %d linear layers to %s (%s kernel%s%s)%s", count, scheme, ", ".join(kinds),
