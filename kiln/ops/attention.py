@@ -5,6 +5,10 @@ whole context (cached prefix plus the new tokens), causally. Cache and metadata 
 forward context (``kiln.forward_context``), so the compiled graph carries no cache tensors and no
 Python objects: the op is opaque to Dynamo and a natural split point for the compiler.
 
+``torch.ops.kiln.attend_paged_rope`` is the same op on q and k before their rotary, with the
+model's per-token rotary tables (``[cos, cos]`` and ``[-sin, sin]``, ``rotate_reference``): a
+kernel that rotates as it loads saves the model's rotary kernel (``RopeAttentionFusionPass``).
+
 Cache layout, one tensor per layer::
 
     kv_cache[0 = K | 1 = V][block_id][offset in block][kv_head][head_dim]

@@ -38,6 +38,11 @@ the last ``sliding_window`` keys; a windowed prefill tile starts at its first ro
 masks both ends, a row that sees none of a tile keeping its state (``MAY_BE_EMPTY``). A head_dim
 that is not a power of two is padded to one with masked loads and stores.
 
+Rotary (``ROPE``, ``torch.ops.kiln_triton.attend_paged_rope``): where the decode kernel stores the
+new K/V itself it can also take q and k before their rotary and rotate them as it loads them
+(rotate-half over the first ``ROT_DIM`` dims, from the model's per-token cos/sin rows), which
+saves the model's rotary kernel a layer; other batches are rotated first (``kiln.ops.triton_rotary``).
+
 ``torch.ops.kiln_triton.attend_paged`` has the schema of ``kiln::attend_paged`` (the op the
 compiler swaps in on CUDA); ``kiln.ops.registry`` selects it, with ``static_decode_splits`` as the
 context CUDA-graph capture enters.
