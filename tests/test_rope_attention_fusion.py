@@ -216,3 +216,32 @@ def test_cuda_kiln_forward_rotates_in_the_triton_kernel(family, monkeypatch):
     assert apart.backend.passes.num_rewrites["RopeAttentionFusionPass"] == 0
     for g, w in zip([*got[0], *got[1]], [*want[0], *want[1]], strict=True):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_rope_op_calibrates_fp8_scales_on_the_rotated_keys():
+    """A step that calibrates an FP8 cache's scales measures them on the rotated keys: the rope
+    op then sets the same scales, cache and output as the plain op on rotated q and k."""
+    from kiln.ops.attention import rotate_reference
+    from kiln.ops.paged_batch import PagedBatchSpec, random_paged_batch
+
+    spec = PagedBatchSpec(decode_seq_lens=(9,), prefill_chunks=((26, 10),), num_heads=4, num_kv_heads=2, head_dim=16)
+    batch = random_paged_batch(spec, seed=3)
+    cache0 = batch.kv_cache.to(torch.float8_e4m3fn)
+    angles = torch.rand(batch.q.shape[0], 1, 8) * 50
+    cos, sin = torch.cat((angles.cos(),) * 2, -1), torch.cat((-angles.sin(), angles.sin()), -1)
+    # Rotation moves mass between the halves of each key: its amax differs from the unrotated one.
+    assert rotate_reference(batch.k, cos, sin).abs().amax() != batch.k.abs().amax()
+    results = []
+    for rope in (True, False):
+        cache, kv_scale = cache0.clone(), torch.ones(2)
+        ctx = ForwardContext(attn=batch.meta, kv_caches=[cache], kv_scales=[kv_scale], calibrate_kv_scales=True)
+        with torch.inference_mode(), forward_context(ctx):
+            if rope:
+                out = torch.ops.kiln.attend_paged_rope(batch.q, batch.k, batch.v, cos, sin, 0, 0.25)
+            else:
+                q, k = rotate_reference(batch.q, cos, sin), rotate_reference(batch.k, cos, sin)
+                out = torch.ops.kiln.attend_paged(q, k, batch.v, 0, 0.25)
+        results.append((out, cache.view(torch.uint8), kv_scale))
+    assert results[0][2].ne(1.0).all()
+    for got, want in zip(*results):
+        assert torch.equal(got, want)

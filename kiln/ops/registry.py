@@ -181,7 +181,7 @@ class KernelSet:
 
     def describe(self) -> dict[str, str]:
         """op -> kernel name, for logs and the artifact cache key."""
-        return {"attention": self.attention.name, "attention_rope": self.attention.rope_op_name or "none",
+        return {"attention": self.attention.name, "attention_rope": self.attention.name if self.attention.rope_op else "none",
                 "add_rms_norm": self.add_rms_norm.name,
                 "silu_and_mul": self.silu_and_mul.name, "moe": self.moe.name, "linear_dense": self.linear_dense.name,
                 **{f"linear_{s}": self.quant_linear(s).name for s in QUANT_SCHEMES}}
