@@ -315,7 +315,8 @@ def test_prefill_and_mixed_batches_rotate_before_attending(kernels, size, dtype,
 
 def test_rope_op_plugs_into_the_forward_context(kernels):
     """``kiln::attend_paged_rope`` (rotate, then the context's kernel) and the Triton op (rotating
-    inside) give the rotate-then-attend reference, with and without window and soft-cap."""
+    inside) give the rotate-then-attend reference, with and without window and soft-cap, and with
+    one table row broadcast over the tokens."""
     from kiln.ops.attention import attend_paged_rope_reference
 
     for decodes, prefills in (((9, 21), ()), ((9,), ((26, 10),))):
@@ -323,7 +324,8 @@ def test_rope_op_plugs_into_the_forward_context(kernels):
         batch = kernels.random_paged_batch(spec, DEVICE, seed=17)
         scale = spec.head_dim**-0.5
         cos, sin = kernels.random_rotary(batch.q.shape[0], spec.head_dim, batch.q.dtype, DEVICE, seed=1)
-        for options in ({}, {"sliding_window": 5, "logit_softcap": 0.7}):
+        for options, rows in (({}, None), ({"sliding_window": 5, "logit_softcap": 0.7}, None), ({}, 1)):
+            cos, sin = cos[:rows], sin[:rows]  # rows=1: one table row for every token, read at stride 0
             ref_cache = batch.kv_cache.clone()
             ref = attend_paged_rope_reference(batch.q, batch.k, batch.v, cos, sin, ref_cache, batch.meta, scale,
                                               **options)

@@ -69,7 +69,7 @@ from kiln.ops.attention import (attend_paged_reference, attend_paged_rope_refere
 from kiln.ops.paged_batch import PagedBatch, PagedBatchSpec, random_paged_batch  # noqa: F401  (checks and tests)
 from kiln.ops.pdl import pdl_args
 from kiln.ops.triton_kv_store import triton_store_kv
-from kiln.ops.triton_rotary import triton_rotate_qk
+from kiln.ops.triton_rotary import rotary_rows, triton_rotate_qk
 
 LOG2_E = 1.4426950408889634
 
@@ -638,11 +638,8 @@ def triton_attend_paged_rope(q, k, v, cos, sin_signed, kv_cache, meta: Attention
     [T or 1, 1, rotary_dim]). Where the decode kernel stores the new K/V itself it also rotates q
     and k as it loads them; any other batch is rotated first (``triton_rotate_qk``: one launch, as
     the model's own rotary was) and goes the way of ``triton_attend_paged``."""
-    rot = cos.shape[-1]
-    if _fuses_store(k, kv_cache, meta, kv_scale) and rot % 2 == 0 and rot <= q.shape[2]:
-        shape = (q.shape[0], 1, rot)  # a table broadcast over tokens reads as stride 0
-        cos, sin_signed = (t.expand(shape) if t.stride(-1) == 1 else t.contiguous().expand(shape)
-                           for t in (cos, sin_signed))
+    if _fuses_store(k, kv_cache, meta, kv_scale):
+        cos, sin_signed = rotary_rows(cos, q.shape[0]), rotary_rows(sin_signed, q.shape[0])
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         return attend_paged_cached(q, kv_cache, meta, scale, out, cfg, sliding_window, logit_softcap,
                                    new_kv=(k, v), rope=(cos, sin_signed))

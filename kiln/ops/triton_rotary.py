@@ -58,6 +58,14 @@ def _rotate_qk_kernel(
                   NUM_KV_HEADS, K_HEADS_POW2)
 
 
+def rotary_rows(table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``table`` [T or 1, 1, R] as the kernels read it: one row per token (a broadcast row at stride
+    0), the R values of a row contiguous. The model's own tables pass through untouched."""
+    if table.stride(-1) != 1:
+        table = table.contiguous()
+    return table if table.shape[0] == num_tokens else table.expand(num_tokens, 1, table.shape[-1])
+
+
 def triton_rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                      sin_signed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(rotate_reference(q, cos, sin_signed), rotate_reference(k, ...)), new contiguous tensors.
@@ -70,8 +78,7 @@ def triton_rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                                                                                      device=k.device)
     if num_tokens == 0:
         return q_out, k_out
-    cos, sin_signed = (t.expand(num_tokens, 1, rot) if t.stride(-1) == 1 else t.contiguous().expand(num_tokens, 1, rot)
-                       for t in (cos, sin_signed))
+    cos, sin_signed = rotary_rows(cos, num_tokens), rotary_rows(sin_signed, num_tokens)
     _rotate_qk_kernel[(num_tokens,)](
         q, k, q_out, k_out, cos, sin_signed,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
