@@ -63,7 +63,9 @@ def _steps(vocab: int):
     def ids(n):
         return torch.randint(0, vocab, (n,), generator=g).tolist()
 
-    return [{"a": ids(6), "b": ids(3)}, {"a": ids(1), "b": ids(1), "c": ids(5)}, {"a": ids(1), "b": ids(1), "c": ids(1)}]
+    return [{"a": ids(6), "b": ids(3)},  # prefills
+            {"a": ids(1), "b": ids(1), "c": ids(5)},  # decodes beside a prefill
+            {"a": ids(1), "b": ids(1), "c": ids(1)}]  # decodes alone
 
 
 def _run(forward, arch, steps, dtype=torch.float32, device="cpu"):

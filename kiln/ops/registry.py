@@ -37,7 +37,6 @@ from kiln.forward_context import ForwardContext
 from kiln.ops.attention import AttentionImpl
 
 GENERIC_ATTENTION_OP = "kiln::attend_paged"
-GENERIC_ROPE_ATTENTION_OP = "kiln::attend_paged_rope"
 QUANT_SCHEMES = ("int8", "int4", "fp8")
 
 
@@ -181,8 +180,8 @@ class KernelSet:
 
     def describe(self) -> dict[str, str]:
         """op -> kernel name, for logs and the artifact cache key."""
-        return {"attention": self.attention.name, "attention_rope": self.attention.name if self.attention.rope_op else "none",
-                "add_rms_norm": self.add_rms_norm.name,
+        rope = self.attention.name if self.attention.rope_op is not None else "none"
+        return {"attention": self.attention.name, "attention_rope": rope, "add_rms_norm": self.add_rms_norm.name,
                 "silu_and_mul": self.silu_and_mul.name, "moe": self.moe.name, "linear_dense": self.linear_dense.name,
                 **{f"linear_{s}": self.quant_linear(s).name for s in QUANT_SCHEMES}}
 

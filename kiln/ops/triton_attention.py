@@ -633,7 +633,8 @@ def _fuses_store(k, kv_cache, meta: AttentionMetadata, kv_scale) -> bool:
 
 def triton_attend_paged_rope(q, k, v, cos, sin_signed, kv_cache, meta: AttentionMetadata, scale: float,
                              sliding_window: int = 0, logit_softcap: float = 0.0, *,
-                             kv_scale: Optional[torch.Tensor] = None, cfg: LaunchConfig = LaunchConfig()) -> torch.Tensor:
+                             kv_scale: Optional[torch.Tensor] = None,
+                             cfg: LaunchConfig = LaunchConfig()) -> torch.Tensor:
     """Drop-in for ``attend_paged_rope_reference`` (q and k not yet rotated; cos, sin_signed
     [T or 1, 1, rotary_dim]). Where the decode kernel stores the new K/V itself it also rotates q
     and k as it loads them; any other batch is rotated first (``triton_rotate_qk``: one launch, as
@@ -704,7 +705,8 @@ def check_rope_against_reference(batch: PagedBatch, cfg: LaunchConfig = LaunchCo
     on copies of the same cache, with random rotary tables (``rotary_dim``: head_dim by default).
     The cache must match: bit for bit for fp32 in the interpreter (both round the same fp32
     products), else within ``tolerance`` (a GPU kernel may fuse a multiply-add; the interpreter
-    rounds fp32 to 16 bits toward zero); the output, poisoned with NaN first, within ``tolerance``. Returns the largest absolute output error."""
+    rounds fp32 to 16 bits toward zero); the output within ``tolerance``. Returns the largest
+    absolute output error."""
     q, meta = batch.q, batch.meta
     scale = q.shape[2] ** -0.5
     cos, sin_signed = random_rotary(q.shape[0], rotary_dim or q.shape[2], q.dtype, q.device)
