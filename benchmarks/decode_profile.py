@@ -68,7 +68,8 @@ def sync() -> None:
 
 def run_system(system: str, args, bandwidth: float) -> tuple[dict, str]:
     """``system``: preset:quantization, optionally @<KILN_PDL> (kiln.ops.pdl) or @NAME=VALUE+NAME=VALUE for
-    environment settings read when graphs are captured (KILN_PDL, KILN_DECODE_MERGE)."""
+    environment settings read when the model is built or its graphs captured (KILN_PDL, KILN_DECODE_MERGE,
+    KILN_ROPE_JOIN)."""
     import os
 
     system_name, _, env = system.partition("@")

@@ -284,6 +284,7 @@ def test_attention_backend_pass_swaps_in_the_kernel_set_op():
     gm = _attention_graph()
     assert AttentionBackendPass(reference_kernels())(gm.graph) == 0  # the reference: untouched
     kernels = _test_kernels()
+    # The test kernel has no rotating variant (AttentionKernel.rope_op None): no third split op.
     assert kernels.split_op_names() == ("kiln::attend_paged", "kiln_test::attend_paged")
     manager = PassManager([AttentionBackendPass(kernels)])
     manager.run_dynamo(gm)
@@ -291,7 +292,7 @@ def test_attention_backend_pass_swaps_in_the_kernel_set_op():
     assert targets == [torch.ops.kiln_test.attend_paged] * 2
     assert manager.num_rewrites["AttentionBackendPass"] == 2
     assert AttentionBackendPass(reference_kernels("cuda"))(_attention_graph().graph) == 0
-    assert reference_kernels().split_op_names() == ("kiln::attend_paged",)
+    assert reference_kernels().split_op_names() == ("kiln::attend_paged", "kiln::attend_paged_rope")
     # Two sets never interfere: building one changes nothing the other's pass writes.
     assert AttentionBackendPass(kernels).options() != AttentionBackendPass(reference_kernels()).options()
 
@@ -336,6 +337,17 @@ def test_failing_pass_is_logged_and_undone(caplog):
     torch.testing.assert_close(gm(x, w1, w2), _mlp(x, w1, w2))
 
 
+def test_rope_join_switch_keys_the_pass_list(monkeypatch):
+    """KILN_ROPE_JOIN=0 turns the rotary pass off where it would run, and the pass list's uuid (the
+    artifact cache key's) changes with it."""
+    config = PassConfig(kernels=select_kernels("cuda"))
+    on = PassManager(build_passes(config))
+    monkeypatch.setenv("KILN_ROPE_JOIN", "0")
+    off = PassManager(build_passes(config))
+    assert {p.name: p.options() for p in off.passes}["RopeAttentionFusionPass"] == {"enabled": False}
+    assert on.uuid() != off.uuid()
+
+
 def test_uuid_tracks_source_and_options():
     assert SiluMulFusionPass().uuid() == SiluMulFusionPass().uuid()
     assert SiluMulFusionPass(enabled=True).uuid() != SiluMulFusionPass(enabled=False).uuid()
@@ -347,7 +359,8 @@ def test_uuid_tracks_source_and_options():
 
 def test_pass_list_order_and_auto_fusion():
     names = [p.name for p in build_passes(PassConfig())]
-    assert names == ["SDPAToPagedAttentionPass", "MergeSiblingLinearsPass", "AttentionBackendPass", "MoEBackendPass", "QuantLinearPass",
+    assert names == ["SDPAToPagedAttentionPass", "MergeSiblingLinearsPass", "AttentionBackendPass",
+                     "RopeAttentionFusionPass", "MoEBackendPass", "QuantLinearPass",
                      "DenseLinearPass", "NoOpEliminationPass", "SiluMulFusionPass", "AddRMSNormFusionPass", "Fp8QuantFusionPass"]
     cpu = {p.name: p.options() for p in build_passes(PassConfig(kernels=select_kernels("cpu")))}
     cuda = {p.name: p.options() for p in build_passes(PassConfig(kernels=select_kernels("cuda")))}
@@ -357,6 +370,13 @@ def test_pass_list_order_and_auto_fusion():
     assert cuda["MoEBackendPass"] == {"device_type": "cuda", "kernel": "kiln_triton::fused_moe"}
     assert cpu["MoEBackendPass"] == {"device_type": "cpu", "kernel": "kiln::fused_moe"}
     assert not cpu["DenseLinearPass"]["enabled"]  # the CPU's dense linear is F.linear itself
+    # The rotary joins the attention op where the set's kernel rotates (Triton) and fusions are on.
+    assert cpu["RopeAttentionFusionPass"] == {"enabled": False}
+    assert cuda["RopeAttentionFusionPass"] == {"enabled": True, "op": "kiln_triton::attend_paged_rope"}
+    off = {p.name: p.options() for p in build_passes(PassConfig(kernels=select_kernels("cuda"), fusion="off"))}
+    assert off["RopeAttentionFusionPass"] == {"enabled": False}
+    assert select_kernels("cuda").split_op_names() == ("kiln::attend_paged", "kiln_triton::attend_paged",
+                                                       "kiln_triton::attend_paged_rope")
     with pytest.raises(ValueError, match="fusion"):
         PassConfig(fusion="sometimes")
 

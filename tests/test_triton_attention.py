@@ -275,3 +275,89 @@ def test_split_decodes_merge_in_the_decode_kernel_or_their_own(kernels, size, me
         assert not kernels._counters[batch.q.device].any()
     else:
         assert merges.launches == 4
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim, rotary_dim", [(64, 64), (96, 48)])
+def test_decode_rotating_q_and_k_matches_reference(kernels, size, dtype, head_dim, rotary_dim):
+    """A decode-only batch through ``triton_attend_paged_rope``: the decode kernel rotates q and the
+    new key (full and partial rotary, a head_dim padded inside), stores the key and attends; the
+    cache must match the rotate-then-attend reference (fp32 bit for bit in the interpreter). Single and
+    split decodes, then static splits with empty ones."""
+    spec = _spec(kernels, size, decodes=(1, 16, 17, 45, 3), group=4, dtype=dtype, head_dim=head_dim)
+    batch = kernels.random_paged_batch(spec, DEVICE, seed=15)
+    kernels.check_rope_against_reference(batch, _small_tiles(kernels, size), rotary_dim=rotary_dim)
+    kernels.check_rope_against_reference(batch, _small_tiles(kernels, size), sliding_window=7, logit_softcap=0.7,
+                                         rotary_dim=rotary_dim)
+    cfg = kernels.LaunchConfig(decode_block_n=16, static_min_split_tokens=16, programs_per_sm=64)
+    with kernels.static_decode_splits(4096):
+        kernels.check_rope_against_reference(batch, cfg, rotary_dim=rotary_dim)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_and_mixed_batches_rotate_before_attending(kernels, size, dtype, monkeypatch):
+    """Batches the decode kernel does not store for (prefills, decodes beside a prefill) rotate q
+    and k first and take ``triton_attend_paged``'s way: one separate store each, no rotating
+    launch; a decode-only batch stores and rotates in the decode kernel (no separate store)."""
+    stores = []
+    store = kernels.triton_store_kv
+    monkeypatch.setattr(kernels, "triton_store_kv", lambda *a, **kw: (stores.append(1), store(*a, **kw)))
+    for decodes, prefills, want_stores in (((7, 33), ((37, 6), (21, 21), (30, 1)), 1), ((), ((45, 19),), 1),
+                                           ((9, 30), (), 0)):
+        stores.clear()
+        spec = _spec(kernels, size, decodes=decodes, prefills=prefills, group=4, dtype=dtype)
+        kernels.check_rope_against_reference(kernels.random_paged_batch(spec, DEVICE, seed=16),
+                                             _small_tiles(kernels, size))
+        assert len(stores) == want_stores
+
+
+def test_rope_op_plugs_into_the_forward_context(kernels):
+    """``kiln::attend_paged_rope`` (rotate, then the context's kernel) and the Triton op (rotating
+    inside) give the rotate-then-attend reference, with and without window and soft-cap, and with
+    one table row broadcast over the tokens."""
+    from kiln.ops.attention import attend_paged_rope_reference
+
+    for decodes, prefills in (((9, 21), ()), ((9,), ((26, 10),))):
+        spec = _spec(kernels, "tiny", decodes=decodes, prefills=prefills, group=4)
+        batch = kernels.random_paged_batch(spec, DEVICE, seed=17)
+        scale = spec.head_dim**-0.5
+        cos, sin = kernels.random_rotary(batch.q.shape[0], spec.head_dim, batch.q.dtype, DEVICE, seed=1)
+        for options, rows in (({}, None), ({"sliding_window": 5, "logit_softcap": 0.7}, None), ({}, 1)):
+            cos, sin = cos[:rows], sin[:rows]  # rows=1: one table row for every token, read at stride 0
+            ref_cache = batch.kv_cache.clone()
+            ref = attend_paged_rope_reference(batch.q, batch.k, batch.v, cos, sin, ref_cache, batch.meta, scale,
+                                              **options)
+            for op in (torch.ops.kiln.attend_paged_rope, torch.ops.kiln_triton.attend_paged_rope):
+                cache = batch.kv_cache.clone()
+                ctx = ForwardContext(attn=batch.meta, kv_caches=[cache], attention_impl=kernels.triton_attend_paged)
+                with forward_context(ctx):
+                    out = op(batch.q, batch.k, batch.v, cos, sin, 0, scale, **options)
+                torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(cache, ref_cache, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim, rotary_dim", [(64, 64), (96, 96), (128, 96)])
+def test_rotate_qk_matches_reference(kernels, size, dtype, head_dim, rotary_dim):
+    """The rotary kernel of prefill and mixed batches: q and k as strided views of one qkv
+    projection, full and partial rotary, a head_dim padded inside; fp32 bit for bit (the
+    interpreter rounds to 16 bits toward zero, hence a tolerance there)."""
+    from kiln.ops.attention import rotate_reference
+    from kiln.ops.triton_rotary import triton_rotate_qk
+
+    spec = _spec(kernels, size, prefills=((40, 21), (9, 9)), dtype=dtype, head_dim=head_dim)
+    batch = kernels.random_paged_batch(spec, DEVICE, seed=18)
+    cos, sin = kernels.random_rotary(batch.q.shape[0], rotary_dim, dtype, DEVICE, seed=2)
+    q, k = triton_rotate_qk(batch.q, batch.k, cos, sin)
+    for got, x in ((q, batch.q), (k, batch.k)):
+        want = rotate_reference(x, cos, sin)
+        assert not torch.equal(want, x)
+        if dtype == torch.float32:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=kernels.tolerance(dtype), atol=kernels.tolerance(dtype))
+        if rotary_dim < head_dim:
+            assert torch.equal(got[..., rotary_dim:], x[..., rotary_dim:])

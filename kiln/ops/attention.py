@@ -5,6 +5,10 @@ whole context (cached prefix plus the new tokens), causally. Cache and metadata 
 forward context (``kiln.forward_context``), so the compiled graph carries no cache tensors and no
 Python objects: the op is opaque to Dynamo and a natural split point for the compiler.
 
+``torch.ops.kiln.attend_paged_rope`` is the same op on q and k before their rotary, with the
+model's per-token rotary tables (``[cos, cos]`` and ``[-sin, sin]``, ``rotate_reference``): a
+kernel that rotates as it loads saves the model's rotary kernel (``RopeAttentionFusionPass``).
+
 Cache layout, one tensor per layer::
 
     kv_cache[0 = K | 1 = V][block_id][offset in block][kv_head][head_dim]
@@ -35,6 +39,9 @@ from kiln.ops.library import define_op
 
 # impl(q, k, v, kv_cache, meta, scale, sliding_window=0, logit_softcap=0.0, *, kv_scale=None) -> out
 AttentionImpl = Callable[..., torch.Tensor]
+# impl(q, k, v, cos, sin_signed, kv_cache, meta, scale, sliding_window=0, logit_softcap=0.0, *, kv_scale=None):
+# the same on q and k before their rotary (``attend_paged_rope_reference``)
+RopeAttentionImpl = Callable[..., torch.Tensor]
 
 
 _FP8_DTYPES = (torch.float8_e4m3fn,)  # cache.dtype=fp8: indexing ops lack it on the CPU, so bytes move
@@ -171,6 +178,36 @@ def _attend_decodes(q, kv_cache, meta, scale, group, out, sliding_window, logit_
     out.copy_(o.reshape(nd, kvh * group, head_dim).to(out.dtype))
 
 
+def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (neox layout, the Llama family's ``apply_rope``) in float32, rounded once to
+    x's dtype, as the fused kernel Inductor makes of the model's own rotary computes it.
+    x: [T, n, D]; cos = [cos, cos], sin_signed = [-sin, sin]: [T or 1, 1, R], R <= D even; the
+    dims past R pass through unchanged."""
+    rot = cos.shape[-1]
+    xf = x[..., :rot].float()
+    out = (xf * cos.float() + xf.roll(rot // 2, dims=-1) * sin_signed.float()).to(x.dtype)
+    return out if rot == x.shape[-1] else torch.cat((out, x[..., rot:]), dim=-1)
+
+
+def attend_paged_rope_reference(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], not yet rotated
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], not yet rotated
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, rotary_dim]: [cos, cos] of each token's position
+    sin_signed: torch.Tensor,  # [num_tokens, 1, rotary_dim]: [-sin, sin]
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
+    *,
+    kv_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``attend_paged_reference`` of the rotated q and k: the definition of ``kiln::attend_paged_rope``."""
+    return attend_paged_reference(rotate_reference(q, cos, sin_signed), rotate_reference(k, cos, sin_signed), v,
+                                  kv_cache, meta, scale, sliding_window, logit_softcap, kv_scale=kv_scale)
+
+
 def define_attention_op(qualname: str, impl: Optional[AttentionImpl]):
     """Define op ``qualname`` with the schema of ``kiln::attend_paged``: it runs ``impl`` on the
     cache and metadata of the forward context (``impl=None``: the context's ``attention_impl``, else
@@ -197,3 +234,37 @@ def define_attention_op(qualname: str, impl: Optional[AttentionImpl]):
 # attend_paged(q, k, v, layer_idx, scale, sliding_window=0, logit_softcap=0.0): a window W > 0 lets
 # each query see only keys p - W < j <= p; a cap > 0 soft-caps the scaled scores (Gemma 2).
 attend_paged = define_attention_op("kiln::attend_paged", None)
+
+
+def define_rope_attention_op(qualname: str, impl: Optional[RopeAttentionImpl]):
+    """Define op ``qualname`` with the schema of ``kiln::attend_paged_rope``: ``kiln::attend_paged``
+    on q and k that are not yet rotated, with the rotary's [cos, cos] and [-sin, sin] of each token
+    (``rotate_reference``). ``impl`` rotates inside its kernels; ``impl=None`` (the generic op)
+    rotates first and runs the context's attention kernel, else the reference. A step that
+    calibrates FP8 cache scales rotates first too: the scales are measured on the rotated keys."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+               layer_idx: int, scale: float, sliding_window: int = 0, logit_softcap: float = 0.0) -> torch.Tensor:
+        ctx = get_forward_context()
+        if ctx.attn is None:
+            raise RuntimeError(f"{qualname} needs attention metadata in the forward context")
+        kv_scale = ctx.kv_scales[layer_idx] if ctx.kv_scales is not None else None
+        calibrate = kv_scale is not None and ctx.calibrate_kv_scales
+        if impl is not None and not calibrate:
+            return impl(q, k, v, cos, sin_signed, ctx.kv_caches[layer_idx], ctx.attn, scale,
+                        sliding_window=sliding_window, logit_softcap=logit_softcap, kv_scale=kv_scale)
+        q, k = rotate_reference(q, cos, sin_signed), rotate_reference(k, cos, sin_signed)
+        if calibrate:
+            calibrate_kv_scale(k, v, ctx.attn, kv_scale)
+        run = ctx.attention_impl or attend_paged_reference
+        return run(q, k, v, ctx.kv_caches[layer_idx], ctx.attn, scale,
+                   sliding_window=sliding_window, logit_softcap=logit_softcap, kv_scale=kv_scale)
+
+    return define_op(qualname, attend, lambda q, k, v, cos, sin_signed, layer_idx, scale, sliding_window=0,
+                     logit_softcap=0.0: torch.empty_like(q))
+
+
+# attend_paged on q and k before their rotary: what ``RopeAttentionFusionPass`` writes where the
+# KernelSet's attention kernel rotates inside (``AttentionKernel.rope_op``).
+# attend_paged_rope(q, k, v, cos, sin_signed, layer_idx, scale, sliding_window=0, logit_softcap=0.0)
+attend_paged_rope = define_rope_attention_op("kiln::attend_paged_rope", None)

@@ -6,6 +6,7 @@ the first candidate of an op whose device matches and whose loader returns a ker
 
     op            cuda                      cpu                             any device
     attention     kiln_triton::attend_paged kiln_cpu::attend_paged (kiln._C) kiln::attend_paged
+     (rope_op)    kiln_triton::attend_paged_rope  (none)                    kiln::attend_paged_rope
     add_rms_norm  kiln_triton::add_rms_norm                                  kiln::add_rms_norm
     silu_and_mul  kiln_triton::silu_and_mul                                  kiln::silu_and_mul
     moe           kiln_triton::fused_moe                                     kiln::fused_moe
@@ -84,6 +85,14 @@ class AttentionKernel(Kernel):
     # Entered around every forward with its context, inside ``forward_context`` (the CPU kernel
     # hands the step's caches and metadata to its C++ op there).
     forward_scope: Callable[[ForwardContext], ContextManager[None]] = _no_forward_scope
+    # The same kernel on q and k before their rotary (the schema of ``kiln::attend_paged_rope``):
+    # what ``RopeAttentionFusionPass`` writes. None: the kernel has none, and the rotary stays in
+    # the graph.
+    rope_op: Any = None
+
+    @property
+    def rope_op_name(self) -> Optional[str]:
+        return op_name(self.rope_op) if self.rope_op is not None else None
 
 
 def _no_pack(w: torch.Tensor, scales: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,12 +173,15 @@ class KernelSet:
         return getattr(self, f"linear_{scheme}")
 
     def split_op_names(self) -> tuple[str, ...]:
-        """The ops the graph is split at: the generic attention op and this set's attention kernel."""
-        return tuple(dict.fromkeys((GENERIC_ATTENTION_OP, self.attention.op_name)))
+        """The ops the graph is split at: the generic attention op, this set's attention kernel and
+        its rotating variant (``AttentionKernel.rope_op``) where it has one."""
+        names = (GENERIC_ATTENTION_OP, self.attention.op_name, self.attention.rope_op_name)
+        return tuple(dict.fromkeys(n for n in names if n is not None))
 
     def describe(self) -> dict[str, str]:
         """op -> kernel name, for logs and the artifact cache key."""
-        return {"attention": self.attention.name, "add_rms_norm": self.add_rms_norm.name,
+        rope = self.attention.name if self.attention.rope_op is not None else "none"
+        return {"attention": self.attention.name, "attention_rope": rope, "add_rms_norm": self.add_rms_norm.name,
                 "silu_and_mul": self.silu_and_mul.name, "moe": self.moe.name, "linear_dense": self.linear_dense.name,
                 **{f"linear_{s}": self.quant_linear(s).name for s in QUANT_SCHEMES}}
 
@@ -179,7 +191,8 @@ class KernelSet:
 def _reference_attention() -> AttentionKernel:
     from kiln.ops.attention import attend_paged_reference
 
-    return AttentionKernel("reference", torch.ops.kiln.attend_paged, impl=attend_paged_reference)
+    return AttentionKernel("reference", torch.ops.kiln.attend_paged, impl=attend_paged_reference,
+                           rope_op=torch.ops.kiln.attend_paged_rope)
 
 
 def _cpu_attention() -> Optional[AttentionKernel]:
@@ -198,7 +211,8 @@ def _triton_attention() -> AttentionKernel:
 
     return AttentionKernel("triton", torch.ops.kiln_triton.attend_paged, fast=True,
                            impl=triton_attention.triton_attend_paged,
-                           graph_capture=triton_attention.static_decode_splits)
+                           graph_capture=triton_attention.static_decode_splits,
+                           rope_op=torch.ops.kiln_triton.attend_paged_rope)
 
 
 def _reference_add_rms_norm() -> Kernel:

@@ -38,6 +38,11 @@ the last ``sliding_window`` keys; a windowed prefill tile starts at its first ro
 masks both ends, a row that sees none of a tile keeping its state (``MAY_BE_EMPTY``). A head_dim
 that is not a power of two is padded to one with masked loads and stores.
 
+Rotary (``ROPE``, ``torch.ops.kiln_triton.attend_paged_rope``): where the decode kernel stores the
+new K/V itself it can also take q and k before their rotary and rotate them as it loads them
+(rotate-half over the first ``ROT_DIM`` dims, from the model's per-token cos/sin rows), which
+saves the model's rotary kernel a layer; other batches are rotated first (``kiln.ops.triton_rotary``).
+
 ``torch.ops.kiln_triton.attend_paged`` has the schema of ``kiln::attend_paged`` (the op the
 compiler swaps in on CUDA); ``kiln.ops.registry`` selects it, with ``static_decode_splits`` as the
 context CUDA-graph capture enters.
@@ -59,10 +64,12 @@ import triton
 import triton.language as tl
 
 from kiln.forward_context import AttentionMetadata
-from kiln.ops.attention import attend_paged_reference, define_attention_op, fp8_kv_scale
+from kiln.ops.attention import (attend_paged_reference, attend_paged_rope_reference, define_attention_op,
+                                define_rope_attention_op, fp8_kv_scale)
 from kiln.ops.paged_batch import PagedBatch, PagedBatchSpec, random_paged_batch  # noqa: F401  (checks and tests)
 from kiln.ops.pdl import pdl_args
 from kiln.ops.triton_kv_store import triton_store_kv
+from kiln.ops.triton_rotary import rotary_rows, triton_rotate_qk
 
 LOG2_E = 1.4426950408889634
 
@@ -151,6 +158,7 @@ def _decode_kernel(
     k_new_ptr=None, v_new_ptr=None, slot_mapping_ptr=None, stride_kt=0, stride_kh=0, stride_vt=0, stride_vh=0,
     FUSED_STORE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     counters_ptr=None, FUSED_MERGE: tl.constexpr = False, SPLITS_POW2: tl.constexpr = 1,
+    cos_ptr=None, sin_ptr=None, stride_cos=0, stride_sin=0, ROPE: tl.constexpr = False, ROT_DIM: tl.constexpr = 0,
 ):
     if USE_PDL:  # kiln.ops.pdl
         tl.extra.cuda.gdc_wait()
@@ -177,6 +185,17 @@ def _decode_kernel(
     d_ok = d < HEAD_DIM
     q_ptrs = q_ptr + req * stride_qt + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if ROPE:
+        # q and the new key arrive before their rotary (rotate-half over the first ROT_DIM dims, the
+        # rest pass through): x * cos + x[partner] * [-sin, sin] in fp32, rounded to x's dtype as
+        # the model's own rotary kernel would have stored it. Needs FUSED_STORE (a decode-only batch).
+        r_ok = d < ROT_DIM
+        partner = tl.where(r_ok, (d + ROT_DIM // 2) % ROT_DIM, d)
+        cos = tl.load(cos_ptr + req * stride_cos + d, mask=r_ok, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + req * stride_sin + d, mask=r_ok, other=0.0).to(tl.float32)
+        q_pair = tl.load(q_ptr + req * stride_qt + heads[:, None] * stride_qh + partner[None, :],
+                         mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q = (q.to(tl.float32) * cos[None, :] + q_pair.to(tl.float32) * sin[None, :]).to(q_ptr.dtype.element_ty)
     if KV_SCALED:  # FP8 cache scales: k_scale joins the score scale, v_scale the output
         qk_scale = qk_scale * tl.load(kv_scale_ptr)
     if PRESCALE_Q:  # the score scale goes into q before its cast (see _dot_args)
@@ -191,6 +210,9 @@ def _decode_kernel(
         last = seq_len - 1
         k_new = tl.load(k_new_ptr + req * stride_kt + kv_head * stride_kh + d, mask=d_ok, other=0.0)
         v_new = tl.load(v_new_ptr + req * stride_vt + kv_head * stride_vh + d, mask=d_ok, other=0.0)
+        if ROPE:
+            k_pair = tl.load(k_new_ptr + req * stride_kt + kv_head * stride_kh + partner, mask=d_ok, other=0.0)
+            k_new = (k_new.to(tl.float32) * cos + k_pair.to(tl.float32) * sin).to(k_new_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -465,9 +487,11 @@ def _score_args(q, scale: float, sliding_window: int, logit_softcap: float) -> d
 
 
 def _launch_decodes(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_window=0, logit_softcap=0.0,
-                    kv_scale=None, new_kv=None) -> None:
+                    kv_scale=None, new_kv=None, rope=None) -> None:
     """``new_kv``: (k, v) of a decode-only batch whose new keys are not yet stored (a cache of k's
-    dtype): the decode kernel stores them and reads them from registers (one launch fewer a layer)."""
+    dtype): the decode kernel stores them and reads them from registers (one launch fewer a layer).
+    ``rope``: (cos, sin_signed) [nd, 1, rotary_dim], last dim contiguous, with ``new_kv`` only: q and
+    the new k are not yet rotated and the kernel rotates them (the model's rotary kernel fewer)."""
     nd = meta.num_decodes
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
@@ -488,6 +512,12 @@ def _launch_decodes(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_wi
         k, v = new_kv
         store = dict(k_new_ptr=k, v_new_ptr=v, slot_mapping_ptr=meta.slot_mapping, stride_kt=k.stride(0),
                      stride_kh=k.stride(1), stride_vt=v.stride(0), stride_vh=v.stride(1), FUSED_STORE=True)
+    if rope is not None:
+        if new_kv is None:
+            raise ValueError("the decode kernel rotates q and k only where it stores the new k (new_kv)")
+        cos, sin_signed = rope
+        store.update(cos_ptr=cos, sin_ptr=sin_signed, stride_cos=cos.stride(0), stride_sin=sin_signed.stride(0),
+                     ROPE=True, ROT_DIM=cos.shape[-1])
     _decode_kernel[(nd, num_kv_heads, num_splits)](
         **_kernel_args(q, kv_cache, meta, out, kv_scale), part_out_ptr=part_out, part_lse_ptr=part_lse,
         split_tokens=split_tokens, **_score_args(q, scale, sliding_window, logit_softcap),
@@ -550,9 +580,10 @@ def _dot_args(q: torch.Tensor, kv_cache: Optional[torch.Tensor] = None) -> dict:
 
 
 def attend_paged_cached(q, kv_cache, meta: AttentionMetadata, scale: float, out, cfg: LaunchConfig = LaunchConfig(),
-                        sliding_window: int = 0, logit_softcap: float = 0.0, *, kv_scale=None, new_kv=None):
+                        sliding_window: int = 0, logit_softcap: float = 0.0, *, kv_scale=None, new_kv=None, rope=None):
     """Attention only (the new K/V must already be in ``kv_cache``, unless ``new_kv`` gives them
-    for a decode-only batch: see ``_launch_decodes``); writes every row of ``out``.
+    for a decode-only batch, which ``rope`` may also rotate: see ``_launch_decodes``); writes every
+    row of ``out``.
     ``kv_scale``: an FP8 cache's [2] float32 (k_scale, v_scale), read on the device.
     A head_dim that is not a power of two (Phi-3's 96) is padded to one inside the kernels."""
     head_dim = q.shape[2]
@@ -563,7 +594,7 @@ def attend_paged_cached(q, kv_cache, meta: AttentionMetadata, scale: float, out,
     if sliding_window < 0 or logit_softcap < 0:
         raise ValueError("sliding_window and logit_softcap must be >= 0 (0: off)")
     if meta.num_decodes > 0:
-        _launch_decodes(q, kv_cache, meta, scale, out, cfg, sliding_window, logit_softcap, kv_scale, new_kv)
+        _launch_decodes(q, kv_cache, meta, scale, out, cfg, sliding_window, logit_softcap, kv_scale, new_kv, rope)
     if meta.num_decodes < meta.num_reqs:
         _launch_prefills(q, kv_cache, meta, scale, out, cfg, sliding_window, logit_softcap, kv_scale)
     return out
@@ -585,8 +616,7 @@ def triton_attend_paged(
     A decode-only batch (one token per request, no padding rows) in a cache of k's dtype stores them
     inside the decode kernel instead of a launch of its own."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if (meta.num_decodes == meta.num_reqs == q.shape[0] and kv_cache.dtype == k.dtype and kv_scale is None
-            and q.shape[0] > 0):
+    if _fuses_store(k, kv_cache, meta, kv_scale):
         return attend_paged_cached(q, kv_cache, meta, scale, out, sliding_window=sliding_window,
                                    logit_softcap=logit_softcap, new_kv=(k, v))
     triton_store_kv(k, v, kv_cache, meta.slot_mapping, kv_scale=kv_scale)
@@ -594,8 +624,34 @@ def triton_attend_paged(
                                logit_softcap=logit_softcap, kv_scale=kv_scale)
 
 
+def _fuses_store(k, kv_cache, meta: AttentionMetadata, kv_scale) -> bool:
+    """Whether the decode kernel stores the new K/V itself: a decode-only batch (one token per
+    request, no padding rows) in a cache of k's dtype, without FP8 scales."""
+    return (meta.num_decodes == meta.num_reqs == k.shape[0] and kv_cache.dtype == k.dtype and kv_scale is None
+            and k.shape[0] > 0)
+
+
+def triton_attend_paged_rope(q, k, v, cos, sin_signed, kv_cache, meta: AttentionMetadata, scale: float,
+                             sliding_window: int = 0, logit_softcap: float = 0.0, *,
+                             kv_scale: Optional[torch.Tensor] = None,
+                             cfg: LaunchConfig = LaunchConfig()) -> torch.Tensor:
+    """Drop-in for ``attend_paged_rope_reference`` (q and k not yet rotated; cos, sin_signed
+    [T or 1, 1, rotary_dim]). Where the decode kernel stores the new K/V itself it also rotates q
+    and k as it loads them; any other batch is rotated first (``triton_rotate_qk``: one launch, as
+    the model's own rotary was) and goes the way of ``triton_attend_paged``."""
+    if _fuses_store(k, kv_cache, meta, kv_scale):
+        cos, sin_signed = rotary_rows(cos, q.shape[0]), rotary_rows(sin_signed, q.shape[0])
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return attend_paged_cached(q, kv_cache, meta, scale, out, cfg, sliding_window, logit_softcap,
+                                   new_kv=(k, v), rope=(cos, sin_signed))
+    q, k = triton_rotate_qk(q, k, cos, sin_signed)
+    return triton_attend_paged(q, k, v, kv_cache, meta, scale, sliding_window, logit_softcap, kv_scale=kv_scale)
+
+
 # ``kiln::attend_paged`` on this kernel: cache and metadata come from the forward context.
 attend_paged = define_attention_op("kiln_triton::attend_paged", triton_attend_paged)
+# ``kiln::attend_paged_rope`` on this kernel (``RopeAttentionFusionPass`` writes it).
+attend_paged_rope = define_rope_attention_op("kiln_triton::attend_paged_rope", triton_attend_paged_rope)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -629,5 +685,42 @@ def check_against_reference(batch: PagedBatch, cfg: LaunchConfig = LaunchConfig(
     if not fused_store:
         attend_paged_cached(q, cache, meta, scale, out, cfg, sliding_window, logit_softcap, kv_scale=kv_scale)
     tol = tolerance(q.dtype)
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    return (out.float() - ref.float()).abs().max().item()
+
+
+def random_rotary(num_tokens: int, rotary_dim: int, dtype: torch.dtype, device, seed: int = 0) -> tuple:
+    """[cos, cos] and [-sin, sin] of random angles, [num_tokens, 1, rotary_dim] in ``dtype``: the
+    layout ``LlamaForCausalLM`` hands its layers."""
+    gen = torch.Generator().manual_seed(seed)
+    angles = (torch.rand(num_tokens, 1, rotary_dim // 2, generator=gen) * 100.0).to(device)
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
+
+
+def check_rope_against_reference(batch: PagedBatch, cfg: LaunchConfig = LaunchConfig(), sliding_window: int = 0,
+                                 logit_softcap: float = 0.0, *, rotary_dim: Optional[int] = None,
+                                 kv_scale: Optional[torch.Tensor] = None) -> float:
+    """``triton_attend_paged_rope`` (q and k not yet rotated) against ``attend_paged_rope_reference``
+    on copies of the same cache, with random rotary tables (``rotary_dim``: head_dim by default).
+    The cache must match: bit for bit for fp32 in the interpreter (both round the same fp32
+    products), else within ``tolerance`` (a GPU kernel may fuse a multiply-add; the interpreter
+    rounds fp32 to 16 bits toward zero); the output within ``tolerance``. Returns the largest
+    absolute output error."""
+    q, meta = batch.q, batch.meta
+    scale = q.shape[2] ** -0.5
+    cos, sin_signed = random_rotary(q.shape[0], rotary_dim or q.shape[2], q.dtype, q.device)
+    ref_cache = batch.kv_cache.clone()
+    ref = attend_paged_rope_reference(q, batch.k, batch.v, cos, sin_signed, ref_cache, meta, scale, sliding_window,
+                                      logit_softcap, kv_scale=kv_scale)
+    cache = batch.kv_cache.clone()
+    out = triton_attend_paged_rope(q, batch.k, batch.v, cos, sin_signed, cache, meta, scale, sliding_window,
+                                   logit_softcap, kv_scale=kv_scale, cfg=cfg)
+    tol = tolerance(q.dtype)
+    if q.device.type == "cpu" and cache.dtype == q.dtype == torch.float32:
+        if not torch.equal(cache, ref_cache):
+            raise AssertionError("the rotating Triton store wrote a different cache than the reference")
+    else:
+        torch.testing.assert_close(cache.float(), ref_cache.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     return (out.float() - ref.float()).abs().max().item()

@@ -7,6 +7,8 @@ The list (``build_passes``) runs in order; each pass says where it runs (``KilnP
    ``MergeSiblingLinearsPass`` (dynamo): linears of one input whose weights lie end to end in one
    buffer (q/k/v, gate/up of the generic path) -> one GEMM, split.
 2. ``AttentionBackendPass`` (dynamo): the generic attention call becomes the KernelSet's kernel op.
+   ``RopeAttentionFusionPass`` (dynamo): the rotary of q and k moves into that op's rotating
+   variant (``AttentionKernel.rope_op``: the Triton decode kernel rotates as it loads).
    ``MoEBackendPass`` (dynamo): likewise the generic ``kiln.fused_moe`` (mixture-of-experts models).
 3. ``QuantLinearPass`` (dynamo): a linear on a dequantized weight -> the KernelSet's quantized GEMM.
    ``DenseLinearPass`` (dynamo): a linear on a bf16/fp16 weight -> the set's dense GEMM (CUDA: a
@@ -34,12 +36,10 @@ Failure rule: a pass that raises, or leaves a graph that fails ``Graph.lint()``,
 undone (the graph is restored to its state before that pass); compilation continues without it.
 A pass never half-applies.
 
-Not here, on purpose: rotary embedding fused with the KV-cache write, and re-inplacing of
-functionalized cache writes. ``kiln.attend_paged`` takes the KV cache from the forward context,
-so no cache tensor is a graph input and no functionalized copy of the cache exists for a
-re-inplacing pass to remove; the cache write happens inside the opaque attention op. A rotary +
-KV-write fusion would therefore be a change to the attention op's contract (take un-rotated k
-and positions), not a graph pass; it is left for when a kernel needs it.
+Not here, on purpose: re-inplacing of functionalized cache writes. ``kiln.attend_paged`` takes
+the KV cache from the forward context, so no cache tensor is a graph input and no functionalized
+copy of the cache exists for a re-inplacing pass to remove; the cache write happens inside the
+opaque attention op (with the rotary, where ``RopeAttentionFusionPass`` moved it there).
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ from kiln.passes.merge_linears import MergeSiblingLinearsPass
 from kiln.passes.moe_backend import MoEBackendPass
 from kiln.passes.noop_elimination import NoOpEliminationPass
 from kiln.passes.quant_linear import QuantLinearPass
+from kiln.passes.rope_attention_fusion import RopeAttentionFusionPass, rope_join_enabled
 from kiln.passes.sdpa_to_paged import SDPAToPagedAttentionPass
 from kiln.passes.silu_mul_fusion import SiluMulFusionPass
 
@@ -96,6 +97,7 @@ def build_passes(config: PassConfig) -> list[KilnPass]:
         SDPAToPagedAttentionPass(config.attention_layers),
         MergeSiblingLinearsPass(),
         AttentionBackendPass(k),
+        RopeAttentionFusionPass(k, enabled=config.fusion_enabled(k.attention) and rope_join_enabled()),
         MoEBackendPass(k),
         QuantLinearPass(k),
         DenseLinearPass(enabled=config.fusion_enabled(k.linear_dense), op=k.linear_dense.op, device_type=k.device_type),
