@@ -17,6 +17,14 @@ the first candidate of an op whose device matches and whose loader returns a ker
                   _scaled_mm above)
     linear_dense  kiln_cuda::linear_dense (Triton GEMV at one row,          kiln::linear_dense
                   cuBLAS above)
+    joined_fp8    kiln_triton::{add_rms_norm,silu_and_mul}_linear_fp8        kiln::..._linear_fp8
+    joined_dense  kiln_cuda::{add_rms_norm,silu_and_mul}_linear_dense        (none)
+    joined_int4   kiln_cuda::{add_rms_norm,silu_and_mul}_linear_int4         (none)
+
+A ``joined_<scheme>`` kernel is the add + RMSNorm or SiLU-and-mul and the GEMM it feeds in one op
+(``kiln.ops.joined_linear``), for the GEMM ops it names; none (the graph keeps the ops apart) where
+no kernel joins them, on the CPU and in ``reference_kernels``, or with ``KILN_GEMV_JOIN=0`` (the
+dense and int4 joins: to measure them against the unjoined graph).
 
 ``select_kernels(device_type)`` returns the ``KernelSet`` a ``CompiledModel`` is built with. Nothing
 here is process-global state: two models on two devices in one process hold two KernelSets, and
@@ -27,6 +35,7 @@ kernel modules lazily, so choosing CPU kernels never imports Triton.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional
 
@@ -37,6 +46,7 @@ from kiln.ops.attention import AttentionImpl
 
 GENERIC_ATTENTION_OP = "kiln::attend_paged"
 QUANT_SCHEMES = ("int8", "int4", "fp8")
+JOINED_SCHEMES = ("fp8", "dense", "int4")
 
 
 def op_name(target: Any) -> Optional[str]:
@@ -120,6 +130,36 @@ class QuantLinearKernel(Kernel):
         return name
 
 
+@dataclass(frozen=True)
+class JoinedLinearKernel(Kernel):
+    """add + RMSNorm (``op``) and SiLU-and-mul (``silu_op``) joined with the GEMM they feed
+    (``kiln.ops.joined_linear``), for a GEMM of quantization ``scheme`` whose op is one of ``gemm_ops``."""
+
+    silu_op: Any = None
+    scheme: str = ""
+    gemm_ops: tuple[str, ...] = ()
+
+
+def _joined(name: str, namespace: str, scheme: str, gemm_ops: tuple[str, ...], fast: bool) -> JoinedLinearKernel:
+    ns = getattr(torch.ops, namespace)
+    return JoinedLinearKernel(name, getattr(ns, f"add_rms_norm_linear_{scheme}"), fast=fast,
+                              silu_op=getattr(ns, f"silu_and_mul_linear_{scheme}"), scheme=scheme, gemm_ops=gemm_ops)
+
+
+def reference_joined(scheme: str) -> JoinedLinearKernel:
+    """The pure-torch joined ops of ``scheme``, joining the scheme's generic GEMM op (fp8: and the
+    CUDA one, as ``joined_fp8`` has always joined both)."""
+    import kiln.ops.dense_linear  # noqa: F401  (defines the ops)
+    import kiln.ops.quant  # noqa: F401
+
+    gemm_ops = {"fp8": ("kiln::linear_fp8", "kiln_cuda::linear_fp8")}.get(scheme, (f"kiln::linear_{scheme}",))
+    return _joined("reference", "kiln", scheme, gemm_ops, fast=False)
+
+
+def _reference_joined_fp8() -> JoinedLinearKernel:
+    return reference_joined("fp8")
+
+
 def _reference_quant(scheme: str) -> QuantLinearKernel:
     import kiln.ops.quant  # noqa: F401  (defines the ops)
 
@@ -158,6 +198,9 @@ class KernelSet:
     linear_int4: QuantLinearKernel = field(default_factory=_reference_int4)
     linear_fp8: QuantLinearKernel = field(default_factory=_reference_fp8)
     linear_dense: Kernel = field(default_factory=_reference_linear_dense)
+    joined_fp8: JoinedLinearKernel = field(default_factory=_reference_joined_fp8)
+    joined_dense: Optional[JoinedLinearKernel] = None
+    joined_int4: Optional[JoinedLinearKernel] = None
 
     def quant_linear(self, scheme: str) -> QuantLinearKernel:
         """The GEMM of quantization ``scheme`` (int8 | int4 | fp8)."""
@@ -171,7 +214,8 @@ class KernelSet:
         """op -> kernel name, for logs and the artifact cache key."""
         return {"attention": self.attention.name, "add_rms_norm": self.add_rms_norm.name,
                 "silu_and_mul": self.silu_and_mul.name, "moe": self.moe.name, "linear_dense": self.linear_dense.name,
-                **{f"linear_{s}": self.quant_linear(s).name for s in QUANT_SCHEMES}}
+                **{f"linear_{s}": self.quant_linear(s).name for s in QUANT_SCHEMES},
+                **{f"joined_{s}": getattr(getattr(self, f"joined_{s}"), "name", "none") for s in JOINED_SCHEMES}}
 
 
 # ---- the table ---------------------------------------------------------------------------------
@@ -298,6 +342,35 @@ def _triton_linear_dense() -> Optional[Kernel]:
     return Kernel("triton", torch.ops.kiln_cuda.linear_dense, fast=True)
 
 
+def _triton_joined_fp8() -> Optional[JoinedLinearKernel]:
+    from kiln.ops import quant_cuda
+
+    if not quant_cuda.fp8_supported():
+        return None
+    import kiln.ops.triton_quant  # noqa: F401  (defines the ops)
+
+    return _joined("triton", "kiln_triton", "fp8", ("kiln::linear_fp8", "kiln_cuda::linear_fp8"), fast=True)
+
+
+def _triton_joined(scheme: str, gemm_op: str) -> Optional[JoinedLinearKernel]:
+    """The fed one-row GEMV of ``scheme`` joined with its feeding op (``kiln.ops.triton_joined_linear``)."""
+    from kiln.ops import quant_cuda
+
+    if not quant_cuda.triton_supported() or os.environ.get("KILN_GEMV_JOIN", "1") == "0":
+        return None
+    import kiln.ops.triton_joined_linear  # noqa: F401  (defines the ops)
+
+    return _joined("triton", "kiln_cuda", scheme, (gemm_op,), fast=True)
+
+
+def _triton_joined_dense() -> Optional[JoinedLinearKernel]:
+    return _triton_joined("dense", "kiln_cuda::linear_dense")
+
+
+def _triton_joined_int4() -> Optional[JoinedLinearKernel]:
+    return _triton_joined("int4", "kiln_cuda::linear_int4_triton")
+
+
 def _cuda_int4() -> Optional[QuantLinearKernel]:
     from kiln.ops import quant_cuda
 
@@ -319,16 +392,22 @@ REGISTRY: dict[str, tuple[tuple[str, Callable[[], Optional[Kernel]]], ...]] = {
     "linear_int4": (("cuda", _triton_int4), ("cuda", _cuda_int4), ("cpu", _cpu_int4), (ANY_DEVICE, _reference_int4)),
     "linear_fp8": (("cuda", _cuda_fp8), (ANY_DEVICE, _reference_fp8)),
     "linear_dense": (("cuda", _triton_linear_dense), (ANY_DEVICE, _reference_linear_dense)),
+    "joined_fp8": (("cuda", _triton_joined_fp8), (ANY_DEVICE, _reference_joined_fp8)),
+    "joined_dense": (("cuda", _triton_joined_dense),),
+    "joined_int4": (("cuda", _triton_joined_int4),),
 }
+OPTIONAL_OPS = ("joined_dense", "joined_int4")  # no kernel: None, and the graph keeps the ops apart
 
 
-def _choose(op: str, device_type: str) -> Kernel:
+def _choose(op: str, device_type: str) -> Optional[Kernel]:
     for device, load in REGISTRY[op]:
         if device in (device_type, ANY_DEVICE):
             kernel = load()
             if kernel is not None:
                 return kernel
-    raise LookupError(f"no kernel for {op} on {device_type}")  # unreachable: every op has a reference
+    if op in OPTIONAL_OPS:
+        return None
+    raise LookupError(f"no kernel for {op} on {device_type}")  # unreachable: every other op has a reference
 
 
 def select_kernels(device_type: str) -> KernelSet:

@@ -15,7 +15,7 @@ separate quantization pass over the activations runs::
 The ops ``kiln_triton::add_rms_norm_quant_fp8`` and ``kiln_triton::silu_and_mul_quant_fp8`` have the
 schemas of the references in ``kiln.ops.quant``; ``check_against_reference`` compares them.
 
-``Fp8QuantFusionPass`` writes the joined ops ``kiln_triton::add_rms_norm_linear_fp8`` and
+``GemmInputFusionPass`` writes the joined ops ``kiln_triton::add_rms_norm_linear_fp8`` and
 ``kiln_triton::silu_and_mul_linear_fp8`` (norm / activation and the GEMM it feeds). They pick by
 the row count of the call: above ``FP8_TRITON_MAX_ROWS``, the kernels above and the GEMM on fp8
 rows; at decode rows, where the GEMM is the weight-only (W8A16) kernel that needs no quantized
