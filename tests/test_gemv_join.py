@@ -331,3 +331,22 @@ def test_int4_model_kiln_with_joins_matches_eager():
     # per layer: the MLP's norm + gate_up and silu + down (qkv's norm is the first layer's, after the embedding)
     assert rewrites["GemmInputFusionPass"] >= 2 * ARCH.num_layers
     assert not forward.backend.passes.failed
+
+
+def test_fed_gemv_takes_its_own_measured_tile(monkeypatch):
+    """A tile measured for a fed GEMV (``benchmarks/gemv_join.py --sweep``) serves it; the plain GEMV
+    keeps its own, and a split-K entry sends the joined op to the unfused kernels."""
+    from kiln.ops import triton_quant_gemm as tq
+
+    monkeypatch.setattr(tq, "LOADED", {})
+    tq._device_table.cache_clear()
+    plain = tq.config_for("dense", 1, 40, 320)
+    tq.load_measured({"dense+silu,1,40,320": [1, 16, 64, 1, 2, 3], "dense+norm,1,40,320": [1, 8, 64, 2, 2, 3]})
+    try:
+        assert tq.config_for("dense", 1, 40, 320, feed="silu") == tq.GemmConfig(1, 16, 64, 1, 2, 3)
+        assert tq.config_for("dense", 1, 40, 320) == plain == tq.config_for("dense", 1, 40, 320, feed="x")
+        w = torch.empty(40, 320, dtype=torch.bfloat16)
+        assert tq.feed_fits("dense", tq.config_for("dense", 1, 40, 320, feed="silu"), 40, 320, 0, w)
+        assert not tq.feed_fits("dense", tq.config_for("dense", 1, 40, 320, feed="norm"), 40, 320, 0, w)
+    finally:
+        tq._device_table.cache_clear()

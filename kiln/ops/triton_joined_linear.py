@@ -41,7 +41,7 @@ def _runs_triton(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _gemv_takes(scheme: str, k: int, dtype: torch.dtype, w: torch.Tensor, scales: Optional[torch.Tensor],
+def _gemv_takes(scheme: str, kind: str, k: int, dtype: torch.dtype, w: torch.Tensor, scales: Optional[torch.Tensor],
                 group_size: int) -> bool:
     """Whether a fed one-row GEMV of ``scheme`` takes an input row of ``k`` values of ``dtype``."""
     if scheme == "dense":
@@ -53,7 +53,7 @@ def _gemv_takes(scheme: str, k: int, dtype: torch.dtype, w: torch.Tensor, scales
         if dtype not in (torch.bfloat16, torch.float16, torch.float32) or scales.shape[0] * group_size != k:
             return False
         n = scales.shape[1]
-    return feed_fits(scheme, config_for(scheme, 1, n, k, group_size), n, k, group_size, w)
+    return feed_fits(scheme, config_for(scheme, 1, n, k, group_size, kind), n, k, group_size, w)
 
 
 def _split(scheme: str, gemm_args: tuple) -> tuple[torch.Tensor, Optional[torch.Tensor], int, Optional[torch.Tensor]]:
@@ -77,7 +77,7 @@ def fuses(scheme: str, kind: str, x: torch.Tensor, gemm_args: tuple,
     k = x.shape[-1] // 2 if kind == "silu" else x.shape[-1]
     dtype = torch.promote_types(norm_weight_dtype or x.dtype, x.dtype)
     return (x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1 and (kind == "norm" or x.shape[-1] % 2 == 0)
-            and _gemv_takes(scheme, k, dtype, w, scales, group_size)
+            and _gemv_takes(scheme, kind, k, dtype, w, scales, group_size)
             and (bias is None or (bias.dtype == w.dtype and bias.dim() == 1 and bias.stride(0) == 1)))
 
 

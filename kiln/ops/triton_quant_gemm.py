@@ -582,11 +582,15 @@ def _measured() -> dict:
     return _device_table(torch.cuda.get_device_name() if torch.cuda.is_available() else "")
 
 
-def config_for(scheme: str, m: int, n: int, k: int, group_size: int = 32) -> GemmConfig:
+def config_for(scheme: str, m: int, n: int, k: int, group_size: int = 32, feed: str = "") -> GemmConfig:
     """The measured configuration for this card (int8 takes fp8's: the same kernel, the same
-    bytes), else the rule."""
+    bytes), else the rule. A fed GEMV (``feed``: "norm", "silu") takes an entry of its own,
+    ``("<scheme>+<feed>", 1, N, K)``, where one was measured, else the plain GEMV's."""
     bucket = m_bucket(m)
     table = _measured()
+    fed = table.get((f"{scheme}+{feed}", bucket, n, k)) if feed else None
+    if fed is not None and (scheme != "int4" or fed.block_k % group_size == 0):
+        return fed
     found = table.get((scheme, bucket, n, k)) or table.get(("fp8" if scheme == "int8" else "", bucket, n, k))
     if found is not None and (scheme != "int4" or found.block_k % group_size == 0):
         return found
@@ -664,7 +668,7 @@ def triton_linear(scheme: str, x: torch.Tensor, w: torch.Tensor, scales: torch.T
     m = x2.shape[0]
     if m == 0:
         return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
-    cfg = config or config_for(scheme, m, n, k, group_size)
+    cfg = config or config_for(scheme, m, n, k, group_size, feed.kind if feed is not None else "")
     if m > 1 and cfg.block_m == 1:
         raise ValueError("a BLOCK_M = 1 config takes one row")
     if (feed is not None or bias is not None) and (m != 1 or not feed_fits(scheme, cfg, n, k, group_size, w)):
