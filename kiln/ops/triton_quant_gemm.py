@@ -30,6 +30,12 @@ kernel ALU-bound. The dot kernel finishes the pair in bf16x2 (``fma.rn.bf16x2``:
 times s plus z, in inline PTX) and feeds the bf16 tile to ``tl.dot`` (wgmma) as its A operand.
 Under ``TRITON_INTERPRET=1`` (no PTX) both compute the same values in plain Triton.
 
+Fed GEMVs (``FEED``, ``GemvFeed``; ``_channel_kernel`` at one row and ``_int4_gemv_kernel``, one
+program over all of K): the input row is computed from the op that feeds the GEMV as it is read
+(``_fed_x``): the residual add + RMSNorm (the sum of squares beside the dot, the rsqrt scale at the
+end, program 0 writing the new residual) or SiLU-and-mul. ``kiln.ops.triton_joined_linear`` calls
+them; ``FEED = 0`` compiles to the plain GEMVs.
+
 Tile sizes come from ``config_for(scheme, M, N, K)``: a table measured on an H100 for the
 llama3-8b shapes and a rule for other shapes. ``triton_linear`` is the entry point;
 ``kiln.ops.quant_cuda`` decides per call (on the host-side row count, fixed per captured CUDA graph)
