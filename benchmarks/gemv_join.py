@@ -6,8 +6,10 @@ the add + RMSNorm, down by SiLU-and-mul):
 - apart: the ``kiln_triton`` norm or activation kernel, then the one-row GEMV (two kernels, PDL as
   served);
 - joined: ``kiln_cuda::<feed>_linear_<scheme>`` (one fed GEMV) with the tile ``config_for`` picks;
-- with ``--sweep``: the fed GEMV over a few tiles, the best kept. A best tile that beats the served
-  one goes into ``kiln.ops.triton_quant_gemm.MEASURED`` as ``("<scheme>+<feed>", 1, N, K)``.
+- with ``--sweep``: the fed GEMV over a few tiles, the best kept. Best tiles 3% or more faster than
+  the served one are written as ``best`` ("<scheme>+<feed>,1,N,K": tile), which
+  ``decode_profile.py --gemm-configs`` loads for an end-to-end run and which belong in
+  ``kiln.ops.triton_quant_gemm.MEASURED`` once confirmed there.
 
 Each time is one call replayed from a CUDA graph cycling through enough weight copies to defeat
 the L2 cache (``quant_gemm.graph_time``). Writes ``<out>/gemv_join.json`` and prints a table.
@@ -123,7 +125,11 @@ def main(argv=None) -> None:
                             f"{r.get('best_us', float('nan')):.2f}", r["served_tile"], r.get("best_tile", "")]
                            for r in rows])
     print(f"{device_name()}, batch 1, bf16 activations, llama3-8b shapes\n{table}", flush=True)
-    (out / "gemv_join.json").write_text(json.dumps({"device": device_name(), "rows": rows}, indent=1))
+    # Swept tiles that beat the served one, as ``load_measured`` (and decode_profile --gemm-configs) reads them.
+    best = {f"{r['scheme']}+{r['feed']},1,{r['n']},{r['k']}": r["best_tile"] for r in rows
+            if r.get("best_us", float("inf")) < 0.97 * r["joined_us"]}
+    print(f"fed tiles to load: {best}", flush=True)
+    (out / "gemv_join.json").write_text(json.dumps({"device": device_name(), "rows": rows, "best": best}, indent=1))
 
 
 if __name__ == "__main__":
