@@ -1,11 +1,12 @@
-"""The norm / activation joined with the dense and int4 GEMMs they feed.
+"""The norm / activation joined with the dense, fp8 and int4 GEMMs they feed.
 
 Kernels (``kiln.ops.triton_joined_linear``, the fed one-row GEMVs of ``kiln.ops.triton_quant_gemm``)
 against float64 products on fresh random inputs: in Triton's interpreter on the CPU (a child
 process, as in ``test_dense_linear.py``) and on the GPU at llama3-8b's shapes, with both outputs of
 the norm join (the GEMM and the new residual), a bias, K tails, one row (one kernel) and three
-(the unfused kernels inside the op). ``GemmInputFusionPass``: which nodes it joins and that the
-graph computes the same values; the KernelSet carries the joins where the GEMMs are CUDA's.
+(the unfused kernels inside the op); fp8 at prefill rows runs ``kiln_triton``'s quantizing op.
+``GemmInputFusionPass``: which nodes it joins and that the graph computes the same values; the
+KernelSet carries the joins ``KILN_GEMV_JOIN`` asks for where the GEMMs are CUDA's.
 """
 
 from __future__ import annotations
@@ -105,21 +106,61 @@ def test_interpreted_fed_int4_gemv_matches_float64(n, k, cfg, dtype):
     assert _rel(got, _silu_want(gate_up, wd)) < tol
 
 
+@pytest.mark.skipif(not RUN_KERNELS_HERE or DEVICE == "cuda", reason="CPU: runs in the Triton interpreter")
+@pytest.mark.parametrize("n,k,cfg", [(40, 256, (1, 8, 64, 1, 4, 1)), (24, 200, (1, 4, 64, 1, 2, 3)),
+                                     (36, 333, (1, 16, 128, 1, 4, 2))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interpreted_fed_fp8_gemv_matches_float64(n, k, cfg, dtype):
+    """The fp8 weight-only GEMV (per-channel scales) fed by add + RMSNorm and by SiLU-and-mul, writing
+    ``out_dtype``; K a multiple of the tile or not."""
+    from kiln.ops.triton_quant_gemm import GemmConfig, GemvFeed, triton_linear
+
+    gen = torch.Generator().manual_seed(3 * n + k)
+    w, s = quant.quantize_fp8(torch.randn(n, k, generator=gen))
+    wd = w.double() * s.double()[:, None]
+    x, res, gamma, gate_up = _inputs(1, k, dtype, gen, "cpu")
+    new_res = torch.full_like(x, float("nan"))
+    feed = GemvFeed("norm", res, gamma, EPS, new_res)
+    got = triton_linear("fp8", x, w, s, -1, config=GemmConfig(*cfg), feed=feed, out_dtype=torch.float32)
+    want, want_res = _norm_want(x, res, gamma, wd)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2  # bfloat16: the interpreter truncates (see _check_joined_ops)
+    assert got.shape == (1, n) and got.dtype == torch.float32 and _rel(got, want) < tol
+    assert _rel(new_res, want_res) < tol  # every column written, once
+    got = triton_linear("fp8", gate_up, w, s, -1, config=GemmConfig(*cfg), feed=GemvFeed("silu"), out_dtype=dtype)
+    assert got.shape == (1, n) and got.dtype == dtype and _rel(got, _silu_want(gate_up, wd)) < tol
+
+
+def _weights(scheme, n, k, dtype, gen, device, bias=None):
+    """(the GEMM arguments of ``scheme`` after its input, the weight in float64)."""
+    if scheme == "dense":
+        w = (torch.randn(n, k, generator=gen, device=device) * 0.02).to(dtype)
+        return (w, bias), w.double()
+    if scheme == "fp8":
+        w, s = quant.quantize_fp8(torch.randn(n, k, generator=gen, device=device) * 0.02)
+        return (w, s, dtype), w.double() * s.double()[:, None]
+    q, sz = quant.quantize_int4(torch.randn(n, k, generator=gen, device=device), 32, torch.bfloat16)
+    return (q, sz, 32), quant.dequant_int4_reference(q, sz, 32, torch.float64)
+
+
+def _apart_ops(scheme):
+    """What the joined ops must match: the ``kiln::`` references; for fp8 (whose reference quantizes
+    the rows, as ``_scaled_mm`` does at prefill) ``kiln_triton``'s joined ops, which at decode rows
+    run the norm / activation and the weight-only GEMV apart (``KILN_GEMV_JOIN=0``)."""
+    ns = torch.ops.kiln_triton if scheme == "fp8" else torch.ops.kiln
+    return getattr(ns, f"add_rms_norm_linear_{scheme}"), getattr(ns, f"silu_and_mul_linear_{scheme}")
+
+
 def _check_joined_ops(scheme, rows, n, k, dtype, gen, device, bias=None, fused=None):
-    """Both joined ops of ``scheme`` against float64 and against their ``kiln::`` references."""
+    """Both joined ops of ``scheme`` against float64 and against the ops they replace (``_apart_ops``)."""
     from kiln.ops import triton_joined_linear as tj
 
     x, res, gamma, gate_up = _inputs(rows, k, dtype, gen, device)
-    if scheme == "dense":
-        w = (torch.randn(n, k, generator=gen, device=device) * 0.02).to(dtype)
-        args, wd = (w, bias), w.double()
-    else:
-        q, sz = quant.quantize_int4(torch.randn(n, k, generator=gen, device=device), 32, torch.bfloat16)
-        args, wd = (q, sz, 32), quant.dequant_int4_reference(q, sz, 32, torch.float64)
+    args, wd = _weights(scheme, n, k, dtype, gen, device, bias)
     if fused is not None:
         assert tj.fuses(scheme, "norm", x, args, gamma.dtype) == fused
         assert tj.fuses(scheme, "silu", gate_up, args) == fused
-    ns, ref = getattr(torch.ops, "kiln_cuda"), torch.ops.kiln
+    ns = torch.ops.kiln_cuda
+    ref_norm, ref_silu = _apart_ops(scheme)
     y, new_res = getattr(ns, f"add_rms_norm_linear_{scheme}")(x, res, gamma, EPS, *args)
     want, want_res = _norm_want(x, res, gamma, wd, bias)
     # Triton's interpreter rounds to bfloat16 by truncation (the GPU: to nearest): a bias of up to
@@ -127,17 +168,17 @@ def _check_joined_ops(scheme, rows, n, k, dtype, gen, device, bias=None, fused=N
     tol = (1e-2 if device == "cuda" else 2e-2) if dtype == torch.bfloat16 else 1e-5
     assert y.shape == (rows, n) and y.dtype == dtype and new_res.dtype == dtype
     assert _rel(y, want) < tol and _rel(new_res, want_res) < tol
-    ref_y, ref_res = getattr(ref, f"add_rms_norm_linear_{scheme}")(x, res, gamma, EPS, *args)
+    ref_y, ref_res = ref_norm(x, res, gamma, EPS, *args)
     assert _rel(y, ref_y) < tol
     torch.testing.assert_close(new_res, ref_res, rtol=1e-2, atol=1e-2)
     y = getattr(ns, f"silu_and_mul_linear_{scheme}")(gate_up, *args)
     want = _silu_want(gate_up, wd) + (0 if bias is None else bias.double())
-    assert y.shape == (rows, n) and _rel(y, want) < tol
-    assert _rel(y, getattr(ref, f"silu_and_mul_linear_{scheme}")(gate_up, *args)) < tol
+    assert y.shape == (rows, n) and y.dtype == dtype and _rel(y, want) < tol
+    assert _rel(y, ref_silu(gate_up, *args)) < tol
 
 
 @pytest.mark.skipif(not RUN_KERNELS_HERE or DEVICE == "cuda", reason="CPU: runs in the Triton interpreter")
-@pytest.mark.parametrize("scheme", ["dense", "int4"])
+@pytest.mark.parametrize("scheme", ["dense", "fp8", "int4"])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_interpreted_joined_ops_fuse_at_one_row(scheme, rows):
     """One row: the fed GEMV (one kernel); three: the norm / activation kernel, then the GEMM."""
@@ -161,19 +202,49 @@ def test_interpreted_joined_op_runs_unfused_where_the_tile_splits_k(monkeypatch)
     _check_joined_ops("dense", 1, 40, 192, torch.bfloat16, torch.Generator().manual_seed(1), "cpu", fused=False)
 
 
+@pytest.mark.skipif(not RUN_KERNELS_HERE or DEVICE == "cuda", reason="CPU: runs in the Triton interpreter")
+def test_interpreted_fp8_joined_ops_quantize_prefill_rows(monkeypatch):
+    """Above the weight-only rows the fp8 joined ops are ``kiln_triton``'s (rows quantized to fp8,
+    here ``_scaled_mm``'s reference on the CPU): the same values, bit for bit; so is one row with
+    ``QUANTIZE_DECODE_ROWS`` (no fed GEMV then)."""
+    import kiln.ops.triton_joined_linear as tj
+    from kiln.ops import triton_quant
+
+    for rows in (quant.FP8_TRITON_MAX_ROWS + 8, 1):
+        if rows == 1:
+            monkeypatch.setattr(triton_quant, "QUANTIZE_DECODE_ROWS", True)
+        gen = torch.Generator().manual_seed(rows)
+        x, res, gamma, gate_up = _inputs(rows, 96, torch.float32, gen, "cpu")
+        args, _ = _weights("fp8", 64, 96, torch.float32, gen, "cpu")
+        assert not tj.fuses("fp8", "norm", x, args, gamma.dtype) and not tj.fuses("fp8", "silu", gate_up, args)
+        ref_norm, ref_silu = _apart_ops("fp8")
+        got = torch.ops.kiln_cuda.add_rms_norm_linear_fp8(x, res, gamma, EPS, *args)
+        for a, b in zip(got, ref_norm(x, res, gamma, EPS, *args)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(torch.ops.kiln_cuda.silu_and_mul_linear_fp8(gate_up, *args),
+                                   ref_silu(gate_up, *args), rtol=0, atol=0)
+
+
 # ---- the GPU, llama3-8b's shapes ---------------------------------------------------------------------
 
 LLAMA3_8B = [(6144, 4096), (28672, 4096), (4096, 14336)]  # qkv, gate_up (fed by the norm); down (by silu)
 
 
+def _skip_without_fp8(scheme):
+    if scheme == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs SM89+")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
-@pytest.mark.parametrize("scheme", ["dense", "int4"])
+@pytest.mark.parametrize("scheme", ["dense", "fp8", "int4"])
 @pytest.mark.parametrize("n,k", LLAMA3_8B)
 @pytest.mark.parametrize("rows", [1, 3])
 def test_gpu_joined_ops_match_float64(scheme, n, k, rows):
     """The measured decode tiles of these shapes are one program over K: one row runs one kernel."""
     import kiln.ops.triton_joined_linear  # noqa: F401
+
+    _skip_without_fp8(scheme)
 
     gen = torch.Generator(device="cuda").manual_seed(n + k + rows)
     bias = torch.randn(n, generator=gen, device="cuda").bfloat16() if scheme == "dense" and n == 6144 else None
@@ -182,19 +253,17 @@ def test_gpu_joined_ops_match_float64(scheme, n, k, rows):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
-@pytest.mark.parametrize("scheme", ["dense", "int4"])
+@pytest.mark.parametrize("scheme", ["dense", "fp8", "int4"])
 def test_gpu_joined_ops_replay_in_a_cuda_graph(scheme):
     """Captured at one row (PDL on where the card has it), replayed on new inputs: the same values as
     the unfused kernels, and one kernel a joined op (the profiler counts launches)."""
     import kiln.ops.triton_joined_linear  # noqa: F401
 
+    _skip_without_fp8(scheme)
     n, k = 6144, 4096
     gen = torch.Generator(device="cuda").manual_seed(7)
     x, res, gamma, gate_up = _inputs(1, k, torch.bfloat16, gen)
-    if scheme == "dense":
-        args = ((torch.randn(n, k, generator=gen, device="cuda") * 0.02).bfloat16(), None)
-    else:
-        args = quant.quantize_int4(torch.randn(n, k, generator=gen, device="cuda"), 32, torch.bfloat16) + (32,)
+    args, _ = _weights(scheme, n, k, torch.bfloat16, gen, "cuda")
     norm_op = getattr(torch.ops.kiln_cuda, f"add_rms_norm_linear_{scheme}")
     silu_op = getattr(torch.ops.kiln_cuda, f"silu_and_mul_linear_{scheme}")
 
@@ -215,7 +284,7 @@ def test_gpu_joined_ops_replay_in_a_cuda_graph(scheme):
     want = step()
     for got, expected in zip(outs, want):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)  # the same kernels, the same inputs
-    y_ref, r_ref = getattr(torch.ops.kiln, f"add_rms_norm_linear_{scheme}")(x, res, gamma, EPS, *args)
+    y_ref, r_ref = _apart_ops(scheme)[0](x, res, gamma, EPS, *args)
     assert _rel(outs[0], y_ref) < 1e-2 and torch.equal(outs[1], r_ref)
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert not any("rms_norm" in name or "silu" in name for name in kernels), kernels
@@ -239,12 +308,16 @@ def _int4_layer(x, res, gamma, qkv_w, qkv_s, gu_w, gu_s, down_w, down_s):
     return torch.ops.kiln.linear_int4(act, down_w, down_s, 32) + new_res
 
 
+def _targets_of(node) -> str:
+    from kiln.ops.registry import op_name
+
+    return op_name(node.target) if node.op == "call_function" else ""
+
+
 def _targets(gm) -> dict[str, int]:
     from collections import Counter
 
-    from kiln.ops.registry import op_name
-
-    return Counter(op_name(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    return Counter(_targets_of(n) for n in gm.graph.nodes if n.op == "call_function")
 
 
 @pytest.mark.parametrize("scheme", ["dense", "int4"])
@@ -293,21 +366,72 @@ def test_kernel_sets_carry_the_joins_where_the_gemms_are_cuda(monkeypatch):
         assert described["joined_dense"] == described["joined_int4"] == "none"
         assert joins(cpu) == [] and joins(cpu, "off") == []
         assert joins(cpu, "on") == [("fp8", "reference")]  # as before: no dense or int4 join on the CPU
-    # The CUDA loaders, on a machine without CUDA: Triton's joins, unless KILN_GEMV_JOIN=0.
+    # The CUDA loaders, on a machine without CUDA: by default the dense and fp8 joins, not int4's
+    # (measured slower); KILN_GEMV_JOIN=int4 adds it, KILN_GEMV_JOIN=0 takes every one-row join off.
     monkeypatch.setattr(quant_cuda, "triton_supported", lambda: True)
-    dense, int4 = registry._triton_joined_dense(), registry._triton_joined_int4()
+    monkeypatch.setattr(quant_cuda, "fp8_supported", lambda: True)
+    monkeypatch.delenv("KILN_GEMV_JOIN", raising=False)
+    assert registry.gemv_join_schemes() == ("fp8", "dense")
+    dense, fp8 = registry._triton_joined_dense(), registry._choose("joined_fp8", "cuda")
+    assert registry._triton_joined_int4() is None
     assert dense.op is torch.ops.kiln_cuda.add_rms_norm_linear_dense and dense.gemm_ops == ("kiln_cuda::linear_dense",)
+    assert fp8.op is torch.ops.kiln_cuda.add_rms_norm_linear_fp8
+    assert fp8.silu_op is torch.ops.kiln_cuda.silu_and_mul_linear_fp8
+    assert fp8.name == "triton_gemv" and fp8.gemm_ops == ("kiln::linear_fp8", "kiln_cuda::linear_fp8")
+    cuda_fp8 = registry._cuda_fp8()
+    joined = dataclasses.replace(reference_kernels(), device_type="cuda", joined_dense=dense, joined_fp8=fp8,
+                                 linear_fp8=cuda_fp8)
+    assert joined.describe()["joined_dense"] == "triton" != reference_kernels().describe()["joined_dense"]
+    assert joins(joined) == [("fp8", "triton_gemv"), ("dense", "triton")] and joins(joined, "off") == []
+    monkeypatch.setenv("KILN_GEMV_JOIN", "int4")
+    assert registry.gemv_join_schemes() == ("fp8", "dense", "int4")
+    int4 = registry._triton_joined_int4()
     assert int4.silu_op is torch.ops.kiln_cuda.silu_and_mul_linear_int4
     assert int4.gemm_ops == ("kiln_cuda::linear_int4_triton",)  # not tinygemm's layout
-    joined = dataclasses.replace(reference_kernels(), device_type="cuda", joined_dense=dense, joined_int4=int4)
-    assert joined.describe()["joined_dense"] == "triton" != reference_kernels().describe()["joined_dense"]
-    assert joins(joined) == [("dense", "triton"), ("int4", "triton")] and joins(joined, "off") == []
+    assert registry._triton_joined_dense() is not None and registry._choose("joined_fp8", "cuda").name == "triton_gemv"
     monkeypatch.setenv("KILN_GEMV_JOIN", "0")
+    assert registry.gemv_join_schemes() == ()
     assert registry._triton_joined_dense() is None and registry._triton_joined_int4() is None
+    apart = registry._choose("joined_fp8", "cuda")  # fp8 keeps its join (prefill quantizes), norm apart at one row
+    assert apart.op is torch.ops.kiln_triton.add_rms_norm_linear_fp8 and apart.name == "triton"
+    unjoined = dataclasses.replace(joined, joined_dense=None, joined_fp8=apart)
+    assert joins(unjoined) == [("fp8", "triton")]
+    assert unjoined.describe()["joined_fp8"] != joined.describe()["joined_fp8"]  # another artifact
+    monkeypatch.setenv("KILN_GEMV_JOIN", "int5")
+    with pytest.raises(ValueError, match="KILN_GEMV_JOIN"):
+        registry.gemv_join_schemes()
     if torch.cuda.is_available():
         monkeypatch.delenv("KILN_GEMV_JOIN")
         cuda = select_kernels("cuda")
-        assert cuda.joined_dense.name == "triton" and cuda.joined_int4.name == "triton"
+        assert cuda.joined_dense.name == "triton" and cuda.joined_int4 is None
+
+
+def test_gemm_input_fusion_pass_writes_the_fed_fp8_join(monkeypatch):
+    """The CUDA KernelSet's fp8 join in the graph: ``kiln_cuda``'s ops with the GEMM's output dtype,
+    computing (here on the CPU, through their references) what the unjoined ops did, bit for bit."""
+    import kiln.ops.activation  # noqa: F401
+    import kiln.ops.layernorm  # noqa: F401
+    from kiln.ops import quant_cuda, registry
+    from tests.test_quant_fp8 import _layer
+
+    monkeypatch.setattr(quant_cuda, "fp8_supported", lambda: True)
+    monkeypatch.delenv("KILN_GEMV_JOIN", raising=False)
+    hidden, inter = 64, 96
+    g = torch.Generator().manual_seed(1)
+    mats = [torch.randn(o, i, generator=g) for o, i in ((hidden, hidden), (2 * inter, hidden), (hidden, inter))]
+    x, res, gamma = torch.randn(1, hidden, generator=g), torch.randn(1, hidden, generator=g), torch.rand(hidden) + 0.5
+    args = (x, res, gamma, *(t for m in mats for t in quant.quantize_fp8(m)))
+    gm = make_fx(_layer, tracing_mode="fake")(*args)
+    want = gm(*args)
+    assert GemmInputFusionPass(joins=(registry._triton_gemv_joined_fp8(),))(gm.graph) == 2
+    gm.graph.lint()
+    gm.recompile()
+    after = _targets(gm)
+    assert after["kiln_cuda::add_rms_norm_linear_fp8"] == 1 and after["kiln_cuda::silu_and_mul_linear_fp8"] == 1
+    assert after["kiln::add_rms_norm"] == 0 and after["kiln::silu_and_mul"] == 0 and after["kiln::linear_fp8"] == 1
+    joined = [n for n in gm.graph.nodes if _targets_of(n) == "kiln_cuda::silu_and_mul_linear_fp8"]
+    assert joined[0].args[-1] == torch.float32  # the GEMM's output dtype
+    torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
 
 
 @pytest.mark.slow

@@ -21,7 +21,9 @@ the row count of the call: above ``FP8_TRITON_MAX_ROWS``, the kernels above and 
 rows; at decode rows, where the GEMM is the weight-only (W8A16) kernel that needs no quantized
 activations, the plain ``add_rms_norm`` / ``silu_and_mul`` kernels (``kiln.ops.triton_norm``: the
 activation one spreads a row over many programs, where the quantizing one sweeps it in one) and the
-GEMM on the model-dtype rows.
+GEMM on the model-dtype rows. On CUDA the KernelSet joins with ``kiln_cuda``'s ops
+(``kiln.ops.triton_joined_linear``) instead, which at one row run one fed GEMV and elsewhere these;
+these serve as they are with ``KILN_GEMV_JOIN=0``.
 """
 
 from __future__ import annotations

@@ -30,11 +30,11 @@ kernel ALU-bound. The dot kernel finishes the pair in bf16x2 (``fma.rn.bf16x2``:
 times s plus z, in inline PTX) and feeds the bf16 tile to ``tl.dot`` (wgmma) as its A operand.
 Under ``TRITON_INTERPRET=1`` (no PTX) both compute the same values in plain Triton.
 
-Fed GEMVs (``FEED``, ``GemvFeed``; ``_channel_kernel`` at one row and ``_int4_gemv_kernel``, one
-program over all of K): the input row is computed from the op that feeds the GEMV as it is read
-(``_fed_x``): the residual add + RMSNorm (the sum of squares beside the dot, the rsqrt scale at the
-end, program 0 writing the new residual) or SiLU-and-mul. ``kiln.ops.triton_joined_linear`` calls
-them; ``FEED = 0`` compiles to the plain GEMVs.
+Fed GEMVs (``FEED``, ``GemvFeed``; ``_channel_kernel`` at one row, dense or fp8 weights, and
+``_int4_gemv_kernel``; one program over all of K): the input row is computed from the op that
+feeds the GEMV as it is read (``_fed_x``): the residual add + RMSNorm (the sum of squares beside
+the dot, the rsqrt scale at the end, program 0 writing the new residual) or SiLU-and-mul.
+``kiln.ops.triton_joined_linear`` calls them; ``FEED = 0`` compiles to the plain GEMVs.
 
 Tile sizes come from ``config_for(scheme, M, N, K)``: a table measured on an H100 for the
 llama3-8b shapes and a rule for other shapes. ``triton_linear`` is the entry point;
@@ -648,12 +648,12 @@ class GemvFeed:
 
 def feed_fits(scheme: str, cfg: GemmConfig, n: int, k: int, group_size: int, w: torch.Tensor) -> bool:
     """Whether ``cfg`` is a tile a fed GEMV can run: one row in one program over all of K (no
-    split-K), and for int4 the word-wise GEMV."""
+    split-K); dense and fp8 weights (``_channel_kernel``), and int4 in the word-wise GEMV."""
     k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     if cfg.block_m != 1 or triton.cdiv(k, k_split) != 1:
         return False
-    return scheme == "dense" or (scheme == "int4" and cfg.block_k % group_size == 0
-                                 and _int4_words_fit(w, k, group_size))
+    return scheme in ("dense", "fp8") or (scheme == "int4" and cfg.block_k % group_size == 0
+                                          and _int4_words_fit(w, k, group_size))
 
 
 def triton_linear(scheme: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group_size: int,
@@ -663,7 +663,7 @@ def triton_linear(scheme: str, x: torch.Tensor, w: torch.Tensor, scales: torch.T
     """``x @ dequant(w).T`` for canonical weights (``kiln.ops.quant``) of ``scheme``; ``x_scales`` [M, 1]
     multiplies row m (x given as fp8 rows), ``out_dtype`` defaults to x's dtype. Scheme ``dense``:
     a weight in the model dtype, no scales (``scales`` is ignored). ``feed``: the GEMV's one input
-    row is computed from x (``GemvFeed``; dense and int4, tiles that ``feed_fits``). ``bias``
+    row is computed from x (``GemvFeed``; dense, fp8 and int4, tiles that ``feed_fits``). ``bias``
     (dense at one row, one program over K) is added in the kernel."""
     k = x.shape[-1] // 2 if feed is not None and feed.kind == "silu" else x.shape[-1]
     n = scales.shape[1] if scheme == "int4" else w.shape[0]

@@ -15,9 +15,10 @@ GEMM is its only user, the pair becomes one op (``kiln.ops.joined_linear``)::
 The joined op takes the GEMM's arguments after its input (fp8: the weight, its scales and the
 output dtype). Which GEMM ops join, and into which ops, is the ``KernelSet``'s
 ``joined_<scheme>`` (``kiln.ops.registry``): on CUDA the FP8 ops (which write quantized rows at
-prefill row counts) and the dense and int4 ones (the one-row GEMV computes its input from the
-feeding op's inputs: one kernel a pair at batch-1 decode). Each joined op picks its kernels by
-the row count it runs with, as the GEMMs do, so one dynamic build serves decode and prefill.
+prefill row counts) and the dense ones, whose one-row GEMV computes its input from the feeding
+op's inputs (one kernel a pair at batch-1 decode); int4's with ``KILN_GEMV_JOIN=int4``. Each
+joined op picks its kernels by the row count it runs with, as the GEMMs do, so one dynamic build
+serves decode and prefill.
 
 Runs at ``post_grad``, after the add + RMSNorm and SiLU-and-mul fusions, on every piece. The
 manager passes the joins whose kernels it enables; with none the pass changes nothing.
