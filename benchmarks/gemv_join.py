@@ -1,10 +1,10 @@
 """The joined ops at batch-1 decode per llama3-8b site: norm / activation + GEMV, apart and joined.
 
-For dense (bf16) and int4 (group 32) weights, each site a joined op serves (qkv and gate_up fed by
-the add + RMSNorm, down by SiLU-and-mul):
+For dense (bf16), fp8 (per-channel scales, read as W8A16) and int4 (group 32) weights, each site a
+joined op serves (qkv and gate_up fed by the add + RMSNorm, down by SiLU-and-mul):
 
 - apart: the ``kiln_triton`` norm or activation kernel, then the one-row GEMV (two kernels, PDL as
-  served);
+  served; what ``KILN_GEMV_JOIN=0`` serves, for fp8 inside ``kiln_triton``'s joined op);
 - joined: ``kiln_cuda::<feed>_linear_<scheme>`` (one fed GEMV) with the tile ``config_for`` picks;
 - with ``--sweep``: the fed GEMV over a few tiles, the best kept. Best tiles 3% or more faster than
   the served one are written as ``best`` ("<scheme>+<feed>,1,N,K": tile), which
@@ -14,7 +14,8 @@ the add + RMSNorm, down by SiLU-and-mul):
 Each time is one call replayed from a CUDA graph cycling through enough weight copies to defeat
 the L2 cache (``quant_gemm.graph_time``). Writes ``<out>/gemv_join.json`` and prints a table.
 
-    python benchmarks/gemv_join.py --sweep --out $OUT     # about a minute
+    python benchmarks/gemv_join.py --sweep --out $OUT     # about a minute a scheme
+    python benchmarks/gemv_join.py --schemes fp8 --out $OUT
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ COPY_BYTES = 512 << 20  # weight copies cycled per timing: well past the L2
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--schemes", default="dense,int4")
+    p.add_argument("--schemes", default="dense,fp8,int4")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--deadline-s", type=float, default=200.0)
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
@@ -50,6 +51,9 @@ def sweep_tiles(scheme: str):
     if scheme == "dense":
         shapes = [(4, 512, 2), (8, 512, 4), (8, 1024, 8), (16, 512, 4), (16, 1024, 8), (32, 256, 4), (8, 256, 2)]
         return [GemmConfig(1, bn, bk, 1, nw, ns) for bn, bk, nw in shapes for ns in (3, 4)]
+    if scheme == "fp8":
+        shapes = [(8, 512, 2), (8, 1024, 4), (16, 512, 4), (16, 1024, 4), (16, 1024, 8), (32, 512, 4), (8, 256, 2)]
+        return [GemmConfig(1, bn, bk, 1, nw, ns) for bn, bk, nw in shapes for ns in (3, 4)]
     shapes = [(8, 2048, 4), (8, 1024, 2), (16, 1024, 4), (16, 2048, 8), (32, 1024, 8), (32, 512, 4)]
     return [GemmConfig(1, bn, bk, 1, nw, 1) for bn, bk, nw in shapes]
 
@@ -60,7 +64,12 @@ def _weights(scheme: str, n: int, k: int, copies: int):
     out = []
     for _ in range(copies):
         w = torch.randn(n, k, device="cuda") * 0.02
-        out.append((w.bfloat16(), None) if scheme == "dense" else (*quant.quantize_int4(w, GROUP, torch.bfloat16), GROUP))
+        if scheme == "dense":
+            out.append((w.bfloat16(), None))
+        elif scheme == "fp8":
+            out.append((*quant.quantize_fp8(w), torch.bfloat16))  # (w, scales, the output dtype)
+        else:
+            out.append((*quant.quantize_int4(w, GROUP, torch.bfloat16), GROUP))
     return out
 
 
@@ -70,7 +79,7 @@ def time_site(scheme: str, site: str, sweep: bool) -> dict:
     from kiln.ops.triton_quant_gemm import GemvFeed, config_for, triton_linear
 
     kind, n, k = SITES[site]
-    bytes_per_copy = n * k * (2 if scheme == "dense" else 0.5)
+    bytes_per_copy = n * k * {"dense": 2, "fp8": 1, "int4": 0.5}[scheme]
     copies = max(2, int(COPY_BYTES // bytes_per_copy))
     weights = _weights(scheme, n, k, copies)
     x, res = (torch.randn(1, k, device="cuda").bfloat16() for _ in range(2))
@@ -93,11 +102,15 @@ def time_site(scheme: str, site: str, sweep: bool) -> dict:
         new_res = torch.empty_like(x)
         feed = GemvFeed("norm", res, gamma, 1e-5, new_res) if kind == "norm" else GemvFeed("silu")
         a = x if kind == "norm" else gate_up
+
+        def fed(a, gemm_args, feed, cfg):  # the fed GEMV with tile cfg
+            w, scales, group_size, _, out_dtype = tj._split(scheme, gemm_args)
+            return triton_linear(scheme, a, w, scales, group_size, feed=feed, config=cfg, out_dtype=out_dtype)
+
         best = (float("inf"), None)
         for cfg in sweep_tiles(scheme):
             try:
-                t = graph_time(lambda i: triton_linear(scheme, a, *tj._split(scheme, weights[i])[:3], feed=feed,
-                                                       config=cfg), copies, reps=3)
+                t = graph_time(lambda i: fed(a, weights[i], feed, cfg), copies, reps=3)
             except Exception as e:  # noqa: BLE001  (a tile this kernel cannot compile: skipped)
                 print(f"{scheme} {site} {cfg}: {type(e).__name__}", flush=True)
                 continue
