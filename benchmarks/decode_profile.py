@@ -41,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deadline-s", type=float, default=1e9, help="start no new system after this many seconds")
     p.add_argument("--int4-configs", default="",
                    help="an int4_gemv_shapes.json: its best one-row GEMV configurations replace MEASURED's")
+    p.add_argument("--gemm-configs", default="",
+                   help="a JSON whose 'best' maps 'scheme,M,N,K' to a tile (gemv_join.py --sweep writes one): "
+                        "loaded over kiln.ops.triton_quant_gemm's tables")
     p.add_argument("--out", default="benchmarks/results")
     return p.parse_args(argv)
 
@@ -135,6 +138,12 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     if args.int4_configs:
         print(f"int4 GEMV configurations: {load_int4_configs(args.int4_configs)}", flush=True)
+    if args.gemm_configs:
+        from kiln.ops.triton_quant_gemm import load_measured
+
+        entries = json.loads(Path(args.gemm_configs).read_text())["best"]
+        load_measured(entries)
+        print(f"GEMM configurations loaded: {entries}", flush=True)
     bandwidth = copy_bandwidth()
     records, tables = [], []
     for system in args.systems.split(","):

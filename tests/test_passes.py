@@ -361,7 +361,8 @@ def test_pass_list_order_and_auto_fusion():
     names = [p.name for p in build_passes(PassConfig())]
     assert names == ["SDPAToPagedAttentionPass", "MergeSiblingLinearsPass", "AttentionBackendPass",
                      "RopeAttentionFusionPass", "MoEBackendPass", "QuantLinearPass",
-                     "DenseLinearPass", "NoOpEliminationPass", "SiluMulFusionPass", "AddRMSNormFusionPass", "Fp8QuantFusionPass"]
+                     "DenseLinearPass", "NoOpEliminationPass", "SiluMulFusionPass", "AddRMSNormFusionPass",
+                     "GemmInputFusionPass"]
     cpu = {p.name: p.options() for p in build_passes(PassConfig(kernels=select_kernels("cpu")))}
     cuda = {p.name: p.options() for p in build_passes(PassConfig(kernels=select_kernels("cuda")))}
     assert cpu["SiluMulFusionPass"] == {"enabled": False}  # no CPU kernel beats Inductor's loop

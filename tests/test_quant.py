@@ -402,7 +402,7 @@ def test_cuda_tinygemm_int4_kernel_matches_reference(rows):
 @pytest.mark.slow
 def test_fp8_model_kiln_with_fusions_matches_eager():
     """The GPU's FP8 pass chain on the CPU (references for every op): QuantLinearPass, then the norm and
-    activation fusions and Fp8QuantFusionPass on every piece, through Inductor."""
+    activation fusions and GemmInputFusionPass on every piece, through Inductor."""
     from kiln.passes.manager import PassConfig
 
     model = _float_model()
@@ -411,7 +411,7 @@ def test_fp8_model_kiln_with_fusions_matches_eager():
     forward = build_forward(model, CompileConfig(mode="kiln"), PassConfig(kernels=CPU, fusion="on"))
     torch.testing.assert_close(_logits(forward, model), eager, atol=1e-4, rtol=1e-4)
     rewrites = forward.backend.passes.num_rewrites
-    assert rewrites["QuantLinearPass"] == 4 * ARCH.num_layers and rewrites["Fp8QuantFusionPass"] > 0
+    assert rewrites["QuantLinearPass"] == 4 * ARCH.num_layers and rewrites["GemmInputFusionPass"] > 0
     assert not forward.backend.passes.failed
 
 

@@ -22,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from kiln.ops import quant
 from kiln.ops.registry import op_name
-from kiln.passes.fp8_quant_fusion import Fp8QuantFusionPass
+from kiln.passes.gemm_input_fusion import GemmInputFusionPass
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RUN_KERNELS_HERE = DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
@@ -116,7 +116,7 @@ def test_fp8_quant_fusion_pass_fuses_norm_and_activation():
     want = gm(*args)
     before = _targets(gm)
     assert before["kiln::linear_fp8"] == 3 and before["kiln::add_rms_norm"] == 1 and before["kiln::silu_and_mul"] == 1
-    assert Fp8QuantFusionPass()(gm.graph) == 2
+    assert GemmInputFusionPass()(gm.graph) == 2
     gm.graph.lint()
     gm.recompile()
     after = _targets(gm)
@@ -137,8 +137,8 @@ def test_fp8_quant_fusion_pass_keeps_a_norm_with_other_users():
         return torch.ops.kiln.linear_fp8(normed, w, s, -1) + normed + new_res
 
     gm = make_fx(f)(torch.randn(3, 32), torch.randn(3, 32), torch.ones(32))
-    assert Fp8QuantFusionPass()(gm.graph) == 0
-    assert Fp8QuantFusionPass(enabled=False)(gm.graph) == 0
+    assert GemmInputFusionPass()(gm.graph) == 0
+    assert GemmInputFusionPass(joins=())(gm.graph) == 0
     assert operator.getitem in {n.target for n in gm.graph.nodes}
 
 
@@ -154,7 +154,7 @@ def test_fp8_quant_fusion_pass_keeps_the_residual_used_before_the_gemm():
     args = (torch.randn(3, 32), torch.randn(3, 32), torch.rand(32) + 0.5, *quant.quantize_fp8(torch.randn(48, 32)))
     gm = make_fx(f, tracing_mode="fake")(*args)
     want = gm(*args)
-    assert Fp8QuantFusionPass()(gm.graph) == 1
+    assert GemmInputFusionPass()(gm.graph) == 1
     gm.graph.lint()
     gm.recompile()
     assert _targets(gm)["kiln::add_rms_norm"] == 0

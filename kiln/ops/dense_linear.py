@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.joined_linear import define_joined_linear_ops, joined_references
 from kiln.ops.library import define_op
 
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -60,3 +61,6 @@ def _fake(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None)
 
 linear_dense_reference = define_op("kiln::linear_dense", _reference, _fake)
 linear_dense_cuda = define_op("kiln_cuda::linear_dense", dense_linear, _fake)
+# The add + RMSNorm / SiLU-and-mul joined with it (kiln.ops.joined_linear): the references.
+add_rms_norm_linear_dense, silu_and_mul_linear_dense = define_joined_linear_ops(
+    "kiln", "dense", *joined_references(F.linear))

@@ -17,7 +17,7 @@ the dispatcher from code Dynamo does not run).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -25,15 +25,17 @@ import torch
 _LIBRARIES: dict[str, torch.library.Library] = {}
 
 
-def define_op(qualname: str, kernel: Callable, fake: Callable, mutates_args: tuple[str, ...] = ()):
+def define_op(qualname: str, kernel: Callable, fake: Callable, mutates_args: tuple[str, ...] = (),
+              schema: Optional[str] = None):
     """Define ``qualname`` ("namespace::name") with the schema inferred from ``kernel``'s type
-    annotations, running ``kernel`` on every device, with ``fake`` as its meta implementation.
+    annotations (or ``schema``, "(Tensor x, ...) -> Tensor", for a kernel taking ``*args``), running
+    ``kernel`` on every device, with ``fake`` as its meta implementation.
     Returns the op (``torch.ops.<namespace>.<name>``), callable like ``kernel``."""
     namespace, name = qualname.split("::")
     lib = _LIBRARIES.get(namespace)
     if lib is None:
         lib = _LIBRARIES[namespace] = torch.library.Library(namespace, "FRAGMENT")
-    lib.define(name + torch.library.infer_schema(kernel, mutates_args=mutates_args))
+    lib.define(name + (schema or torch.library.infer_schema(kernel, mutates_args=mutates_args)))
     lib.impl(name, kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(qualname, fake, lib=lib)
     return getattr(getattr(torch.ops, namespace), name)

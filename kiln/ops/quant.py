@@ -28,6 +28,7 @@ from typing import Callable, Optional
 
 import torch
 
+from kiln.ops.joined_linear import define_joined_linear_ops, joined_references
 from kiln.ops.library import define_op
 
 SCHEMES = ("int8", "int4", "fp8")
@@ -268,7 +269,7 @@ def linear_reference(scheme: str) -> LinearImpl:
 
 
 # ---- FP8 activation quantization fused into the op that produces the activation --------------------
-# The fusion pass (``kiln.passes.fp8_quant_fusion``) turns ``linear_fp8(rms_norm(...))`` and
+# The fusion pass (``kiln.passes.gemm_input_fusion``) turns ``linear_fp8(rms_norm(...))`` and
 # ``linear_fp8(silu_and_mul(...))`` into one op that normalizes (or gates) and quantizes each row,
 # and a GEMM on the already-quantized rows. The references compute exactly what the unfused ops do.
 
@@ -333,7 +334,7 @@ add_rms_norm_quant_fp8, silu_and_mul_quant_fp8, linear_fp8_prequant = define_fp8
 
 
 # ---- the FP8 GEMM joined with the op that feeds it ---------------------------------------------------
-# What ``Fp8QuantFusionPass`` writes: one op for "add + RMSNorm -> FP8 GEMM" and one for "SiLU-and-mul
+# What ``GemmInputFusionPass`` writes: one op for "add + RMSNorm -> FP8 GEMM" and one for "SiLU-and-mul
 # -> FP8 GEMM". The op, not the graph, picks the kernels by the row count it is called with (the
 # dynamic build serves decode and prefill alike): at weight-only rows (``fp8_weight_only_rows``) the
 # plain norm / activation and the W8A16 GEMM, which reads the rows in the model dtype, so no
@@ -359,28 +360,13 @@ def silu_and_mul_linear_fp8_reference(x: torch.Tensor, w: torch.Tensor, scales: 
 
 
 def define_fp8_fused_linear_ops(namespace: str, norm_linear, silu_linear) -> tuple:
-    """``namespace::add_rms_norm_linear_fp8`` and ``namespace::silu_and_mul_linear_fp8``."""
-
-    def add_rms_norm_linear_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                                w: torch.Tensor, scales: torch.Tensor,
-                                out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        y, new_residual = norm_linear(x, residual, weight, eps, w, scales, out_dtype)
-        return y, new_residual
-
-    def silu_and_mul_linear_fp8(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
-                                out_dtype: torch.dtype) -> torch.Tensor:
-        return silu_linear(x, w, scales, out_dtype)
-
-    def norm_fake(x, residual, weight, eps, w, scales, out_dtype):
-        return (x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype),
-                x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype)))
-
-    def silu_fake(x, w, scales, out_dtype):
-        return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)
-
-    return (define_op(f"{namespace}::add_rms_norm_linear_fp8", add_rms_norm_linear_fp8, norm_fake),
-            define_op(f"{namespace}::silu_and_mul_linear_fp8", silu_and_mul_linear_fp8, silu_fake))
+    """``namespace::add_rms_norm_linear_fp8`` and ``namespace::silu_and_mul_linear_fp8`` (the joined
+    ops of every scheme are defined alike: ``kiln.ops.joined_linear``)."""
+    return define_joined_linear_ops(namespace, "fp8", norm_linear, silu_linear)
 
 
 add_rms_norm_linear_fp8, silu_and_mul_linear_fp8 = define_fp8_fused_linear_ops(
     "kiln", add_rms_norm_linear_fp8_reference, silu_and_mul_linear_fp8_reference)
+# int4's joined ops (``kiln.ops.joined_linear``): the references.
+add_rms_norm_linear_int4, silu_and_mul_linear_int4 = define_joined_linear_ops(
+    "kiln", "int4", *joined_references(linear_int4_reference))

@@ -18,6 +18,23 @@ the first candidate of an op whose device matches and whose loader returns a ker
                   _scaled_mm above)
     linear_dense  kiln_cuda::linear_dense (Triton GEMV at one row,          kiln::linear_dense
                   cuBLAS above)
+    joined_fp8    kiln_cuda::{add_rms_norm,silu_and_mul}_linear_fp8          kiln::..._linear_fp8
+                  (fed GEMV at one row), else kiln_triton::..._linear_fp8
+    joined_dense  kiln_cuda::{add_rms_norm,silu_and_mul}_linear_dense        (none)
+    joined_int4   kiln_cuda::{add_rms_norm,silu_and_mul}_linear_int4         (none)
+                  (only with KILN_GEMV_JOIN=int4)
+
+A ``joined_<scheme>`` kernel is the add + RMSNorm or SiLU-and-mul and the GEMM it feeds in one op
+(``kiln.ops.joined_linear``), for the GEMM ops it names; none (the graph keeps the ops apart) where
+no kernel joins them, on the CPU and in ``reference_kernels``. The one-row joins (the GEMV computes
+its input from the feeding op's inputs: ``kiln.ops.triton_joined_linear``) follow
+``KILN_GEMV_JOIN`` (``gemv_join_schemes``), read when the KernelSet is chosen:
+
+    unset, "1"  dense and fp8 (both measured faster joined on an H100, llama3-8b batch-1 decode)
+    "0"         none: dense and int4 unjoined, fp8's join runs the norm / activation kernel and
+                the GEMV apart at one row (as before the fed GEMVs), to measure against
+    "int4"      dense, fp8 and int4: int4's fed GEMV measured slower than its two kernels
+                (the 8-column int4 tiles recompute the norm's row per program), so off by default
 
 ``select_kernels(device_type)`` returns the ``KernelSet`` a ``CompiledModel`` is built with. Nothing
 here is process-global state: two models on two devices in one process hold two KernelSets, and
@@ -28,6 +45,7 @@ kernel modules lazily, so choosing CPU kernels never imports Triton.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional
 
@@ -38,6 +56,22 @@ from kiln.ops.attention import AttentionImpl
 
 GENERIC_ATTENTION_OP = "kiln::attend_paged"
 QUANT_SCHEMES = ("int8", "int4", "fp8")
+JOINED_SCHEMES = ("fp8", "dense", "int4")
+FP8_GEMMS = ("kiln::linear_fp8", "kiln_cuda::linear_fp8")  # the GEMM ops an FP8 join takes
+GEMV_JOIN_DEFAULT = ("dense", "fp8")  # the one-row joins on by default (KILN_GEMV_JOIN)
+
+
+def gemv_join_schemes() -> tuple[str, ...]:
+    """The schemes whose one-row GEMV joins its feeding op, from ``KILN_GEMV_JOIN``: "0" none,
+    unset or "1" ``GEMV_JOIN_DEFAULT``, else those and the comma-separated schemes named ("int4")."""
+    value = os.environ.get("KILN_GEMV_JOIN", "1").strip()
+    if value == "0":
+        return ()
+    extra = [s.strip() for s in value.split(",") if s.strip() not in ("", "1")]
+    unknown = [s for s in extra if s not in JOINED_SCHEMES]
+    if unknown:
+        raise ValueError(f"KILN_GEMV_JOIN={value!r}: expected 0, 1 or schemes of {JOINED_SCHEMES}")
+    return tuple(s for s in JOINED_SCHEMES if s in GEMV_JOIN_DEFAULT or s in extra)
 
 
 def op_name(target: Any) -> Optional[str]:
@@ -129,6 +163,36 @@ class QuantLinearKernel(Kernel):
         return name
 
 
+@dataclass(frozen=True)
+class JoinedLinearKernel(Kernel):
+    """add + RMSNorm (``op``) and SiLU-and-mul (``silu_op``) joined with the GEMM they feed
+    (``kiln.ops.joined_linear``), for a GEMM of quantization ``scheme`` whose op is one of ``gemm_ops``."""
+
+    silu_op: Any = None
+    scheme: str = ""
+    gemm_ops: tuple[str, ...] = ()
+
+
+def _joined(name: str, namespace: str, scheme: str, gemm_ops: tuple[str, ...], fast: bool) -> JoinedLinearKernel:
+    ns = getattr(torch.ops, namespace)
+    return JoinedLinearKernel(name, getattr(ns, f"add_rms_norm_linear_{scheme}"), fast=fast,
+                              silu_op=getattr(ns, f"silu_and_mul_linear_{scheme}"), scheme=scheme, gemm_ops=gemm_ops)
+
+
+def reference_joined(scheme: str) -> JoinedLinearKernel:
+    """The pure-torch joined ops of ``scheme``, joining the scheme's generic GEMM op (fp8: and the
+    CUDA one, as ``joined_fp8`` has always joined both)."""
+    import kiln.ops.dense_linear  # noqa: F401  (defines the ops)
+    import kiln.ops.quant  # noqa: F401
+
+    gemm_ops = FP8_GEMMS if scheme == "fp8" else (f"kiln::linear_{scheme}",)
+    return _joined("reference", "kiln", scheme, gemm_ops, fast=False)
+
+
+def _reference_joined_fp8() -> JoinedLinearKernel:
+    return reference_joined("fp8")
+
+
 def _reference_quant(scheme: str) -> QuantLinearKernel:
     import kiln.ops.quant  # noqa: F401  (defines the ops)
 
@@ -167,6 +231,9 @@ class KernelSet:
     linear_int4: QuantLinearKernel = field(default_factory=_reference_int4)
     linear_fp8: QuantLinearKernel = field(default_factory=_reference_fp8)
     linear_dense: Kernel = field(default_factory=_reference_linear_dense)
+    joined_fp8: JoinedLinearKernel = field(default_factory=_reference_joined_fp8)
+    joined_dense: Optional[JoinedLinearKernel] = None
+    joined_int4: Optional[JoinedLinearKernel] = None
 
     def quant_linear(self, scheme: str) -> QuantLinearKernel:
         """The GEMM of quantization ``scheme`` (int8 | int4 | fp8)."""
@@ -183,7 +250,8 @@ class KernelSet:
         rope = self.attention.name if self.attention.rope_op is not None else "none"
         return {"attention": self.attention.name, "attention_rope": rope, "add_rms_norm": self.add_rms_norm.name,
                 "silu_and_mul": self.silu_and_mul.name, "moe": self.moe.name, "linear_dense": self.linear_dense.name,
-                **{f"linear_{s}": self.quant_linear(s).name for s in QUANT_SCHEMES}}
+                **{f"linear_{s}": self.quant_linear(s).name for s in QUANT_SCHEMES},
+                **{f"joined_{s}": getattr(getattr(self, f"joined_{s}"), "name", "none") for s in JOINED_SCHEMES}}
 
 
 # ---- the table ---------------------------------------------------------------------------------
@@ -312,6 +380,47 @@ def _triton_linear_dense() -> Optional[Kernel]:
     return Kernel("triton", torch.ops.kiln_cuda.linear_dense, fast=True)
 
 
+def _triton_joined_fp8() -> Optional[JoinedLinearKernel]:
+    """Norm / activation apart from the GEMV at one row, quantized rows at prefill (``kiln.ops.triton_quant``)."""
+    from kiln.ops import quant_cuda
+
+    if not quant_cuda.fp8_supported():
+        return None
+    import kiln.ops.triton_quant  # noqa: F401  (defines the ops)
+
+    return _joined("triton", "kiln_triton", "fp8", FP8_GEMMS, fast=True)
+
+
+def _triton_gemv_joined_fp8() -> Optional[JoinedLinearKernel]:
+    """As ``_triton_joined_fp8``, but one fed GEMV kernel at one row (``kiln.ops.triton_joined_linear``)."""
+    from kiln.ops import quant_cuda
+
+    if not quant_cuda.fp8_supported() or "fp8" not in gemv_join_schemes():
+        return None
+    import kiln.ops.triton_joined_linear  # noqa: F401  (defines the ops)
+
+    return _joined("triton_gemv", "kiln_cuda", "fp8", FP8_GEMMS, fast=True)
+
+
+def _triton_joined(scheme: str, gemm_op: str) -> Optional[JoinedLinearKernel]:
+    """The fed one-row GEMV of ``scheme`` joined with its feeding op (``kiln.ops.triton_joined_linear``)."""
+    from kiln.ops import quant_cuda
+
+    if not quant_cuda.triton_supported() or scheme not in gemv_join_schemes():
+        return None
+    import kiln.ops.triton_joined_linear  # noqa: F401  (defines the ops)
+
+    return _joined("triton", "kiln_cuda", scheme, (gemm_op,), fast=True)
+
+
+def _triton_joined_dense() -> Optional[JoinedLinearKernel]:
+    return _triton_joined("dense", "kiln_cuda::linear_dense")
+
+
+def _triton_joined_int4() -> Optional[JoinedLinearKernel]:
+    return _triton_joined("int4", "kiln_cuda::linear_int4_triton")
+
+
 def _cuda_int4() -> Optional[QuantLinearKernel]:
     from kiln.ops import quant_cuda
 
@@ -333,16 +442,23 @@ REGISTRY: dict[str, tuple[tuple[str, Callable[[], Optional[Kernel]]], ...]] = {
     "linear_int4": (("cuda", _triton_int4), ("cuda", _cuda_int4), ("cpu", _cpu_int4), (ANY_DEVICE, _reference_int4)),
     "linear_fp8": (("cuda", _cuda_fp8), (ANY_DEVICE, _reference_fp8)),
     "linear_dense": (("cuda", _triton_linear_dense), (ANY_DEVICE, _reference_linear_dense)),
+    "joined_fp8": (("cuda", _triton_gemv_joined_fp8), ("cuda", _triton_joined_fp8),
+                   (ANY_DEVICE, _reference_joined_fp8)),
+    "joined_dense": (("cuda", _triton_joined_dense),),
+    "joined_int4": (("cuda", _triton_joined_int4),),
 }
+OPTIONAL_OPS = ("joined_dense", "joined_int4")  # no kernel: None, and the graph keeps the ops apart
 
 
-def _choose(op: str, device_type: str) -> Kernel:
+def _choose(op: str, device_type: str) -> Optional[Kernel]:
     for device, load in REGISTRY[op]:
         if device in (device_type, ANY_DEVICE):
             kernel = load()
             if kernel is not None:
                 return kernel
-    raise LookupError(f"no kernel for {op} on {device_type}")  # unreachable: every op has a reference
+    if op in OPTIONAL_OPS:
+        return None
+    raise LookupError(f"no kernel for {op} on {device_type}")  # unreachable: every other op has a reference
 
 
 def select_kernels(device_type: str) -> KernelSet:

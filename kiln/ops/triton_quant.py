@@ -15,13 +15,15 @@ separate quantization pass over the activations runs::
 The ops ``kiln_triton::add_rms_norm_quant_fp8`` and ``kiln_triton::silu_and_mul_quant_fp8`` have the
 schemas of the references in ``kiln.ops.quant``; ``check_against_reference`` compares them.
 
-``Fp8QuantFusionPass`` writes the joined ops ``kiln_triton::add_rms_norm_linear_fp8`` and
+``GemmInputFusionPass`` writes the joined ops ``kiln_triton::add_rms_norm_linear_fp8`` and
 ``kiln_triton::silu_and_mul_linear_fp8`` (norm / activation and the GEMM it feeds). They pick by
 the row count of the call: above ``FP8_TRITON_MAX_ROWS``, the kernels above and the GEMM on fp8
 rows; at decode rows, where the GEMM is the weight-only (W8A16) kernel that needs no quantized
 activations, the plain ``add_rms_norm`` / ``silu_and_mul`` kernels (``kiln.ops.triton_norm``: the
 activation one spreads a row over many programs, where the quantizing one sweeps it in one) and the
-GEMM on the model-dtype rows.
+GEMM on the model-dtype rows. On CUDA the KernelSet joins with ``kiln_cuda``'s ops
+(``kiln.ops.triton_joined_linear``) instead, which at one row run one fed GEMV and elsewhere these;
+these serve as they are with ``KILN_GEMV_JOIN=0``.
 """
 
 from __future__ import annotations

@@ -30,6 +30,12 @@ kernel ALU-bound. The dot kernel finishes the pair in bf16x2 (``fma.rn.bf16x2``:
 times s plus z, in inline PTX) and feeds the bf16 tile to ``tl.dot`` (wgmma) as its A operand.
 Under ``TRITON_INTERPRET=1`` (no PTX) both compute the same values in plain Triton.
 
+Fed GEMVs (``FEED``, ``GemvFeed``; ``_channel_kernel`` at one row, dense or fp8 weights, and
+``_int4_gemv_kernel``; one program over all of K): the input row is computed from the op that
+feeds the GEMV as it is read (``_fed_x``): the residual add + RMSNorm (the sum of squares beside
+the dot, the rsqrt scale at the end, program 0 writing the new residual) or SiLU-and-mul.
+``kiln.ops.triton_joined_linear`` calls them; ``FEED = 0`` compiles to the plain GEMVs.
+
 Tile sizes come from ``config_for(scheme, M, N, K)``: a table measured on an H100 for the
 llama3-8b shapes and a rule for other shapes. ``triton_linear`` is the entry point;
 ``kiln.ops.quant_cuda`` decides per call (on the host-side row count, fixed per captured CUDA graph)
@@ -61,10 +67,35 @@ class GemmConfig:
 
 
 @triton.jit
+def _fed_x(x_ptr, res_ptr, gamma_ptr, new_res_ptr, K, cols, ok, write, FEED: tl.constexpr):
+    """Columns ``cols`` of a one-row GEMV's input computed from what feeds it (``FEED``), float32,
+    and h, the values whose squares an RMSNorm sums (FEED 1; else the input again, unused).
+    FEED 1 (add + RMSNorm): h = x + residual rounded to the residual's dtype, as the unfused op rounds
+    it (stored to ``new_res_ptr`` where ``write``), times the norm's weight; the GEMV scales its
+    sums by rsqrt(mean(h^2) + eps) at the end. FEED 2 (SiLU-and-mul): silu(x[c]) * x[K + c], rounded
+    to x's dtype where ``silu_and_mul`` rounds (after silu, after the product)."""
+    if FEED == 1:
+        x = tl.load(x_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        r = tl.load(res_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        h = (x + r).to(new_res_ptr.dtype.element_ty)
+        tl.store(new_res_ptr + cols, h, mask=ok & write)
+        hf = h.to(tl.float32)
+        return hf * tl.load(gamma_ptr + cols, mask=ok, other=0.0).to(tl.float32), hf
+    else:
+        gate = tl.load(x_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + K + cols, mask=ok, other=0.0).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+        a = (silu * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        return a, a
+
+
+@triton.jit
 def _channel_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_wn, stride_ym,
+                    res_ptr, gamma_ptr, new_res_ptr, bias_ptr, eps,
                     X_SCALED: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr = 1,
-                    USE_PDL: tl.constexpr = False, W_SCALED: tl.constexpr = True):
+                    USE_PDL: tl.constexpr = False, W_SCALED: tl.constexpr = True, FEED: tl.constexpr = 0,
+                    HAS_BIAS: tl.constexpr = False):
     if USE_PDL:  # kiln.ops.pdl: blocks launch during the kernel before and wait for it here
         tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)
@@ -79,9 +110,19 @@ def _channel_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, y_ptr, M, N, K, k_split, stride
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     if BLOCK_M == 1:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        sq = tl.zeros((BLOCK_K,), dtype=tl.float32)  # FEED 1: the norm's sum of squares
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):  # weight loads pipelined (cp.async)
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
+            if FEED != 0:  # one row, no split: the input computed from the op that feeds the GEMV
+                k_ok = offs_k < k_hi
+                x, h = _fed_x(x_ptr, res_ptr, gamma_ptr, new_res_ptr, K, offs_k, k_ok, pid_n == 0, FEED)
+                if FEED == 1:
+                    sq += h * h
+                if EVEN_K:
+                    w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+                else:
+                    w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            elif EVEN_K:
                 x = tl.load(x_ptr + pid_m * stride_xm + offs_k).to(tl.float32)
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
             else:
@@ -90,6 +131,10 @@ def _channel_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, y_ptr, M, N, K, k_split, stride
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc2 += w.to(tl.float32) * x[None, :]
         acc = tl.sum(acc2, axis=1)[None, :]
+        if FEED == 1:
+            acc = acc * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
     else:
@@ -309,10 +354,11 @@ def _nibble_pairs(v, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, y_ptr, N, K, k_split, stride_wn,
+def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, y_ptr, N, K, k_split, stride_wn, res_ptr, gamma_ptr, new_res_ptr, eps,
                       GROUP: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
                       EXACT: tl.constexpr, STAGES: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+                      FEED: tl.constexpr = 0):
     """One row: y[n] = sum_k x[k] ((q[n,k] - 8) s + z), the weight read as int32 words [N, K/8].
 
     Two nibbles per 32-bit op: ``(v & 0x000F000F) | 0x43004300`` holds the bf16 pair (128 + q_i,
@@ -323,7 +369,8 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, y_ptr, N, K, k_split, stride_wn,
     where the byte-wise path takes 14, so the GEMV is bound by memory, not by the ALU.
 
     With ``USE_PDL`` (``kiln.ops.pdl``) its blocks launch while the kernel before still runs and
-    wait for it here; the next kernel's blocks may launch once this one's loads are all issued."""
+    wait for it here; the next kernel's blocks may launch once this one's loads are all issued.
+    ``FEED`` 1 / 2 (one program over all of K): x is computed from what feeds the GEMV (``_fed_x``)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     WORDS: tl.constexpr = BLOCK_K // 8
@@ -338,6 +385,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, y_ptr, N, K, k_split, stride_wn,
     sz_cols = sz_ptr + offs_n[:, None] * 2
     offs_j = tl.arange(0, WORDS)
     acc_g = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
+    sq = tl.zeros((WORDS,), dtype=tl.float32)  # FEED 1: the norm's sum of squares
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):  # weight loads pipelined (cp.async)
         offs_g = k0 // GROUP + tl.arange(0, NG)
         if EVEN_K:
@@ -353,8 +401,15 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, y_ptr, N, K, k_split, stride_wn,
         x_lo_sum = tl.zeros((WORDS,), dtype=tl.float32)
         x_hi_sum = tl.zeros((WORDS,), dtype=tl.float32)
         for i in tl.static_range(4):
-            x_lo = tl.load(x_words + i, mask=x_ok, other=0.0).to(tl.float32)  # column 8j + i
-            x_hi = tl.load(x_words + i + 4, mask=x_ok, other=0.0).to(tl.float32)  # column 8j + 4 + i
+            if FEED == 0:
+                x_lo = tl.load(x_words + i, mask=x_ok, other=0.0).to(tl.float32)  # column 8j + i
+                x_hi = tl.load(x_words + i + 4, mask=x_ok, other=0.0).to(tl.float32)  # column 8j + 4 + i
+            else:
+                cols = k0 + 8 * offs_j + i
+                x_lo, h_lo = _fed_x(x_ptr, res_ptr, gamma_ptr, new_res_ptr, K, cols, x_ok, pid_n == 0, FEED)
+                x_hi, h_hi = _fed_x(x_ptr, res_ptr, gamma_ptr, new_res_ptr, K, cols + 4, x_ok, pid_n == 0, FEED)
+                if FEED == 1:
+                    sq += h_lo * h_lo + h_hi * h_hi
             pair = _nibble_pairs(wd >> (4 * i), USE_ASM)
             lo = (pair << 16).to(tl.float32, bitcast=True)  # 128 + q[8j + i], exactly
             if EXACT:
@@ -379,6 +434,8 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, y_ptr, N, K, k_split, stride_wn,
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.sum(acc_g, axis=1)
+    if FEED == 1:
+        acc = acc * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
     if ATOMIC:
         tl.atomic_add(y_ptr + offs_n, acc, mask=n_ok, sem="relaxed")
     else:
@@ -531,11 +588,15 @@ def _measured() -> dict:
     return _device_table(torch.cuda.get_device_name() if torch.cuda.is_available() else "")
 
 
-def config_for(scheme: str, m: int, n: int, k: int, group_size: int = 32) -> GemmConfig:
+def config_for(scheme: str, m: int, n: int, k: int, group_size: int = 32, feed: str = "") -> GemmConfig:
     """The measured configuration for this card (int8 takes fp8's: the same kernel, the same
-    bytes), else the rule."""
+    bytes), else the rule. A fed GEMV (``feed``: "norm", "silu") takes an entry of its own,
+    ``("<scheme>+<feed>", 1, N, K)``, where one was measured, else the plain GEMV's."""
     bucket = m_bucket(m)
     table = _measured()
+    fed = table.get((f"{scheme}+{feed}", bucket, n, k)) if feed else None
+    if fed is not None and (scheme != "int4" or fed.block_k % group_size == 0):
+        return fed
     found = table.get((scheme, bucket, n, k)) or table.get(("fp8" if scheme == "int8" else "", bucket, n, k))
     if found is not None and (scheme != "int4" or found.block_k % group_size == 0):
         return found
@@ -568,30 +629,70 @@ def _int4_words_fit(w: torch.Tensor, k: int, group_size: int) -> bool:
         w.storage_offset() % 4 == 0)
 
 
+@dataclass(frozen=True)
+class GemvFeed:
+    """What a one-row GEMV computes its input row from, as it reads it (``_fed_x``): ``kind`` "norm",
+    the add + RMSNorm ``weight * rms_norm(x + residual)`` (writing ``x + residual`` into
+    ``new_residual``), or "silu", ``silu(x[:K]) * x[K:]`` of the gate/up row x [1, 2K]."""
+
+    kind: str
+    residual: Optional[torch.Tensor] = None
+    weight: Optional[torch.Tensor] = None
+    eps: float = 0.0
+    new_residual: Optional[torch.Tensor] = None
+
+    @property
+    def code(self) -> int:
+        return {"norm": 1, "silu": 2}[self.kind]
+
+
+def feed_fits(scheme: str, cfg: GemmConfig, n: int, k: int, group_size: int, w: torch.Tensor) -> bool:
+    """Whether ``cfg`` is a tile a fed GEMV can run: one row in one program over all of K (no
+    split-K); dense and fp8 weights (``_channel_kernel``), and int4 in the word-wise GEMV."""
+    k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    if cfg.block_m != 1 or triton.cdiv(k, k_split) != 1:
+        return False
+    return scheme in ("dense", "fp8") or (scheme == "int4" and cfg.block_k % group_size == 0
+                                          and _int4_words_fit(w, k, group_size))
+
+
 def triton_linear(scheme: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group_size: int,
                   x_scales: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-                  config: Optional[GemmConfig] = None) -> torch.Tensor:
+                  config: Optional[GemmConfig] = None, feed: Optional[GemvFeed] = None,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ dequant(w).T`` for canonical weights (``kiln.ops.quant``) of ``scheme``; ``x_scales`` [M, 1]
     multiplies row m (x given as fp8 rows), ``out_dtype`` defaults to x's dtype. Scheme ``dense``:
-    a weight in the model dtype, no scales (``scales`` is ignored)."""
-    k = x.shape[-1]
+    a weight in the model dtype, no scales (``scales`` is ignored). ``feed``: the GEMV's one input
+    row is computed from x (``GemvFeed``; dense, fp8 and int4, tiles that ``feed_fits``). ``bias``
+    (dense at one row, one program over K) is added in the kernel."""
+    k = x.shape[-1] // 2 if feed is not None and feed.kind == "silu" else x.shape[-1]
     n = scales.shape[1] if scheme == "int4" else w.shape[0]
     out_dtype = out_dtype or x.dtype
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     if m == 0:
         return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
-    cfg = config or config_for(scheme, m, n, k, group_size)
+    cfg = config or config_for(scheme, m, n, k, group_size, feed.kind if feed is not None else "")
     if m > 1 and cfg.block_m == 1:
         raise ValueError("a BLOCK_M = 1 config takes one row")
+    if (feed is not None or bias is not None) and (m != 1 or not feed_fits(scheme, cfg, n, k, group_size, w)):
+        raise ValueError(f"a fed GEMV or an in-kernel bias takes one row and a one-program tile, not {cfg}")
+    if bias is not None and scheme != "dense":
+        raise ValueError("an in-kernel bias is the dense GEMV's")
     y, k_split, grid, flags = _launch_args(x2, n, k, cfg, out_dtype)
+    fed = dict(res_ptr=x2, gamma_ptr=x2, new_res_ptr=x2, eps=0.0, FEED=0)  # unread without a feed
+    if feed is not None:
+        fed = dict(res_ptr=feed.residual if feed.residual is not None else x2,
+                   gamma_ptr=feed.weight if feed.weight is not None else x2,
+                   new_res_ptr=feed.new_residual if feed.new_residual is not None else x2,
+                   eps=feed.eps, FEED=feed.code)
     if scheme == "int4":
         if cfg.block_k % group_size or group_size % 2:
             raise ValueError(f"int4 BLOCK_K {cfg.block_k} must be a multiple of the group size {group_size}")
         if cfg.block_m == 1 and _int4_words_fit(w, k, group_size):
-            _int4_gemv_kernel[grid](x2, w.view(torch.int32), scales, y, n, k, k_split, w.stride(0) // 4,
+            _int4_gemv_kernel[grid](x2, w.view(torch.int32), scales, y, n, k, k_split, w.stride(0) // 4, **fed,
                                     GROUP=group_size, ATOMIC=flags["ATOMIC"], EVEN_K=flags["EVEN_K"],
                                     USE_ASM=os.environ.get("TRITON_INTERPRET") != "1",
                                     EXACT=x2.dtype not in (torch.bfloat16, torch.float16), STAGES=cfg.num_stages,
@@ -609,6 +710,7 @@ def triton_linear(scheme: str, x: torch.Tensor, w: torch.Tensor, scales: torch.T
         scales = w if scales is None else scales  # dense: unused
         xs = x_scales if x_scales is not None else scales  # unused when not X_SCALED
         _channel_kernel[grid](x2, w, scales, xs, y, m, n, k, k_split, x2.stride(0), w.stride(0), y.stride(0),
+                              bias_ptr=bias if bias is not None else x2, HAS_BIAS=bias is not None, **fed,
                               X_SCALED=x_scales is not None, STAGES=cfg.num_stages, W_SCALED=scheme != "dense",
                               **flags, **(pdl_args(x2, "gemm") if cfg.block_m == 1 else {}))
     return y.to(out_dtype).reshape(*x.shape[:-1], n)

@@ -16,8 +16,9 @@ The list (``build_passes``) runs in order; each pass says where it runs (``KilnP
 4. ``NoOpEliminationPass`` (post_grad): views, slices and casts that return their input.
 5. ``SiluMulFusionPass`` (post_grad): ``silu(gate) * up`` -> ``kiln.silu_and_mul``.
 6. ``AddRMSNormFusionPass`` (post_grad): residual add + RMSNorm -> ``kiln.add_rms_norm``.
-7. ``Fp8QuantFusionPass`` (post_grad): add + RMSNorm or SiLU-and-mul and the FP8 GEMM it feeds
-   -> one op, which quantizes the rows it writes at prefill row counts.
+7. ``GemmInputFusionPass`` (post_grad): add + RMSNorm or SiLU-and-mul and the GEMM it feeds -> one
+   op, the KernelSet's ``joined_<scheme>``: FP8 (quantizes the rows it writes at prefill row
+   counts) and dense, one fed GEMV kernel at one row (``KILN_GEMV_JOIN``: int4's too, or none).
 
 ``run_dynamo(gm)`` applies the dynamo-stage passes to the captured graph before it is split;
 the manager itself is Inductor's ``post_grad_custom_pre_pass`` (a ``CustomGraphPass``) and applies
@@ -52,12 +53,12 @@ from typing import Callable, Optional
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from kiln.ops.registry import Kernel, KernelSet, reference_kernels
+from kiln.ops.registry import JoinedLinearKernel, Kernel, KernelSet, reference_kernels
 from kiln.passes.add_rms_norm_fusion import AddRMSNormFusionPass
 from kiln.passes.attention_backend import AttentionBackendPass
 from kiln.passes.base import STAGES, KilnPass, source_hash
 from kiln.passes.dense_linear import DenseLinearPass
-from kiln.passes.fp8_quant_fusion import Fp8QuantFusionPass
+from kiln.passes.gemm_input_fusion import GemmInputFusionPass
 from kiln.passes.merge_linears import MergeSiblingLinearsPass
 from kiln.passes.moe_backend import MoEBackendPass
 from kiln.passes.noop_elimination import NoOpEliminationPass
@@ -104,19 +105,18 @@ def build_passes(config: PassConfig) -> list[KilnPass]:
         NoOpEliminationPass(),
         SiluMulFusionPass(enabled=config.fusion_enabled(k.silu_and_mul), op=k.silu_and_mul.op),
         AddRMSNormFusionPass(enabled=config.fusion_enabled(k.add_rms_norm), op=k.add_rms_norm.op),
-        Fp8QuantFusionPass(enabled=config.fusion_enabled(k.linear_fp8), ops=_fp8_fusion_ops(k)),
+        GemmInputFusionPass(joins=_joins(config)),
     ]
 
 
-def _fp8_fusion_ops(kernels: KernelSet) -> Optional[tuple]:
-    """The Triton norm/activation + FP8 GEMM ops where the FP8 GEMM is the CUDA one (``_scaled_mm`` on
-    fp8 rows, or the weight-only Triton kernel at decode rows); None (the references) elsewhere."""
-    if kernels.device_type != "cuda" or kernels.linear_fp8.name == "reference":
-        return None
-    import kiln.ops.triton_quant  # noqa: F401  (defines the ops)
-
-    t = torch.ops.kiln_triton
-    return t.add_rms_norm_linear_fp8, t.silu_and_mul_linear_fp8
+def _joins(config: PassConfig) -> tuple[JoinedLinearKernel, ...]:
+    """The KernelSet's joined kernels that fusion enables: FP8's where its GEMM's kernel is worth
+    fusing for (the references join there too, with ``fusion="on"``), dense and int4 where the set
+    has a joined kernel at all (the CPU and the reference sets keep the ops apart; int4 on CUDA
+    only with ``KILN_GEMV_JOIN=int4``)."""
+    k = config.kernels
+    chosen = ((k.joined_fp8, k.linear_fp8), (k.joined_dense, k.joined_dense), (k.joined_int4, k.joined_int4))
+    return tuple(join for join, gate in chosen if join is not None and config.fusion_enabled(gate))
 
 
 def _snapshot(graph: torch.fx.Graph) -> torch.fx.Graph:
