@@ -246,9 +246,10 @@ def _logits(forward, model) -> torch.Tensor:
     return torch.cat(out)
 
 
-def test_int4_model_on_cuda_reads_an_int8_lm_head():
-    """quantize_lm_head: an untied head of an int4 model on CUDA becomes an int8 QuantLinear whose
-    logits stay within int8's per-channel rounding of the float head's; any other case keeps it."""
+def test_quantized_model_on_cuda_reads_an_int8_lm_head():
+    """quantize_lm_head: an untied head of an int4, int8 or fp8 model on CUDA becomes an int8
+    QuantLinear whose logits stay within int8's per-channel rounding of the float head's; a CPU
+    model, an unquantized one and a tied head keep theirs."""
     arch = dataclasses.replace(ARCH, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(arch).eval()
@@ -257,15 +258,18 @@ def test_int4_model_on_cuda_reads_an_int8_lm_head():
     hidden = torch.randn(3, arch.hidden_size)
     with torch.inference_mode():
         want = model.compute_logits(hidden)
-    for scheme, kernels in (("int4", CPU), ("fp8", reference_kernels("cuda")), ("int8", reference_kernels("cuda"))):
+    for scheme, kernels in (("int4", CPU), ("fp8", CPU), ("none", reference_kernels("cuda"))):
         assert quantize_lm_head(model, scheme, kernels) is None and type(model.lm_head) is nn.Linear
-    assert quantize_lm_head(model, "int4", reference_kernels("cuda")) == "int8"
-    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.scheme == "int8"
-    with torch.inference_mode():
-        got = model.compute_logits(hidden)
-    assert got.shape == want.shape and got.dtype == torch.float32
-    rel = ((got - want).norm() / want.norm()).item()
-    assert 0 < rel < 0.01, rel
+    float_head = model.lm_head
+    for scheme in ("int4", "int8", "fp8"):
+        model.lm_head = float_head
+        assert quantize_lm_head(model, scheme, reference_kernels("cuda")) == "int8"
+        assert isinstance(model.lm_head, QuantLinear) and model.lm_head.scheme == "int8"
+        with torch.inference_mode():
+            got = model.compute_logits(hidden)
+        assert got.shape == want.shape and got.dtype == torch.float32
+        rel = ((got - want).norm() / want.norm()).item()
+        assert 0 < rel < 0.01, (scheme, rel)
     tied = LlamaForCausalLM(dataclasses.replace(ARCH, tie_word_embeddings=True))
     assert quantize_lm_head(tied, "int4", reference_kernels("cuda")) is None and tied.lm_head is None
 

@@ -19,7 +19,8 @@ the first candidate of an op whose device matches and whose loader returns a ker
     linear_dense  kiln_cuda::linear_dense (Triton GEMV at one row,          kiln::linear_dense
                   cuBLAS above)
     joined_fp8    kiln_cuda::{add_rms_norm,silu_and_mul}_linear_fp8          kiln::..._linear_fp8
-                  (fed GEMV at one row), else kiln_triton::..._linear_fp8
+                  (fed GEMV at one row; only with KILN_GEMV_JOIN=fp8), else
+                  kiln_triton::..._linear_fp8
     joined_dense  kiln_cuda::{add_rms_norm,silu_and_mul}_linear_dense        (none)
     joined_int4   kiln_cuda::{add_rms_norm,silu_and_mul}_linear_int4         (none)
                   (only with KILN_GEMV_JOIN=int4)
@@ -30,11 +31,14 @@ no kernel joins them, on the CPU and in ``reference_kernels``. The one-row joins
 its input from the feeding op's inputs: ``kiln.ops.triton_joined_linear``) follow
 ``KILN_GEMV_JOIN`` (``gemv_join_schemes``), read when the KernelSet is chosen:
 
-    unset, "1"  dense and fp8 (both measured faster joined on an H100, llama3-8b batch-1 decode)
+    unset, "1"  dense (measured faster joined on an H100, llama3-8b batch-1 decode: 5.69 -> 5.44 ms)
     "0"         none: dense and int4 unjoined, fp8's join runs the norm / activation kernel and
                 the GEMV apart at one row (as before the fed GEMVs), to measure against
-    "int4"      dense, fp8 and int4: int4's fed GEMV measured slower than its two kernels
-                (the 8-column int4 tiles recompute the norm's row per program), so off by default
+    "fp8", "int4", "fp8,int4"
+                dense and the schemes named. Off by default because each measured no faster
+                joined: the fed GEMV recomputes the norm's row in every program, which the narrow
+                tiles of 1-byte and half-byte weights do not amortize (H100, same process: fp8
+                3.50 -> 3.52 ms a step, int4 2.77 -> 3.66 ms)
 
 ``select_kernels(device_type)`` returns the ``KernelSet`` a ``CompiledModel`` is built with. Nothing
 here is process-global state: two models on two devices in one process hold two KernelSets, and
@@ -58,7 +62,7 @@ GENERIC_ATTENTION_OP = "kiln::attend_paged"
 QUANT_SCHEMES = ("int8", "int4", "fp8")
 JOINED_SCHEMES = ("fp8", "dense", "int4")
 FP8_GEMMS = ("kiln::linear_fp8", "kiln_cuda::linear_fp8")  # the GEMM ops an FP8 join takes
-GEMV_JOIN_DEFAULT = ("dense", "fp8")  # the one-row joins on by default (KILN_GEMV_JOIN)
+GEMV_JOIN_DEFAULT = ("dense",)  # the one-row joins on by default (KILN_GEMV_JOIN)
 
 
 def gemv_join_schemes() -> tuple[str, ...]:
