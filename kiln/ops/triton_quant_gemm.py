@@ -572,6 +572,9 @@ MEASURED_ON: dict[str, dict[tuple[str, int, int, int], GemmConfig]] = {
         ("dense", 1, *_O): GemmConfig(1, 16, 256, 1, num_warps=4, num_stages=4),
         ("dense", 1, *_GATE_UP): GemmConfig(1, 8, 256, 1, num_warps=2, num_stages=3),
         ("dense", 1, *_DOWN): GemmConfig(1, 8, 512, 1, num_warps=4, num_stages=4),
+        # gate_up fed by add + RMSNorm (benchmarks/gemv_join.py --sweep): 55.74 us against 60.17 with
+        # the plain GEMV's 8-row tile (56.06 for the norm kernel and the GEMV apart)
+        ("dense+norm", 1, *_GATE_UP): GemmConfig(1, 32, 256, 1, num_warps=4, num_stages=4),
     },
 }
 
