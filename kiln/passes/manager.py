@@ -18,7 +18,7 @@ The list (``build_passes``) runs in order; each pass says where it runs (``KilnP
 6. ``AddRMSNormFusionPass`` (post_grad): residual add + RMSNorm -> ``kiln.add_rms_norm``.
 7. ``GemmInputFusionPass`` (post_grad): add + RMSNorm or SiLU-and-mul and the GEMM it feeds -> one
    op, the KernelSet's ``joined_<scheme>``: FP8 (quantizes the rows it writes at prefill row
-   counts) and dense, one fed GEMV kernel at one row (``KILN_GEMV_JOIN``: int4's too, or none).
+   counts) and dense, one fed GEMV kernel at one row (``KILN_GEMV_JOIN``: FP8's and int4's too, or none).
 
 ``run_dynamo(gm)`` applies the dynamo-stage passes to the captured graph before it is split;
 the manager itself is Inductor's ``post_grad_custom_pre_pass`` (a ``CustomGraphPass``) and applies
@@ -113,7 +113,7 @@ def _joins(config: PassConfig) -> tuple[JoinedLinearKernel, ...]:
     """The KernelSet's joined kernels that fusion enables: FP8's where its GEMM's kernel is worth
     fusing for (the references join there too, with ``fusion="on"``), dense and int4 where the set
     has a joined kernel at all (the CPU and the reference sets keep the ops apart; int4 on CUDA
-    only with ``KILN_GEMV_JOIN=int4``)."""
+    only with ``KILN_GEMV_JOIN=int4``; FP8's one-row fed GEMV only with ``KILN_GEMV_JOIN=fp8``)."""
     k = config.kernels
     chosen = ((k.joined_fp8, k.linear_fp8), (k.joined_dense, k.joined_dense), (k.joined_int4, k.joined_int4))
     return tuple(join for join, gate in chosen if join is not None and config.fusion_enabled(gate))
