@@ -68,6 +68,8 @@ FIELD_HELP = {
                   "generic path (transformers' modeling code, captured and given kiln's paged attention); "
                   "native or transformers: force one",
     "model.quantization": "linear weights: none, int8 / int4 (weight-only), fp8 (SM89+ GPUs), auto (the checkpoint)",
+    "model.int4_group_size": "input columns per scale and zero of int4 weights quantized at load (checkpoints with "
+                             "their own groups keep theirs); larger groups read fewer bytes and round more",
     "cache.block_size": "tokens per KV cache block",
     "cache.enable_prefix_caching": "reuse the KV blocks of a prompt prefix computed before",
     "cache.kv_cache_memory_gib": "KV cache budget; null: 1 GiB on CPU, from gpu_memory_fraction on GPU",
