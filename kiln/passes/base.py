@@ -19,13 +19,22 @@ import inspect
 import json
 import sys
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import torch
 
 from kiln.ops.registry import op_name
 
 STAGES = ("dynamo", "post_grad")
+
+
+def node_tensor(node: Any) -> Optional[torch.Tensor]:
+    """The (fake) tensor a graph node computes: Dynamo's ``example_value``, else Inductor's ``val``;
+    None for a non-node or a node whose value is not a tensor."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return value if isinstance(value, torch.Tensor) else None
 
 
 def source_hash(*objects: Any) -> str:

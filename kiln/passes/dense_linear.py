@@ -15,23 +15,16 @@ the reference (``F.linear`` itself: nothing to gain), or where ``PassConfig.fusi
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kiln.ops.dense_linear import GEMV_DTYPES
 from kiln.ops.registry import op_name
-from kiln.passes.base import KilnPass
+from kiln.passes.base import KilnPass, node_tensor
 
 _LINEARS = (torch._C._nn.linear, F.linear, torch.ops.aten.linear.default)
-
-
-def _val(node: Any) -> Optional[torch.Tensor]:
-    if not isinstance(node, torch.fx.Node):
-        return None
-    v = node.meta.get("example_value", node.meta.get("val"))
-    return v if isinstance(v, torch.Tensor) else None
 
 
 class DenseLinearPass(KilnPass):
@@ -46,7 +39,7 @@ class DenseLinearPass(KilnPass):
         return {"enabled": self.enabled, "op": op_name(self.op), "device_type": self.device_type}
 
     def _takes(self, x: Any, w: Any) -> bool:
-        xv, wv = _val(x), _val(w)
+        xv, wv = node_tensor(x), node_tensor(w)
         return (xv is not None and wv is not None and wv.dim() == 2 and wv.device.type == self.device_type
                 and wv.dtype in GEMV_DTYPES and xv.dtype == wv.dtype)
 

@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import torch
 
-from kiln.ops.registry import JoinedLinearKernel, op_name, reference_joined
+from kiln.ops.registry import JOINED_SCHEMES, JoinedLinearKernel, op_name, reference_joined
 from kiln.passes.base import KilnPass
 
 ADD_RMS_NORM = ("kiln::add_rms_norm", "kiln_triton::add_rms_norm")
@@ -97,7 +97,7 @@ class GemmInputFusionPass(KilnPass):
     def __init__(self, joins: Optional[tuple[JoinedLinearKernel, ...]] = None) -> None:
         """``joins``: the joined kernels to write; by default the references of every scheme."""
         if joins is None:
-            joins = tuple(reference_joined(s) for s in ("fp8", "dense", "int4"))
+            joins = tuple(reference_joined(s) for s in JOINED_SCHEMES)
         self.joins = tuple(joins)
         self._by_gemm = {name: j for j in self.joins for name in j.gemm_ops}
 

@@ -26,16 +26,9 @@ from typing import Any, Optional
 import torch
 from torch._dispatch.python import enable_python_dispatcher
 
-from kiln.passes.base import KilnPass
+from kiln.passes.base import KilnPass, node_tensor
 
 _LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
-
-
-def _val(node: Any) -> Optional[torch.Tensor]:
-    if not isinstance(node, torch.fx.Node):
-        return None
-    v = node.meta.get("example_value", node.meta.get("val"))
-    return v if isinstance(v, torch.Tensor) else None
 
 
 def _linear_args(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node, Optional[torch.fx.Node]]]:
@@ -83,7 +76,7 @@ class MergeSiblingLinearsPass(KilnPass):
         entries = []
         for node in group:
             _, w, b = _linear_args(node)
-            wv, bv = _val(w), _val(b) if b is not None else None
+            wv, bv = node_tensor(w), node_tensor(b) if b is not None else None
             if wv is None or not _row_major(wv) or (b is not None and (bv is None or bv.dim() != 1)):
                 continue
             entries.append((node, w, b, wv, bv))

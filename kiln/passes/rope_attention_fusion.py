@@ -36,7 +36,7 @@ from typing import Any, Optional
 import torch
 
 from kiln.ops.registry import GENERIC_ATTENTION_OP, KernelSet, op_name, reference_kernels
-from kiln.passes.base import KilnPass
+from kiln.passes.base import KilnPass, node_tensor
 
 _ADDS = (operator.add, torch.add)
 _MULS = (operator.mul, torch.mul)
@@ -46,11 +46,6 @@ _FULL = slice(None, None, None)
 def rope_join_enabled() -> bool:
     """``KILN_ROPE_JOIN=0`` keeps the rotary in the graph (to measure); anything else, or unset, joins."""
     return os.environ.get("KILN_ROPE_JOIN", "1") != "0"
-
-
-def _val(node: Any) -> Optional[torch.Tensor]:
-    val = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def _is(node: Any, targets: tuple, method: Optional[str] = None) -> bool:
@@ -86,7 +81,7 @@ def _match_rotate(node: Any) -> Optional[tuple[torch.fx.Node, torch.fx.Node, tor
 
 
 def _rotates(x: Any, roll: torch.fx.Node, cos: Any, sin: Any) -> bool:
-    xv, cv, sv = _val(x), _val(cos), _val(sin)
+    xv, cv, sv = node_tensor(x), node_tensor(cos), node_tensor(sin)
     if xv is None or cv is None or sv is None or xv.dim() != 3 or not xv.is_floating_point():
         return False
     rot = xv.shape[-1]
@@ -104,7 +99,7 @@ def _head_slice(node: Any, start: Optional[int], stop: Optional[int]) -> Optiona
     if not (_is(node, (operator.getitem,)) and len(node.args) == 2):
         return None
     x, key = node.args
-    xv = _val(x)
+    xv = node_tensor(x)
     if xv is None or not isinstance(key, tuple) or not key or key[-1] != slice(start, stop, None):
         return None
     lead = key[:-1]
@@ -127,7 +122,7 @@ def match_rope(node: Any) -> Optional[tuple[torch.fx.Node, torch.fx.Node, torch.
     head = _match_rotate(parts[0])
     if head is None:
         return None
-    rot = _val(head[0]).shape[-1]
+    rot = node_tensor(head[0]).shape[-1]
     x = _head_slice(head[0], None, rot)
     if x is None or _head_slice(parts[1], rot, None) is not x:
         return None

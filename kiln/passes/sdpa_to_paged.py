@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.attend_paged)
-from kiln.passes.base import KilnPass
+from kiln.passes.base import KilnPass, node_tensor
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
 _LAYER_NUMBER = re.compile(r"[.\[](\d+)\]?")
@@ -52,8 +52,8 @@ def is_sdpa(node: torch.fx.Node) -> bool:
 
 
 def _shape(node: Any) -> Optional[torch.Size]:
-    val = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
-    return val.shape if isinstance(val, torch.Tensor) else None
+    val = node_tensor(node)
+    return val.shape if val is not None else None
 
 
 def _sdpa_args(node: torch.fx.Node) -> dict[str, Any]:
