@@ -177,8 +177,7 @@ class CompiledModel:
             graphs.capture(self._capture_scope, self.kv_caches, pool, sizes=sizes)
 
         if GraphMode.FULL in modes:
-            self.full_graphs = FullCUDAGraphs(self.forward, self.inputs, self.config.capture_sizes,
-                                              compute_logits=self.model.compute_logits)
+            self.full_graphs = self._full_graphs(self.config.capture_sizes)
             capture(self.full_graphs)
             if self.verify_shape is not None:
                 self.verify_graphs = self._verify_graphs(self.config.capture_sizes)
@@ -245,8 +244,12 @@ class CompiledModel:
 
     def _verify_graphs(self, capture_sizes) -> FullCUDAGraphs:
         shape = self.verify_shape
+        return self._full_graphs(capture_sizes, query_len=shape.query_len, max_num_reqs=shape.max_num_reqs)
+
+    def _full_graphs(self, capture_sizes, **kwargs) -> FullCUDAGraphs:
+        """Whole-forward graphs ending in the logits and their argmax (the KernelSet's)."""
         return FullCUDAGraphs(self.forward, self.inputs, capture_sizes, compute_logits=self.model.compute_logits,
-                              query_len=shape.query_len, max_num_reqs=shape.max_num_reqs)
+                              argmax=self.kernels.argmax.op, **kwargs)
 
     @torch.inference_mode()
     def profile_graph_memory(self, kv_caches: list[torch.Tensor]) -> Optional["GraphMemoryEstimate"]:
@@ -269,7 +272,7 @@ class CompiledModel:
         probes: list = []
         for probe in (sizes[-1], sizes[0]):  # largest first: the smallest then reuses its memory
             if GraphMode.FULL in modes:
-                full = FullCUDAGraphs(self.forward, self.inputs, (probe,), compute_logits=self.model.compute_logits)
+                full = self._full_graphs((probe,))
                 full.capture(self._capture_scope, self.kv_caches, pool, log=False)
                 probes.append(full)
             if GraphMode.PIECEWISE in modes:

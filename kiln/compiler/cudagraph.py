@@ -150,9 +150,11 @@ class FullCUDAGraphs:
 
     def __init__(self, forward: Forward, buffers: InputBuffers, capture_sizes: tuple[int, ...],
                  compute_logits: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                 query_len: int = 1, max_num_reqs: Optional[int] = None):
+                 query_len: int = 1, max_num_reqs: Optional[int] = None,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits.argmax(dim=-1)):
         self.forward = forward
         self.compute_logits = compute_logits
+        self.argmax = argmax  # the KernelSet's (kiln::argmax or a kernel of its schema)
         self.buffers = buffers
         self.query_len = query_len  # tokens per request: 1 (decode), k + 1 (verify of k proposed tokens)
         max_reqs = min(buffers.max_num_reqs, buffers.max_num_tokens // query_len, max_num_reqs or buffers.max_num_reqs)
@@ -178,7 +180,7 @@ class FullCUDAGraphs:
         if self.compute_logits is None:
             return GraphOutputs(hidden, None, None)
         logits = self.compute_logits(hidden)
-        return GraphOutputs(hidden, logits, logits.argmax(dim=-1))
+        return GraphOutputs(hidden, logits, self.argmax(logits))
 
     @torch.inference_mode()
     def capture(self, scope: CaptureScope, kv_caches: list[torch.Tensor], pool: Optional[tuple] = None,

@@ -10,6 +10,7 @@ the first candidate of an op whose device matches and whose loader returns a ker
     add_rms_norm  kiln_triton::add_rms_norm                                  kiln::add_rms_norm
     silu_and_mul  kiln_triton::silu_and_mul                                  kiln::silu_and_mul
     moe           kiln_triton::fused_moe                                     kiln::fused_moe
+    argmax        kiln_triton::argmax                                        kiln::argmax
     linear_int8   kiln_cuda::linear_int8    kiln_cpu::linear_int8 (aten)     kiln::linear_int8
                   (Triton)
     linear_int4   kiln_cuda::linear_int4_triton, else kiln_cuda::linear_int4 (aten tinygemm)
@@ -210,6 +211,22 @@ def _reference_linear_dense() -> Kernel:
     return Kernel("reference", torch.ops.kiln.linear_dense)
 
 
+def _reference_argmax() -> Kernel:
+    import kiln.ops.sampling  # noqa: F401
+
+    return Kernel("reference", torch.ops.kiln.argmax)
+
+
+def _triton_argmax() -> Optional[Kernel]:
+    from kiln.ops import quant_cuda
+
+    if not quant_cuda.triton_supported():
+        return None
+    import kiln.ops.triton_argmax  # noqa: F401
+
+    return Kernel("triton", torch.ops.kiln_triton.argmax, fast=True)
+
+
 def _reference_int8() -> QuantLinearKernel:
     return _reference_quant("int8")
 
@@ -238,6 +255,7 @@ class KernelSet:
     joined_fp8: JoinedLinearKernel = field(default_factory=_reference_joined_fp8)
     joined_dense: Optional[JoinedLinearKernel] = None
     joined_int4: Optional[JoinedLinearKernel] = None
+    argmax: Kernel = field(default_factory=_reference_argmax)  # greedy rows' tokens in full graphs
 
     def quant_linear(self, scheme: str) -> QuantLinearKernel:
         """The GEMM of quantization ``scheme`` (int8 | int4 | fp8)."""
@@ -254,6 +272,7 @@ class KernelSet:
         rope = self.attention.name if self.attention.rope_op is not None else "none"
         return {"attention": self.attention.name, "attention_rope": rope, "add_rms_norm": self.add_rms_norm.name,
                 "silu_and_mul": self.silu_and_mul.name, "moe": self.moe.name, "linear_dense": self.linear_dense.name,
+                "argmax": self.argmax.name,
                 **{f"linear_{s}": self.quant_linear(s).name for s in QUANT_SCHEMES},
                 **{f"joined_{s}": getattr(getattr(self, f"joined_{s}"), "name", "none") for s in JOINED_SCHEMES}}
 
@@ -442,6 +461,7 @@ REGISTRY: dict[str, tuple[tuple[str, Callable[[], Optional[Kernel]]], ...]] = {
     "add_rms_norm": (("cuda", _triton_add_rms_norm), (ANY_DEVICE, _reference_add_rms_norm)),
     "silu_and_mul": (("cuda", _triton_silu_and_mul), (ANY_DEVICE, _reference_silu_and_mul)),
     "moe": (("cuda", _triton_moe), (ANY_DEVICE, _reference_moe)),
+    "argmax": (("cuda", _triton_argmax), (ANY_DEVICE, _reference_argmax)),
     "linear_int8": (("cuda", _triton_int8), ("cpu", _cpu_int8), (ANY_DEVICE, _reference_int8)),
     "linear_int4": (("cuda", _triton_int4), ("cuda", _cuda_int4), ("cpu", _cpu_int4), (ANY_DEVICE, _reference_int4)),
     "linear_fp8": (("cuda", _cuda_fp8), (ANY_DEVICE, _reference_fp8)),
