@@ -386,9 +386,10 @@ class EngineConfig:
 # against 12,348 and 16,223 with 2048, 12,402 with 1024, 11,677 with 256 sequences
 # (benchmarks/results/offline_profile-NVIDIA_H100_80GB_HBM3.md). Before mixed steps had piecewise graphs,
 # 8192 tokens lost to 2048 (11,987 against 12,411): a step larger than every capture size ran without
-# graphs. CPU: eager
-# (benchmarks/results/compile_modes_cpu_*: on two cores eager decodes a single request fastest and
-# starts in seconds; kiln's compiled forward is within noise of it, stock needs 18-30 s to compile).
+# graphs. CPU: eager, for start-up, not speed: in three `kiln bench -m compile.mode=eager,stock,kiln`
+# runs on SmolLM2 (2 cores) kiln decoded faster than eager in 8 of 9 cells (batch 1, 8, 32) and stock
+# led 5, but kiln compiles for 17-36 s on a first start and stock for 50-64 s, where eager starts in
+# about 2 s (README, "Defaults: fast with no options").
 CPU_COMPILE_MODE = "eager"
 DEVICE_DEFAULTS = {  # device type -> (mode, cudagraph, max_num_seqs, max_num_batched_tokens)
     "cuda": ("kiln", "full_and_piecewise", 512, 4096),
