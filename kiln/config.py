@@ -160,6 +160,9 @@ class CompileConfig:
     capture_sizes: Optional[tuple[int, ...]] = None  # None: default_capture_sizes(max_num_seqs, max tokens)
     capture: str = "auto"  # CAPTURE_MODES; auto: lazy where the engine runs the model in its own process (LLM: startup)
     max_startup_capture_size: int = 8  # lazy: sizes up to this are captured before the engine is ready
+    # kiln mode: cut the graph at every split_every-th attention call (0: never; one piece), the
+    # others compiled inside the pieces. 1 (every call) is what piecewise CUDA graphs need.
+    split_every: int = 1
     debug_dump_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -168,6 +171,8 @@ class CompileConfig:
         _check_choice("compile", "capture", self.capture, CAPTURE_MODES)
         if int(self.max_startup_capture_size) < 0:
             raise ValueError(f"compile.max_startup_capture_size must be >= 0, got {self.max_startup_capture_size}")
+        if int(self.split_every) < 0:
+            raise ValueError(f"compile.split_every must be >= 0 (0: one piece), got {self.split_every}")
         object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
         if self.capture_sizes is not None:
             sizes = tuple(sorted({int(s) for s in self.capture_sizes}))
@@ -436,4 +441,9 @@ def resolve_for_device(compile: CompileConfig, scheduler: SchedulerConfig, devic
     if compile.capture_sizes is None:
         compile = dataclasses.replace(compile, capture_sizes=default_capture_sizes(
             scheduler.max_num_seqs, scheduler.max_num_batched_tokens))
+    if (compile.split_every != 1 and compile.mode == "kiln" and device_type == "cuda"
+            and compile.cudagraph in ("piecewise", "full_and_piecewise")):
+        raise ValueError(f"compile.split_every={compile.split_every} leaves attention calls inside the pieces, "
+                         f"which piecewise CUDA graphs cannot capture: set compile.cudagraph=full (or none), "
+                         f"or compile.split_every=1")
     return compile, scheduler

@@ -101,6 +101,33 @@ def test_kiln_matches_eager(model, kiln_forward):
     assert kiln_forward.num_captures == 1
 
 
+@pytest.mark.parametrize("every,pieces", [(2, 3), (0, 1)])
+def test_kiln_split_every_keeps_attention_inside_pieces(model, every, pieces):
+    """compile.split_every: cut at every 2nd attention call (layers 0 and 2; the calls of layers 1
+    and 3 compiled inside the pieces) or nowhere; the same logits as eager with fewer pieces."""
+    forward = build_forward(model, CompileConfig(mode="kiln", split_every=every))
+    schedule = _schedule(ARCH.vocab_size)
+    _assert_same_logits(_run_schedule(forward, model, schedule), _run_schedule(model, model, schedule))
+    capture = forward.backend.capture
+    assert capture.num_pieces == pieces
+    calls = [n for _, m in capture.split_gm.named_children() for n in m.graph.nodes
+             if n.op == "call_function" and "attend_paged" in str(n.target)]
+    assert len(calls) == ARCH.num_layers  # every call: alone in its piece or inside a compiled one
+    with pytest.raises(ValueError, match="split_every must be >= 0"):
+        CompileConfig(mode="kiln", split_every=-1)
+
+
+def test_split_every_is_refused_with_piecewise_cuda_graphs():
+    from kiln.config import SchedulerConfig, resolve_for_device
+
+    with pytest.raises(ValueError, match="piecewise CUDA graphs cannot capture"):
+        resolve_for_device(CompileConfig(mode="kiln", split_every=4), SchedulerConfig(), "cuda")
+    compile, _ = resolve_for_device(CompileConfig(mode="kiln", cudagraph="full", split_every=4), SchedulerConfig(), "cuda")
+    assert compile.split_every == 4
+    compile, _ = resolve_for_device(CompileConfig(mode="kiln", split_every=0), SchedulerConfig(), "cpu")
+    assert compile.cudagraph == "none" and compile.split_every == 0
+
+
 def test_stock_matches_eager(model):
     schedule = _schedule(ARCH.vocab_size)
     stock = build_forward(model, CompileConfig(mode="stock"))

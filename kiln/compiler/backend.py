@@ -73,9 +73,10 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
 
 class KilnBackend:
     def __init__(self, passes: PassManager, sizes: tuple[int, ...], dump: Optional[DebugDump] = None,
-                 split_op_names: Collection[str] = (GENERIC_ATTENTION_OP,)) -> None:
+                 split_op_names: Collection[str] = (GENERIC_ATTENTION_OP,), split_every: int = 1) -> None:
         self.passes = passes
         self.split_op_names = tuple(split_op_names)
+        self.split_every = split_every  # compile.split_every: cut at every split_every-th split op call
         self.dump = dump
         patches = dump.inductor_config_patches() if dump else {}
         self.sizes = set(sizes)
@@ -97,7 +98,7 @@ class KilnBackend:
         check_no_sdpa_left(gm.graph)  # an SDPA the attention pass could not rewrite: never run it
         if self.dump:
             self.dump.write("dynamo_graph.py", gm.code)
-        split_gm, pieces = split_graph(gm, self.split_op_names)
+        split_gm, pieces = split_graph(gm, self.split_op_names, self.split_every)
         compile_names = {p.name for p in pieces if not p.is_split_op}
         labels: dict[str, str] = {}
         self._compile_pieces(split_gm, example_inputs, compile_names, labels)

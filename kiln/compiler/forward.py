@@ -71,7 +71,8 @@ def build_kiln_forward(model: nn.Module, config: CompileConfig, pass_config: Pas
     if any(w or c for w, c in attention_layers):
         pass_config = dataclasses.replace(pass_config, attention_layers=attention_layers)
     passes = PassManager(build_passes(pass_config), dump=dump.pass_graph if dump else None)
-    backend = KilnBackend(passes, config.sizes, dump, split_op_names=pass_config.kernels.split_op_names())
+    backend = KilnBackend(passes, config.sizes, dump, split_op_names=pass_config.kernels.split_op_names(),
+                          split_every=config.split_every)
     entry = None
     if artifact_cache is not None and dump is not None:
         logger.info("compile.debug_dump_dir is set: not using the artifact cache (a dump needs a capture)")

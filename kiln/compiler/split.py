@@ -10,6 +10,10 @@ capture size, attention still eager between them (``kiln.compiler.piecewise``).
 
 The split points are one list: ``KernelSet.split_op_names()`` = the generic attention op plus the
 set's attention kernel op (``kiln.ops.registry``).
+
+``compile.split_every`` N > 1 cuts at every Nth attention call only (0: nowhere), the other calls
+compiled inside the pieces as extern kernels: fewer piece calls a step and fusion across the calls,
+for longer first compiles (groups of N layers are one build). Piecewise CUDA graphs need N = 1.
 """
 
 from __future__ import annotations
@@ -30,16 +34,23 @@ class Piece:
     is_split_op: bool  # True: one attention call, run as is; False: compiled by Inductor
 
 
-def split_graph(gm: torch.fx.GraphModule,
-                split_op_names: Collection[str] = (GENERIC_ATTENTION_OP,)) -> tuple[torch.fx.GraphModule, list[Piece]]:
+def split_graph(gm: torch.fx.GraphModule, split_op_names: Collection[str] = (GENERIC_ATTENTION_OP,),
+                every: int = 1) -> tuple[torch.fx.GraphModule, list[Piece]]:
+    """Cut ``gm`` at the 1st, (every + 1)-th, (2 every + 1)-th ... call of a split op (every one
+    with ``every`` 1, none with 0); the calls not cut at stay inside the pieces Inductor compiles."""
     split_ops = set(split_op_names)
     index = 0
+    seen = 0
     split_op_pieces: set[int] = set()
     assignment: dict[torch.fx.Node, int] = {}
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        if node.op == "call_function" and op_name(node.target) in split_ops:
+        if node.op == "call_function" and op_name(node.target) in split_ops and every > 0:
+            seen += 1
+            if (seen - 1) % every:
+                assignment[node] = index
+                continue
             index += 1
             assignment[node] = index
             split_op_pieces.add(index)

@@ -94,6 +94,9 @@ FIELD_HELP = {
                        "compile.max_startup_capture_size before ready, the rest between steps; auto: lazy "
                        "for the server with parallel.backend=uni, else startup (offline LLM: startup)",
     "compile.max_startup_capture_size": "compile.capture=lazy: capture sizes up to this before ready",
+    "compile.split_every": "mode kiln: cut the graph at every Nth attention call, the others compiled inside "
+                           "the pieces (0: one piece); fewer, larger pieces run faster and compile slower; "
+                           "GPU: needs compile.cudagraph=full or none",
     "compile.debug_dump_dir": "write the bytecode and the graphs before and after each pass here; null: off",
     "server.host": "address to listen on; 0.0.0.0: every interface",
     "server.port": "TCP port",
