@@ -40,6 +40,7 @@ import torch
 
 from kiln.compiler.inputs import InputBuffers, next_capture_size
 from kiln.forward_context import ForwardContext
+from kiln.ops.sampling import argmax_reference
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class FullCUDAGraphs:
     def __init__(self, forward: Forward, buffers: InputBuffers, capture_sizes: tuple[int, ...],
                  compute_logits: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  query_len: int = 1, max_num_reqs: Optional[int] = None,
-                 argmax: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits.argmax(dim=-1)):
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = argmax_reference):
         self.forward = forward
         self.compute_logits = compute_logits
         self.argmax = argmax  # the KernelSet's (kiln::argmax or a kernel of its schema)
