@@ -145,6 +145,10 @@ CUDAGRAPH_MODES = ("auto", "none", "piecewise", "full", "full_and_piecewise")
 # When CUDA graphs are captured: every capture size before the engine is ready ("startup"), or only
 # those up to max_startup_capture_size, the rest between engine steps once serving ("lazy").
 CAPTURE_MODES = ("auto", "startup", "lazy")
+# When kiln's forward is built (captured and compiled, or loaded from the compile cache): before the
+# engine is ready ("startup"), or on a thread while the model serves eagerly, the steps switching to
+# the compiled forward once it is built ("background"; CPU only: CUDA graphs are captured over it).
+BUILD_MODES = ("auto", "startup", "background")
 
 
 @dataclass(frozen=True)
@@ -154,7 +158,7 @@ class CompileConfig:
     See docs/architecture.md (``kiln/compiler/``) for what each mode builds and how a step picks a graph.
     """
 
-    mode: str = "auto"  # auto: resolve_for_device picks (kiln on CUDA, CPU_COMPILE_MODE on the CPU)
+    mode: str = "auto"  # auto: resolve_for_device picks (kiln on CUDA; on the CPU kiln, built in the background)
     cudagraph: str = "auto"  # auto: full_and_piecewise on CUDA, none on the CPU
     sizes: tuple[int, ...] = ()  # extra sizes Inductor specializes for
     capture_sizes: Optional[tuple[int, ...]] = None  # None: default_capture_sizes(max_num_seqs, max tokens)
@@ -163,12 +167,14 @@ class CompileConfig:
     # kiln mode: cut the graph at every split_every-th attention call (0: never; one piece), the
     # others compiled inside the pieces. 1 (every call) is what piecewise CUDA graphs need.
     split_every: int = 1
+    build: str = "auto"  # BUILD_MODES; auto: background where compile.mode=auto chose kiln on the CPU, else startup
     debug_dump_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_choice("compile", "mode", self.mode, COMPILE_MODES)
         _check_choice("compile", "cudagraph", self.cudagraph, CUDAGRAPH_MODES)
         _check_choice("compile", "capture", self.capture, CAPTURE_MODES)
+        _check_choice("compile", "build", self.build, BUILD_MODES)
         if int(self.max_startup_capture_size) < 0:
             raise ValueError(f"compile.max_startup_capture_size must be >= 0, got {self.max_startup_capture_size}")
         if int(self.split_every) < 0:
@@ -182,7 +188,7 @@ class CompileConfig:
 
     @property
     def is_resolved(self) -> bool:
-        return "auto" not in (self.mode, self.cudagraph) and self.capture_sizes is not None
+        return "auto" not in (self.mode, self.cudagraph, self.build) and self.capture_sizes is not None
 
 
 @dataclass(frozen=True)
@@ -375,7 +381,9 @@ class EngineConfig:
 
     def resolved(self, device_type: str) -> "EngineConfig":
         """This config with every ``auto`` / ``None`` default decided for ``device_type``."""
-        compile, scheduler = resolve_for_device(self.compile, self.scheduler, device_type)
+        compile, scheduler = resolve_for_device(self.compile, self.scheduler, device_type,
+                                                can_background=self.parallel.backend == "uni"
+                                                and self.speculative.method != "draft")
         if compile.capture == "auto":
             # Lazy capture runs between the engine's steps: only where the model runs in its process.
             compile = dataclasses.replace(compile, capture="lazy" if self.parallel.backend == "uni" else "startup")
@@ -391,11 +399,13 @@ class EngineConfig:
 # against 12,348 and 16,223 with 2048, 12,402 with 1024, 11,677 with 256 sequences
 # (benchmarks/results/offline_profile-NVIDIA_H100_80GB_HBM3.md). Before mixed steps had piecewise graphs,
 # 8192 tokens lost to 2048 (11,987 against 12,411): a step larger than every capture size ran without
-# graphs. CPU: eager, for start-up, not speed: in three `kiln bench -m compile.mode=eager,stock,kiln`
-# runs on SmolLM2 (2 cores) kiln decoded faster than eager in 8 of 9 cells (batch 1, 8, 32) and stock
-# led 5, but kiln compiles for 17-36 s on a first start and stock for 50-64 s, where eager starts in
-# about 2 s (README, "Defaults: fast with no options").
-CPU_COMPILE_MODE = "eager"
+# graphs. CPU: kiln, built on a thread while the first steps run eagerly (compile.build=background), so
+# a start is as fast as eager's and the steps then run kiln's forward. In three `kiln bench -m
+# compile.mode=eager,stock,kiln` runs on SmolLM2 (2 cores) kiln decoded faster than eager in 8 of 9
+# cells (batch 1, 8, 32), but compiles for 17-36 s on a first start (4.6 s to load once cached), where
+# eager starts in about 2 s (README, "Defaults: fast with no options"). A model split over processes
+# (parallel.backend mp or ray) gets eager on the CPU: its ranks could switch at different steps.
+CPU_COMPILE_MODE = "kiln"
 DEVICE_DEFAULTS = {  # device type -> (mode, cudagraph, max_num_seqs, max_num_batched_tokens)
     "cuda": ("kiln", "full_and_piecewise", 512, 4096),
     "cpu": (CPU_COMPILE_MODE, "none", 128, 2048),
@@ -422,11 +432,18 @@ def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: Optional[in
     return tuple(sorted(sizes))
 
 
-def resolve_for_device(compile: CompileConfig, scheduler: SchedulerConfig, device_type: str
-                       ) -> tuple[CompileConfig, SchedulerConfig]:
+def resolve_for_device(compile: CompileConfig, scheduler: SchedulerConfig, device_type: str,
+                       can_background: bool = True) -> tuple[CompileConfig, SchedulerConfig]:
     """``compile`` and ``scheduler`` with their ``auto`` / ``None`` fields decided for ``device_type``
-    ("cuda" or "cpu"); fields the user set are kept. Idempotent."""
+    ("cuda" or "cpu"); fields the user set are kept. Idempotent. ``can_background``: the model may be
+    built in the background: it runs in this process as one rank (parallel.backend=uni) and is not a
+    speculative draft (two Dynamo captures must not run at once). Where it cannot,
+    ``compile.mode=auto`` on the CPU is eager."""
     mode, cudagraph, seqs, tokens = DEVICE_DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
+    if compile.mode == "auto" and device_type != "cuda":
+        mode = mode if can_background else "eager"
+        if compile.build == "auto" and mode == "kiln":
+            compile = dataclasses.replace(compile, build="background")
     scheduler = dataclasses.replace(
         scheduler,
         max_num_seqs=scheduler.max_num_seqs if scheduler.max_num_seqs is not None else seqs,
@@ -441,6 +458,16 @@ def resolve_for_device(compile: CompileConfig, scheduler: SchedulerConfig, devic
     if compile.capture_sizes is None:
         compile = dataclasses.replace(compile, capture_sizes=default_capture_sizes(
             scheduler.max_num_seqs, scheduler.max_num_batched_tokens))
+    if compile.build == "auto":
+        compile = dataclasses.replace(compile, build="startup")
+    if compile.build == "background" and (device_type == "cuda" or not can_background):
+        raise ValueError("compile.build=background needs the CPU, one process and no speculative draft (CUDA "
+                         "graphs are captured over the built forward; the ranks of parallel.backend mp or ray "
+                         "must switch at the same step; two captures must not run at once): "
+                         "set compile.build=startup")
+    if compile.build == "background" and compile.mode != "kiln":
+        raise ValueError(f"compile.build=background builds kiln's forward; set compile.mode=kiln (or auto), "
+                         f"or compile.build=startup (compile.mode={compile.mode})")
     if (compile.split_every != 1 and compile.mode == "kiln" and device_type == "cuda"
             and compile.cudagraph in ("piecewise", "full_and_piecewise")):
         raise ValueError(f"compile.split_every={compile.split_every} leaves attention calls inside the pieces, "

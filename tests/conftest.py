@@ -6,6 +6,12 @@ matplotlib and Ray scratch dirs. They live under pytest's own temp dir (``/tmp/p
 of which pytest keeps the last three runs), except Ray's, whose socket paths must stay short: a
 ``/tmp/kiln-ray-*`` dir removed when the session ends. Nothing is written into ``~/.cache``.
 
+On the CPU, ``compile.mode=auto`` resolves to eager in tests (``cpu_auto_is_eager``), as with
+several processes: users get kiln built in the background, which every test that builds an engine
+on the defaults would otherwise start (a compile of its model on a thread, seconds to minutes of
+CPU). Tests of that default are marked ``cpu_default``; a ``kiln serve`` started as a subprocess
+keeps the user's default.
+
 One exception, shared across runs and read-only to the tests: the embedded SmolLM2 converted into
 a Hugging Face directory (about 14 s to convert), kept in ``$KILN_TEST_SHARED_DIR`` (default
 ``.kiln-cache/`` in the checkout, git-ignored) and linked into each session's cache dir. Point it
@@ -53,6 +59,30 @@ def kiln_cache_dir(tmp_path_factory):
         _link_shared_models(root)
         yield str(root)
     shutil.rmtree(ray_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_auto_is_eager():
+    """``compile.mode=auto`` on the CPU resolves to eager (see the module docstring)."""
+    import kiln.config
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(kiln.config.DEVICE_DEFAULTS, "cpu", ("eager", *kiln.config.DEVICE_DEFAULTS["cpu"][1:]))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def cpu_default(request, cpu_auto_is_eager):
+    """The user's CPU default for a test marked ``cpu_default`` (engines it builds itself, not in
+    fixtures of a wider scope)."""
+    if request.node.get_closest_marker("cpu_default") is None:
+        yield
+        return
+    import kiln.config
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(kiln.config.DEVICE_DEFAULTS, "cpu", (kiln.config.CPU_COMPILE_MODE, *kiln.config.DEVICE_DEFAULTS["cpu"][1:]))
+        yield
 
 
 def _link_shared_models(root: Path) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kiln.compiler import KilnForward, build_forward
+from kiln.compiler.compiled_model import BackgroundBuild
 from kiln.config import CompileConfig
 from kiln.models.arch import PRESETS
 from kiln.models.llama import LlamaForCausalLM
@@ -99,6 +100,25 @@ def test_kiln_matches_eager(model, kiln_forward):
     capture = kiln_forward.backend.capture
     assert (capture.num_pieces, capture.num_unique_pieces) == (5, 3)
     assert kiln_forward.num_captures == 1
+
+
+def test_eager_steps_run_while_the_forward_is_captured_and_compiled(model, kiln_forward):
+    """compile.build=background: the build's Dynamo capture and Inductor compile run on a thread
+    beside eager steps of the same model; the steps stay eager's, the capture happens once, and the
+    built forward gives eager's logits. (``kiln_forward`` first: its builds are cached.)"""
+    steps = _schedule(ARCH.vocab_size)
+    want = _run_schedule(model, model, steps)
+    forward = build_forward(model, CompileConfig(mode="kiln"))
+    assert isinstance(forward, KilnForward)
+    build = BackgroundBuild(forward, torch.device("cpu"))
+    while True:  # eager steps on this thread, from the build's start and every half second until its end
+        for got, w in zip(_run_schedule(model, model, steps), want, strict=True):
+            torch.testing.assert_close(got, w, atol=0, rtol=0)
+        if build.wait(0.5):
+            break
+    assert build.error is None and build.seconds > 0
+    assert forward.num_captures == 1
+    _assert_same_logits(_run_schedule(forward, model, steps), want)
 
 
 @pytest.mark.parametrize("every,pieces", [(2, 3), (0, 1)])

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kiln.config import (
-    CompileConfig, EngineConfig, SchedulerConfig, default_capture_sizes, resolve_for_device,
+    CompileConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig, default_capture_sizes,
+    resolve_for_device,
 )
 
 
@@ -35,10 +36,37 @@ def test_cuda_defaults_are_the_fast_path():
     assert config.compile.is_resolved and config.scheduler.is_resolved
 
 
-def test_cpu_defaults():
+@pytest.mark.cpu_default
+def test_cpu_defaults_build_kiln_in_the_background():
     config = EngineConfig().resolved("cpu")
-    assert (config.compile.mode, config.compile.cudagraph) == ("eager", "none")
+    assert (config.compile.mode, config.compile.cudagraph, config.compile.build) == ("kiln", "none", "background")
     assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (128, 2048)
+    assert config.compile.is_resolved
+    # Where no background build can run, auto is eager; a mode or build the user set is kept.
+    assert EngineConfig(parallel=ParallelConfig(backend="mp")).resolved("cpu").compile.mode == "eager"
+    draft = EngineConfig(speculative=SpeculativeConfig(method="draft", draft_model="random:tiny")).resolved("cpu")
+    assert (draft.compile.mode, draft.compile.build) == ("eager", "startup")
+    assert EngineConfig(compile=CompileConfig(build="startup")).resolved("cpu").compile.build == "startup"
+    compile, _ = resolve_for_device(CompileConfig(mode="kiln"), SchedulerConfig(), "cpu")
+    assert (compile.mode, compile.build) == ("kiln", "startup")
+    assert resolve_for_device(compile, SchedulerConfig(), "cpu")[0] == compile
+
+
+@pytest.mark.cpu_default
+def test_a_background_build_that_cannot_run_is_refused():
+    with pytest.raises(ValueError, match="compile.build=background needs the CPU"):
+        resolve_for_device(CompileConfig(build="background"), SchedulerConfig(), "cuda")
+    with pytest.raises(ValueError, match="compile.build=background needs the CPU"):
+        EngineConfig(compile=CompileConfig(mode="kiln", build="background"), parallel=ParallelConfig(backend="mp")).resolved("cpu")
+    with pytest.raises(ValueError, match="set compile.mode=kiln"):
+        resolve_for_device(CompileConfig(mode="eager", build="background"), SchedulerConfig(), "cpu")
+    with pytest.raises(ValueError, match="compile.build"):
+        CompileConfig(build="later")
+
+
+def test_tests_resolve_the_cpu_default_to_eager():
+    # tests/conftest.py: unmarked tests do not start a background build for every engine they make.
+    assert EngineConfig().resolved("cpu").compile.mode == "eager"
 
 
 def test_what_the_user_set_is_kept_and_resolution_is_idempotent():

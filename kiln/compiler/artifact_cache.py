@@ -81,9 +81,9 @@ def key_factors(model: torch.nn.Module, model_name: str, config: CompileConfig, 
             "quantization": getattr(model, "quantization", "none"),
         },
         "dtype": str(param.dtype if param is not None else None),
-        # When graphs are captured changes no compiled artifact.
+        # When graphs are captured, or the forward built, changes no compiled artifact.
         "compile": {k: v for k, v in dataclasses.asdict(config).items()
-                    if k not in ("debug_dump_dir", "capture", "max_startup_capture_size")},
+                    if k not in ("debug_dump_dir", "capture", "max_startup_capture_size", "build")},
         "capture_num_tokens": capture_num_tokens,
         "passes": {p.name: p.uuid() for p in passes.passes} | {"PassManager": passes.uuid()},
         "kiln_source": kiln_source_hash(),

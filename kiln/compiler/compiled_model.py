@@ -7,7 +7,8 @@ runtime then only writes steps into ``inputs`` and calls ``run``::
     ───────                                   ─────────────
     CompiledModel(model, config, kernels,  ─> build the forward (eager | stock | kiln: capture,
                   limits, max_model_len)       passes with the KernelSet's ops, split, Inductor)
-                                               and the persistent InputBuffers
+                                               and the persistent InputBuffers; compile.build=
+                                               background: kiln's forward on a thread, eager until then
     set_verify_shape(VerifyShape)          ─> (speculative decoding) full graphs for k + 1 tokens a request
     bind_kv_caches(kv_caches, kv_scales)   ─> the caches (and FP8 scales) every forward context carries
     capture_graphs(max_size)               ─> full / piecewise CUDA graphs, as compile.cudagraph asks
@@ -16,9 +17,18 @@ runtime then only writes steps into ``inputs`` and calls ``run``::
     per step:
       InputBatch writes the step into
       compiled.inputs' host mirrors
-      run(ModelInputs)                     ─> dispatch (FULL | PIECEWISE | NONE), padding to the
+      run(ModelInputs)                     ─> (background build done: switch to kiln's forward)
+                                               dispatch (FULL | PIECEWISE | NONE), padding to the
                                                capture size, upload, forward context, forward or
                                                replay ─> ModelOutputs (hidden; logits for FULL)
+
+A background build (CPU only) captures and compiles, or loads from the compile cache, on a thread
+while steps run the model eagerly; the step after it is done switches to it. Capture reads the
+model's shapes and never runs it, so the two do not touch each other's data. One thing is shared:
+FX symbolic tracing (``torch.fx.Tracer.trace``, which reading a saved graph runs) patches
+``nn.Module.__call__`` for the whole process, so while a build runs, a trace and an eager forward
+exclude each other (``_EAGER_OR_TRACE``). A model that changes how it runs while captured
+(``capture_scope``) is built before start-up instead.
 
 Rules kept here: the runtime never touches graphs, pieces or kernel choices, and no process-global
 state is written: the kernels travel in the KernelSet (to the passes, the split, the forward
@@ -31,6 +41,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -121,7 +134,15 @@ class CompiledModel:
         param = next(model.parameters(), None)
         self.device = param.device if param is not None else torch.device("cpu")
         self.forward = build_forward(model, config, PassConfig(kernels=kernels), artifact_cache)
-        build_now(self.forward, self.device)  # kiln: load the compiled forward from the cache, or compile it
+        self._building: Optional[BackgroundBuild] = None  # compile.build=background, until switched to
+        if config.build == "background" and isinstance(self.forward, KilnForward):
+            if getattr(model, "capture_scope", None) is not None:
+                logger.info("compile.build=background: this model runs attention differently while it is "
+                            "captured, so it is built now, before serving")
+            else:
+                self._building, self.forward = BackgroundBuild(self.forward, self.device), model
+        if self._building is None:
+            build_now(self.forward, self.device)  # kiln: load the compiled forward from the cache, or compile it
         self.inputs = InputBuffers(limits, self.device)
         self.kv_caches: list[torch.Tensor] = []
         self.kv_scales: Optional[list[torch.Tensor]] = None  # an FP8 cache's, one [2] tensor per layer
@@ -137,6 +158,30 @@ class CompiledModel:
                     ", ".join(f"{op} {name}" for op, name in kernels.describe().items()))
 
     # ---- start-up ---------------------------------------------------------------------------------
+    @property
+    def building(self) -> bool:
+        """Whether steps still run eagerly while kiln's forward is built (compile.build=background)."""
+        return self._building is not None
+
+    def wait_for_build(self, timeout: Optional[float] = None) -> bool:
+        """Block until a background build ends (or ``timeout`` seconds pass); the next ``run`` then
+        switches to the built forward. Returns whether no build is still running."""
+        return self._building is None or self._building.wait(timeout)
+
+    def _switch_if_built(self) -> None:
+        building = self._building
+        if building is None or not building.done:
+            return
+        self._building = None
+        if building.error is not None:
+            logger.warning("compile.build=background: building kiln's forward failed, so the model keeps "
+                           "running eagerly: %s: %s", type(building.error).__name__, building.error)
+            return
+        self.forward = building.forward
+        logger.info("compile.build=background: kiln's forward is %s after %.1f s; steps run it from now on",
+                    "loaded from the compile cache" if building.forward.cache_hit else "built",
+                    building.seconds)
+
     def set_verify_shape(self, shape: Optional[VerifyShape]) -> None:
         """Also capture full graphs for batches of ``shape.query_len`` tokens per request, up to
         ``shape.max_num_reqs`` requests (speculative decoding's verify steps); before capture."""
@@ -322,7 +367,8 @@ class CompiledModel:
         return sum(g.memory_bytes for g in (self.full_graphs, self.verify_graphs, self.piecewise_graphs) if g)
 
     def startup_seconds(self) -> dict[str, float]:
-        """Compile time by phase (0 for a phase that did not run) and CUDA-graph capture time."""
+        """Compile time by phase (0 for a phase that did not run, or that runs in the background) and
+        CUDA-graph capture time."""
         return {**compile_seconds(self.forward), "cudagraph_s": self.graph_capture_seconds}
 
     # ---- one step ---------------------------------------------------------------------------------
@@ -332,6 +378,9 @@ class CompiledModel:
         Pads it to the capture size its graph was captured at (FULL: null decode requests;
         PIECEWISE: null token rows, attention still sees only the real ones), uploads it, and
         replays or runs the forward inside the step's forward context."""
+        if self._building is not None:
+            self._switch_if_built()
+        building = self._building is not None
         buf, n, num_reqs = self.inputs, inputs.num_tokens, inputs.num_reqs
         q = inputs.uniform_query_len
         mode, padded = dispatch(self.full_graphs, self.piecewise_graphs, n, num_reqs, inputs.num_decodes,
@@ -355,7 +404,7 @@ class CompiledModel:
         ctx = ForwardContext(attn=meta, kv_caches=self.kv_caches)
         if self._calibrate_kv_scales and inputs.num_decodes < num_reqs:  # real prompt tokens, never a capture's
             ctx.calibrate_kv_scales, self._calibrate_kv_scales = True, False
-        with self._forward_scope(ctx), graphs:
+        with self._forward_scope(ctx), graphs, (_EAGER_OR_TRACE if building else contextlib.nullcontext()):
             hidden = self.forward(buf.input_ids[:padded], buf.positions[:padded])  # [padded, hidden]
         return ModelOutputs(hidden)
 
@@ -370,3 +419,61 @@ class CompiledModel:
     def _capture_scope(self, ctx: ForwardContext) -> Iterator[None]:
         with self._forward_scope(ctx), self.kernels.attention.graph_capture(self.max_model_len):
             yield
+
+
+# Held by an eager forward during a background build, and by every FX symbolic trace meanwhile.
+_EAGER_OR_TRACE = threading.RLock()
+
+
+@contextlib.contextmanager
+def _traces_exclude_eager_forwards() -> Iterator[None]:
+    """For the length of a build: ``torch.fx.Tracer.trace`` takes ``_EAGER_OR_TRACE``, since it
+    patches ``nn.Module.__call__`` process-wide and an eager forward on another thread would be traced."""
+    original = torch.fx.Tracer.trace
+
+    def trace(self, *args, **kwargs):
+        with _EAGER_OR_TRACE:
+            return original(self, *args, **kwargs)
+
+    torch.fx.Tracer.trace = trace
+    try:
+        yield
+    finally:
+        torch.fx.Tracer.trace = original
+
+
+class BackgroundBuild:
+    """``forward.build(device)`` on a thread of its own (compile.build=background), under inference
+    mode, at a lower CPU priority than the steps (the C++ compiler processes it starts inherit it).
+    Not the lowest: on a busy machine the build still gets about a quarter of a core it shares."""
+
+    NICE = 5
+
+    def __init__(self, forward: KilnForward, device: torch.device) -> None:
+        self.forward = forward
+        self.error: Optional[BaseException] = None
+        self.seconds = 0.0
+        self._done = threading.Event()
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                with contextlib.suppress(OSError, AttributeError):  # Linux: a thread's own priority
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.NICE)
+                with _traces_exclude_eager_forwards():
+                    build_now(forward, device)
+            except BaseException as e:  # reported by CompiledModel when it would switch
+                self.error = e
+            self.seconds = time.perf_counter() - t0
+            self._done.set()
+
+        logger.info("compile.build=background: building kiln's forward on a thread; steps run eagerly until then")
+        self._thread = threading.Thread(target=run, name="kiln-build", daemon=True)
+        self._thread.start()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self._done.wait(timeout)

@@ -22,6 +22,7 @@ Hydra saves or prints, and every bench record, shows ``***``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -78,10 +79,14 @@ def cmd_serve(cli: CliConfig) -> None:
 
 def cmd_generate(cli: CliConfig) -> None:
     from kiln.entrypoints.llm import LLM
+    from kiln.runtime.engine import engine_device_type
     from kiln.sampling_params import SamplingParams
 
     def run() -> None:
         engine = engine_config(cli)
+        if engine.compile.mode == "auto" and engine_device_type(engine) == "cpu":
+            # One prompt, then exit: on the CPU a background build would only compete with it.
+            engine = dataclasses.replace(engine, compile=dataclasses.replace(engine.compile, mode="eager"))
         llm = LLM(model=engine.model, cache=engine.cache, scheduler=engine.scheduler,
                   compile=engine.compile, parallel=engine.parallel, speculative=engine.speculative)
         params = SamplingParams(max_tokens=cli.max_tokens, temperature=cli.temperature)

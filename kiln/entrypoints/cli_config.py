@@ -28,7 +28,7 @@ from typing import NoReturn
 
 from kiln.bench.sweep import BENCH_KINDS, BenchConfig
 from kiln.config import (
-    API_KEY_ENV, CAPTURE_MODES, COMPILE_MODES, CUDAGRAPH_MODES, REDACTED, CacheConfig, CompileConfig, EngineConfig,
+    API_KEY_ENV, BUILD_MODES, CAPTURE_MODES, COMPILE_MODES, CUDAGRAPH_MODES, REDACTED, CacheConfig, CompileConfig, EngineConfig,
     ModelConfig, QUANTIZATIONS, ParallelConfig, SchedulerConfig, ServerConfig, SPECULATIVE_METHODS, SpeculativeConfig,
 )
 
@@ -83,8 +83,9 @@ FIELD_HELP = {
     "scheduler.max_num_batched_tokens": "most tokens in one step (decodes and prefill chunks); null: 2048",
     "scheduler.enable_chunked_prefill": "split a long prompt over several steps",
     "scheduler.policy": "fcfs: by arrival; priority: lower priority value first, then by arrival",
-    "compile.mode": "auto: kiln on GPU, eager on CPU; eager: op by op; stock: plain torch.compile; kiln: "
-                    "kiln's passes, split at attention, Inductor per piece",
+    "compile.mode": "auto: kiln (on the CPU built in the background; eager with parallel.backend mp/ray); "
+                    "eager: op by op; stock: plain torch.compile; kiln: kiln's passes, split at attention, "
+                    "Inductor per piece",
     "compile.cudagraph": "CUDA graphs (GPU): full for decode-only batches, piecewise between attention "
                          "ops (mode kiln), or both; auto: full_and_piecewise on GPU (full for other modes)",
     "compile.sizes": "extra batch sizes (tokens) Inductor specializes for",
@@ -97,6 +98,9 @@ FIELD_HELP = {
     "compile.split_every": "mode kiln: cut the graph at every Nth attention call, the others compiled inside "
                            "the pieces (0: one piece); fewer, larger pieces run faster and compile slower; "
                            "GPU: needs compile.cudagraph=full or none",
+    "compile.build": "when kiln's forward is built: startup: before ready; background (CPU, one process): on a "
+                     "thread while the model serves eagerly, switching once built; auto: background for "
+                     "compile.mode=auto on the CPU, else startup",
     "compile.debug_dump_dir": "write the bytecode and the graphs before and after each pass here; null: off",
     "server.host": "address to listen on; 0.0.0.0: every interface",
     "server.port": "TCP port",
@@ -155,6 +159,7 @@ CHOICES: dict[str, tuple] = {
     "compile.mode": COMPILE_MODES,
     "compile.cudagraph": CUDAGRAPH_MODES,
     "compile.capture": CAPTURE_MODES,
+    "compile.build": BUILD_MODES,
     "parallel.backend": ("uni", "mp", "ray"),
     "parallel.all_reduce": ("nccl", "symm_mem"),
     "parallel.placement_strategy": ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),

@@ -77,11 +77,12 @@ class DraftProposer:
         # A catch-up may hold up to k + 1 tokens of a request that decodes one: room past the budget.
         limits = InputLimits(target.max_num_batched_tokens + target.max_num_seqs * self.k, target.max_num_seqs,
                              -(-target.max_model_len // target.block_size))
-        # The draft's `auto` compile settings resolve as the target's do, for the target's step limits.
+        # The draft's `auto` compile settings resolve as the target's do, for the target's step limits,
+        # but never to a background build (kiln.config.resolve_for_device).
         draft_compile, _ = resolve_for_device(
             spec.draft_compile, SchedulerConfig(max_num_seqs=target.max_num_seqs,
                                                 max_num_batched_tokens=target.max_num_batched_tokens),
-            target.device.type)
+            target.device.type, can_background=False)
         self.compiled = CompiledModel(self.loaded.model, draft_compile, kernels, limits, target.max_model_len,
                                       ArtifactCache(cache_config.resolved_dir, self.loaded.name))
         # Catch-ups of decoding requests are k + 1 tokens each (``_catch_up``): full graphs for them too.

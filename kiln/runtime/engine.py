@@ -109,6 +109,7 @@ class StartupReport:
     block_size: int
     startup_s: float  # building the engine, wall clock
     phases_s: Mapping[str, float]  # ModelRunner.startup_seconds of a runner in this process, else empty
+    building: bool = False  # kiln's forward is still being built in the background (compile.build)
 
     @property
     def num_kv_tokens(self) -> int:
@@ -121,7 +122,8 @@ class StartupReport:
         if not p:  # the ranks run elsewhere: each logs its own phases
             return line
         compile_s = p["dynamo_s"] + p["inductor_s"] + p["cache_load_s"]
-        return line + (f" (load weights {p['load_weights_s']:.1f} s, compile {compile_s:.1f} s, "
+        compiled = "compile in the background" if self.building else f"compile {compile_s:.1f} s"
+        return line + (f" (load weights {p['load_weights_s']:.1f} s, {compiled}, "
                        f"CUDA graphs {p['cudagraph_s']:.1f} s, KV {p['kv_alloc_s']:.1f} s)")
 
 
@@ -148,7 +150,8 @@ def start_line(config: EngineConfig) -> str:
         device = resolve_device(model.device)
         dtype = str(resolve_dtype(model.dtype, device)).removeprefix("torch.")
     sched, sizes = config.scheduler, modes.capture_sizes
-    line = (f"kiln: model {model.model}, {dtype} on {device}, compile.mode={modes.mode}, "
+    line = (f"kiln: model {model.model}, {dtype} on {device}, compile.mode={modes.mode}"
+            f"{' (built in the background)' if modes.build == 'background' else ''}, "
             f"compile.cudagraph={modes.cudagraph}")
     if sched.is_resolved:
         line += f", max_num_seqs={sched.max_num_seqs}, max_num_batched_tokens={sched.max_num_batched_tokens}"
@@ -190,7 +193,8 @@ class LLMEngine:
         self._num_steps_done = 0
         phases = dict(runner.startup_seconds) if runner is not None else {}
         self.startup = StartupReport(self.kv_manager.num_usable_blocks, config.cache.block_size,
-                                     time.perf_counter() - t_start, phases)
+                                     time.perf_counter() - t_start, phases,
+                                     building=runner is not None and runner.compiled.building)
 
     # ---- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: Union[str, list[int]], add_special_tokens: bool = True) -> list[int]:
@@ -288,6 +292,12 @@ class LLMEngine:
     def has_pending_captures(self) -> bool:
         """CUDA-graph sizes still to capture (``compile.capture=lazy``)."""
         return self._captures_pending
+
+    def wait_for_build(self, timeout: Optional[float] = None) -> bool:
+        """``compile.build=background``: block until kiln's forward is built (or ``timeout`` seconds
+        pass); the next step runs it. Returns whether no build is still running (always, without one)."""
+        runner = getattr(self.executor, "runner", None)  # a background build needs the one-process executor
+        return runner is None or runner.compiled.wait_for_build(timeout)
 
     def capture_idle(self) -> bool:
         """Capture one pending CUDA-graph size now; for a caller whose engine is idle (no request

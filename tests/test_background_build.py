@@ -1,0 +1,119 @@
+"""compile.build=background (the CPU default): kiln's forward is built on a thread while the model
+serves eagerly, and the step after the build switches to it. (The build beside eager steps of the
+same model: tests/test_compiler.py.)"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from kiln import LLM, SamplingParams
+from kiln.compiler import KilnForward
+from kiln.compiler.compiled_model import BackgroundBuild
+from kiln.config import CompileConfig
+from kiln.models.llama import LlamaForCausalLM
+
+BACKGROUND = CompileConfig(mode="kiln", build="background")
+PROMPTS = [[5, 17, 3, 99, 42, 7], [8, 8, 1]]
+
+
+def _generate(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0),
+                        use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [[lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+    return tokens, logprobs
+
+
+@pytest.fixture(scope="module")
+def eager_outputs():
+    llm = LLM(model="random:tiny", compile=CompileConfig(mode="eager"))
+    return _generate(llm)
+
+
+def _assert_like_eager(got, want) -> None:
+    assert got[0] == want[0]
+    for g, w in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(torch.tensor(g), torch.tensor(w), atol=1e-3, rtol=1e-3)
+
+
+def test_steps_switch_to_kiln_once_built(eager_outputs):
+    llm = LLM(model="random:tiny", compile=BACKGROUND)
+    compiled = llm.engine.executor.runner.compiled
+    _assert_like_eager(_generate(llm), eager_outputs)  # eager, or kiln if the build was quick
+    assert llm.engine.wait_for_build(timeout=600)
+    assert compiled.building  # built, but steps switch only at the next one
+    _assert_like_eager(_generate(llm), eager_outputs)
+    assert not compiled.building and isinstance(compiled.forward, KilnForward)
+    assert llm.engine.wait_for_build(timeout=0)
+
+
+def test_steps_run_eagerly_while_the_forward_loads_from_the_compile_cache(eager_outputs, monkeypatch):
+    """A warm start: the build reads the saved graph (an FX trace, which patches ``nn.Module.__call__``
+    process-wide) while eager steps run; every step gives eager's tokens. The trace is slowed down
+    (2 ms a node) so that steps surely fall inside it."""
+    LLM(model="random:tiny", compile=CompileConfig(mode="kiln", build="startup"))  # the entry exists
+    create_proxy = torch.fx.Tracer.create_proxy
+
+    def slow_create_proxy(self, *args, **kwargs):
+        time.sleep(0.002)
+        return create_proxy(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.fx.Tracer, "create_proxy", slow_create_proxy)
+    llm = LLM(model="random:tiny", compile=BACKGROUND)
+    compiled = llm.engine.executor.runner.compiled
+    rounds = 0
+    while compiled.building:
+        _assert_like_eager(_generate(llm), eager_outputs)
+        rounds += 1
+    assert rounds >= 1 and llm.engine.executor.runner.compiled.forward.cache_hit
+    _assert_like_eager(_generate(llm), eager_outputs)
+
+
+def test_a_failed_build_keeps_the_model_eager(eager_outputs, monkeypatch, caplog):
+    def fail(self, device):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(KilnForward, "build", fail)
+    llm = LLM(model="random:tiny", compile=BACKGROUND)
+    compiled = llm.engine.executor.runner.compiled
+    assert llm.engine.wait_for_build(timeout=60)
+    with caplog.at_level(logging.WARNING, logger="kiln.compiler.compiled_model"):
+        _assert_like_eager(_generate(llm), eager_outputs)
+    assert "keeps running eagerly: RuntimeError: no compiler here" in caplog.text
+    assert not compiled.building and compiled.forward is compiled.model
+    _assert_like_eager(_generate(llm), eager_outputs)
+
+
+def test_a_model_that_changes_while_captured_is_built_before_serving(monkeypatch):
+    """A model with ``capture_scope`` (the generic path runs attention as SDPA inside it) would
+    change under the eager steps; it is built at start-up instead."""
+    started = []
+    monkeypatch.setattr(BackgroundBuild, "__init__", lambda self, *a: started.append(a))
+    monkeypatch.setattr(LlamaForCausalLM, "capture_scope", lambda self: _NullScope(), raising=False)
+    llm = LLM(model="random:tiny", compile=BACKGROUND)
+    compiled = llm.engine.executor.runner.compiled
+    assert not started and not compiled.building and isinstance(compiled.forward, KilnForward)
+
+
+class _NullScope:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.cpu_default
+def test_the_cpu_default_serves_at_once_and_builds_kiln(eager_outputs, caplog):
+    with caplog.at_level(logging.INFO):
+        llm = LLM(model="random:tiny")
+    assert llm.engine.config.compile.build == "background"
+    assert "compile.mode=kiln (built in the background)" in caplog.text
+    assert llm.engine.startup.building == llm.engine.executor.runner.compiled.building
+    assert llm.engine.wait_for_build(timeout=600)
+    _assert_like_eager(_generate(llm), eager_outputs)
+    assert isinstance(llm.engine.executor.runner.compiled.forward, KilnForward)
