@@ -73,6 +73,21 @@ def test_steps_run_eagerly_while_the_forward_loads_from_the_compile_cache(eager_
     _assert_like_eager(_generate(llm), eager_outputs)
 
 
+def test_builds_in_one_process_run_one_at_a_time(eager_outputs):
+    """Dynamo captures must not overlap: a background build waits while another build holds the
+    process's build lock, and steps run eagerly meanwhile."""
+    from kiln.compiler import compiled_model
+
+    with compiled_model._ONE_BUILD:  # as a build running elsewhere in this process would
+        llm = LLM(model="random:tiny", compile=BACKGROUND)
+        assert not llm.engine.wait_for_build(timeout=1.0)
+        _assert_like_eager(_generate(llm), eager_outputs)
+        assert llm.engine.executor.runner.compiled.forward is llm.engine.executor.runner.compiled.model
+    assert llm.engine.wait_for_build(timeout=600)
+    _assert_like_eager(_generate(llm), eager_outputs)
+    assert isinstance(llm.engine.executor.runner.compiled.forward, KilnForward)
+
+
 def test_a_failed_build_keeps_the_model_eager(eager_outputs, monkeypatch, caplog):
     def fail(self, device):
         raise RuntimeError("no compiler here")

@@ -27,11 +27,12 @@ while steps run the model eagerly; the step after it is done switches to it. Cap
 model's shapes and never runs it, so the two do not touch each other's data. One thing is shared:
 FX symbolic tracing (``torch.fx.Tracer.trace``, which reading a saved graph runs) patches
 ``nn.Module.__call__`` for the whole process, so while a build runs, a trace and an eager forward
-exclude each other (``_EAGER_OR_TRACE``). A model that changes how it runs while captured
+exclude each other (``_EAGER_OR_TRACE``), and builds in one process run one at a time
+(``_ONE_BUILD``: Dynamo captures must not overlap). A model that changes how it runs while captured
 (``capture_scope``) is built before start-up instead.
 
 Rules kept here: the runtime never touches graphs, pieces or kernel choices, and no process-global
-state is written: the kernels travel in the KernelSet (to the passes, the split, the forward
+state is written (but for the trace lock above, while a background build runs): the kernels travel in the KernelSet (to the passes, the split, the forward
 context and capture), so two compiled models in one process do not interfere. Caches may be
 re-bound only until graphs are captured over them.
 """
@@ -142,7 +143,8 @@ class CompiledModel:
             else:
                 self._building, self.forward = BackgroundBuild(self.forward, self.device), model
         if self._building is None:
-            build_now(self.forward, self.device)  # kiln: load the compiled forward from the cache, or compile it
+            with _ONE_BUILD:  # kiln: load the compiled forward from the cache, or compile it
+                build_now(self.forward, self.device)
         self.inputs = InputBuffers(limits, self.device)
         self.kv_caches: list[torch.Tensor] = []
         self.kv_scales: Optional[list[torch.Tensor]] = None  # an FP8 cache's, one [2] tensor per layer
@@ -423,6 +425,8 @@ class CompiledModel:
 
 # Held by an eager forward during a background build, and by every FX symbolic trace meanwhile.
 _EAGER_OR_TRACE = threading.RLock()
+# Held by every build, at start-up or in the background: one Dynamo capture at a time in a process.
+_ONE_BUILD = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -460,7 +464,7 @@ class BackgroundBuild:
             try:
                 with contextlib.suppress(OSError, AttributeError):  # Linux: a thread's own priority
                     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.NICE)
-                with _traces_exclude_eager_forwards():
+                with _ONE_BUILD, _traces_exclude_eager_forwards():
                     build_now(forward, device)
             except BaseException as e:  # reported by CompiledModel when it would switch
                 self.error = e
