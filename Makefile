@@ -28,7 +28,7 @@ serve: setup
 generate: setup
 	$(VENV)/bin/kiln generate $(ARGS)
 
-# One line of dots per test file; about 13 minutes on two CPU cores (see README).
+# One line of dots per test file; 13-22 minutes on two CPU cores (see README).
 test: setup
 	$(PY) -m pytest -m "not slow" tests
 
