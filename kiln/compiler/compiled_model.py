@@ -59,6 +59,7 @@ from kiln.compiler.inputs import InputBuffers, InputLimits, ModelInputs, VerifyS
 from kiln.compiler.piecewise import GraphRecorder, PiecewiseCUDAGraphs
 from kiln.config import CompileConfig
 from kiln.forward_context import ForwardContext, forward_context
+from kiln.models.loader import Background
 from kiln.ops.registry import KernelSet
 from kiln.passes.manager import PassConfig
 
@@ -447,37 +448,37 @@ def _traces_exclude_eager_forwards() -> Iterator[None]:
 
 
 class BackgroundBuild:
-    """``forward.build(device)`` on a thread of its own (compile.build=background), under inference
-    mode, at a lower CPU priority than the steps (the C++ compiler processes it starts inherit it).
-    Not the lowest: on a busy machine the build still gets about a quarter of a core it shares."""
+    """``forward.build(device)`` on a thread (``kiln.models.loader.Background``; compile.build=background),
+    under inference mode, at a lower CPU priority than the steps (the C++ compiler processes it starts
+    inherit it). Not the lowest: on a busy machine the build still gets about a quarter of a core it shares."""
 
     NICE = 5
 
     def __init__(self, forward: KilnForward, device: torch.device) -> None:
         self.forward = forward
-        self.error: Optional[BaseException] = None
         self.seconds = 0.0
-        self._done = threading.Event()
 
-        def run() -> None:
+        def build() -> None:
             t0 = time.perf_counter()
             try:
                 with contextlib.suppress(OSError, AttributeError):  # Linux: a thread's own priority
                     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.NICE)
                 with _ONE_BUILD, _traces_exclude_eager_forwards():
                     build_now(forward, device)
-            except BaseException as e:  # reported by CompiledModel when it would switch
-                self.error = e
-            self.seconds = time.perf_counter() - t0
-            self._done.set()
+            finally:
+                self.seconds = time.perf_counter() - t0
 
         logger.info("compile.build=background: building kiln's forward on a thread; steps run eagerly until then")
-        self._thread = threading.Thread(target=run, name="kiln-build", daemon=True)
-        self._thread.start()
+        self._task = Background(build, "kiln-build")
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._task.done
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """What the build raised (reported by CompiledModel when it would switch)."""
+        return self._task.error
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        return self._done.wait(timeout)
+        return self._task.join(timeout)

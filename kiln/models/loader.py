@@ -107,6 +107,20 @@ class Background:
             raise self._error
         return self._result
 
+    def join(self, timeout: Optional[float] = None) -> bool:
+        """Wait at most ``timeout`` seconds (None: until done); whether ``fn`` has returned or raised."""
+        self._thread.join(timeout)
+        return self.done
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """What ``fn`` raised, once done (None while running or after a return)."""
+        return self._error
+
 
 class WeightFill:
     """``model.load_weights(weights)`` on a thread of its own. The model's tensors are allocated
