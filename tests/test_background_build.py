@@ -88,6 +88,33 @@ def test_builds_in_one_process_run_one_at_a_time(eager_outputs):
     assert isinstance(llm.engine.executor.runner.compiled.forward, KilnForward)
 
 
+def test_the_server_reports_a_running_build_until_it_ends():
+    """``kiln_compile_building`` on /metrics (what ``kiln bench``'s serve runs wait on) reads the
+    build as it is: 1 while it runs, 0 once it has ended, with no request in between (the engine
+    thread is idle then, and its other stats are as of its last turn)."""
+    from kiln.compiler import compiled_model
+    from kiln.config import EngineConfig, ModelConfig
+    from kiln.entrypoints.openai.metrics import ServerMetrics
+    from kiln.runtime.async_engine import AsyncEngine
+
+    def gauge(engine) -> float:
+        text = ServerMetrics(engine.stats, engine.is_healthy).render().decode()
+        return float(next(line.split()[1] for line in text.splitlines() if line.startswith("kiln_compile_building ")))
+
+    with compiled_model._ONE_BUILD:  # the build waits while the test holds the lock
+        engine = AsyncEngine.from_config(EngineConfig(model=ModelConfig("random:tiny"), compile=BACKGROUND))
+        engine.wait_ready(timeout=300)
+        assert gauge(engine) == 1.0
+    try:
+        deadline = time.monotonic() + 600
+        while gauge(engine) == 1.0:
+            assert time.monotonic() < deadline, "the build did not end"
+            time.sleep(0.1)
+        assert engine.stats()["compile_building"] == 0
+    finally:
+        engine.shutdown()
+
+
 def test_a_failed_build_keeps_the_model_eager(eager_outputs, monkeypatch, caplog):
     def fail(self, device):
         raise RuntimeError("no compiler here")

@@ -2,8 +2,11 @@
 
     python -m kiln.bench.serve CONFIG.json   # the child: run_server(EngineConfig)
 
-Measures ``server_startup_s`` (spawn to a healthy ``GET /health``), then for each batch size sends
-``num_requests`` completions that many at a time: output tokens/s and request latency percentiles.
+Measures ``server_startup_s`` (spawn to a healthy ``GET /health``); then, where kiln's forward is
+built in the background (``compile.build=background``, the CPU default), waits until ``/metrics``
+reports ``kiln_compile_building 0`` (``build_wait_s``), so that the load runs the built forward, as
+the in-process benchmarks do; then for each batch size sends ``num_requests`` completions that many
+at a time: output tokens/s and request latency percentiles.
 Prompts are text of about ``prompt_len`` tokens (one short word per token for common tokenizers).
 """
 
@@ -22,7 +25,7 @@ from pathlib import Path
 from kiln.config import EngineConfig, redacted
 from kiln.runtime.worker import free_port
 
-HEALTH_TIMEOUT_S = 600.0
+HEALTH_TIMEOUT_S = 600.0  # also the longest wait for a background build
 
 
 def wait_healthy(base_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -39,6 +42,22 @@ def wait_healthy(base_url: str, proc: subprocess.Popen, timeout_s: float) -> Non
             pass
         time.sleep(0.2)
     raise TimeoutError(f"the server was not healthy after {timeout_s:g} s")
+
+
+def wait_built(base_url: str, proc: subprocess.Popen, timeout_s: float) -> float:
+    """Seconds until the server's ``kiln_compile_building`` gauge reads 0 (at once without a build)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode} while kiln's forward was built")
+        families = text_string_to_metric_families(httpx.get(f"{base_url}/metrics", timeout=5.0).text)
+        if not any(s.name == "kiln_compile_building" and s.value for f in families for s in f.samples):
+            return time.perf_counter() - t0
+        time.sleep(0.5)
+    raise TimeoutError(f"kiln's forward was still being built after {timeout_s:g} s")
 
 
 def measure_serve(engine, bench) -> dict:
@@ -58,6 +77,7 @@ def measure_serve(engine, bench) -> dict:
         try:
             wait_healthy(base_url, proc, HEALTH_TIMEOUT_S)
             metrics = {"server_startup_s": time.perf_counter() - t0}
+            metrics["build_wait_s"] = wait_built(base_url, proc, HEALTH_TIMEOUT_S)
             key = engine.server.resolved_api_key()
             headers = {"Authorization": f"Bearer {key}"} if key else {}
             with httpx.Client(base_url=base_url, timeout=bench.timeout_s, headers=headers) as client:

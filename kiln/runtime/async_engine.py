@@ -159,6 +159,7 @@ class AsyncEngine:
         self._stopping = False
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._stats: dict = {}
+        self._building = lambda: False  # the engine's live LLMEngine.building, once it exists
         self.tokenizer = None
         self.max_model_len: Optional[int] = None
         self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
@@ -196,10 +197,11 @@ class AsyncEngine:
 
     def stats(self) -> dict:
         """LLMEngine.stats() as of the engine thread's latest turn (empty before it is ready), and
-        what is admitted now against the queue limits (``num_queued_seqs``, ``num_queued_tokens``)."""
+        what is admitted now against the queue limits (``num_queued_seqs``, ``num_queued_tokens``);
+        ``compile_building`` is read now (a build can end while the engine thread waits for requests)."""
         with self._lock:
             queued = {"num_queued_seqs": self._num_queued_seqs, "num_queued_tokens": self._num_queued_tokens}
-        return {**self._stats, **queued}
+        return {**self._stats, **queued, "compile_building": int(self._building())}
 
     # ---- requests -------------------------------------------------------------------------------
     async def add_request(
@@ -312,6 +314,7 @@ class AsyncEngine:
             self.tokenizer = engine.tokenizer
             self.max_model_len = engine.max_model_len
             self._input_processor = getattr(engine, "inputs", None)  # test stand-ins have none
+            self._building = lambda: bool(getattr(engine, "building", False))
             self._stats = engine.stats()
             self._ready.set()
             self._loop(engine)

@@ -299,6 +299,12 @@ class LLMEngine:
         runner = getattr(self.executor, "runner", None)  # a background build needs the one-process executor
         return runner is None or runner.compiled.wait_for_build(timeout)
 
+    @property
+    def building(self) -> bool:
+        """Whether a background build of kiln's forward is still running (steps run eagerly until the
+        first one after it ends); safe to read from any thread."""
+        return not self.wait_for_build(timeout=0)
+
     def capture_idle(self) -> bool:
         """Capture one pending CUDA-graph size now; for a caller whose engine is idle (no request
         unfinished, so no step in flight). Returns whether more are pending."""
@@ -370,6 +376,7 @@ class LLMEngine:
             "num_blocks": self.executor.num_blocks,
             "num_usable_blocks": self.kv_manager.num_usable_blocks,
             "prefix_cache_hit_rate": self.kv_manager.hit_rate,
+            "compile_building": int(self.building),
             **self.spec_stats.as_dict(),
         }
 
