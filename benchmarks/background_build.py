@@ -10,9 +10,10 @@ eagerly and of those run by kiln's forward::
     python benchmarks/background_build.py                      # SmolLM2, fp32, this machine's threads
     python benchmarks/background_build.py --systems auto,eager --seconds 60
 
-Systems: ``auto`` (no compile options: on the CPU kiln, ``compile.build=background``), ``eager``
-(``compile.mode=eager``), ``kiln`` (``compile.mode=kiln``, built before ready), and ``auto-split10``
-/ ``kiln-split10``: the same with ``compile.split_every=10``. Each system has
+Systems: ``auto`` (no compile options: on the CPU kiln, ``compile.build=background``, cut at every
+10th attention call), ``eager`` (``compile.mode=eager``), ``kiln`` (``compile.mode=kiln``, built before
+ready), and ``auto-split1`` / ``kiln-split1``: the same cut at every attention call
+(``compile.split_every=1``). Each system has
 its own cache dir and Inductor cache dir, empty for its cold start. The converted model is shared
 from the usual cache dir (converted there first if missing), so no start pays for a conversion. Writes ``benchmarks/results/background_build-<model>.{json,md}``.
 """
@@ -33,9 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import console_table  # noqa: E402
+from kiln.bench.report import device_name  # noqa: E402
 
 SYSTEMS = {"auto": {}, "eager": {"mode": "eager"}, "kiln": {"mode": "kiln"},
-           "auto-split10": {"split_every": 10}, "kiln-split10": {"mode": "kiln", "split_every": 10}}
+           "auto-split1": {"split_every": 1}, "kiln-split1": {"mode": "kiln", "split_every": 1}}
 
 
 def child(opts: dict) -> None:
@@ -88,6 +90,7 @@ def main() -> None:
     ap.add_argument("--systems", default="auto,eager,kiln")
     ap.add_argument("--seconds", type=float, default=90.0, help="decoding after ready, per start")
     ap.add_argument("--new", type=int, default=32, help="new tokens per request")
+    ap.add_argument("--label", default="", help="appended to the result files' names")
     ap.add_argument("--child")
     args = ap.parse_args()
     if args.child:
@@ -118,12 +121,13 @@ def main() -> None:
               "" if r["kiln_tok_s"] is None else f"{r['kiln_tok_s']:.1f}", str(r["requests"])] for r in results]
     print(console_table(header, table))
     text = "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *table])
-    out = REPO / "benchmarks" / "results" / f"background_build-{args.model.replace(':', '_')}"
+    label = f"-{args.label}" if args.label else ""
+    out = REPO / "benchmarks" / "results" / f"background_build-{args.model.replace(':', '_')}{label}"
     out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     out.with_suffix(".md").write_text(
         f"# Background build on the CPU: {args.model}, batch 1, {args.new} new tokens a request\n\n"
         f"`python benchmarks/background_build.py --systems {args.systems} --seconds {args.seconds:g}`, "
-        f"{os.cpu_count()} CPUs. Seconds since the process started; tok/s medians per forward.\n\n"
+        f"{os.cpu_count()} CPUs ({device_name()}). Seconds since the process started; tok/s medians per forward.\n\n"
         + text + "\n\nEvery request: `background_build-*.json` (rows).\n")
 
 

@@ -165,8 +165,9 @@ class CompileConfig:
     capture: str = "auto"  # CAPTURE_MODES; auto: lazy where the engine runs the model in its own process (LLM: startup)
     max_startup_capture_size: int = 8  # lazy: sizes up to this are captured before the engine is ready
     # kiln mode: cut the graph at every split_every-th attention call (0: never; one piece), the
-    # others compiled inside the pieces. 1 (every call) is what piecewise CUDA graphs need.
-    split_every: int = 1
+    # others compiled inside the pieces. 1 (every call) is what piecewise CUDA graphs need. None:
+    # decided per device (default_split_every).
+    split_every: Optional[int] = None
     build: str = "auto"  # BUILD_MODES; auto: background where compile.mode=auto chose kiln on the CPU, else startup
     debug_dump_dir: Optional[str] = None
 
@@ -177,7 +178,7 @@ class CompileConfig:
         _check_choice("compile", "build", self.build, BUILD_MODES)
         if int(self.max_startup_capture_size) < 0:
             raise ValueError(f"compile.max_startup_capture_size must be >= 0, got {self.max_startup_capture_size}")
-        if int(self.split_every) < 0:
+        if self.split_every is not None and int(self.split_every) < 0:
             raise ValueError(f"compile.split_every must be >= 0 (0: one piece), got {self.split_every}")
         object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
         if self.capture_sizes is not None:
@@ -188,7 +189,8 @@ class CompileConfig:
 
     @property
     def is_resolved(self) -> bool:
-        return "auto" not in (self.mode, self.cudagraph, self.build) and self.capture_sizes is not None
+        return ("auto" not in (self.mode, self.cudagraph, self.build) and self.capture_sizes is not None
+                and self.split_every is not None)
 
 
 @dataclass(frozen=True)
@@ -406,6 +408,13 @@ class EngineConfig:
 # eager starts in about 2 s (README, "Defaults: fast with no options"). A model split over processes
 # (parallel.backend mp or ray) gets eager on the CPU: its ranks could switch at different steps.
 CPU_COMPILE_MODE = "kiln"
+# On the CPU kiln's forward is cut at every 10th attention call, the calls between compiled inside the
+# pieces: fewer piece calls a step, and Inductor fuses across the layers of a piece. SmolLM2 (30
+# layers, 2 cores), `kiln bench -m compile.mode=eager,kiln compile.split_every=1,10`: batch 1 38.5
+# tok/s against 31.1 cut at every call and 27.6-28.0 eager; the first compile takes 74 s against 19 s,
+# which the background build hides behind eager steps (README, "Defaults: fast with no options").
+# CUDA cuts at every call: piecewise graphs capture the pieces between attention calls.
+CPU_SPLIT_EVERY = 10
 DEVICE_DEFAULTS = {  # device type -> (mode, cudagraph, max_num_seqs, max_num_batched_tokens)
     "cuda": ("kiln", "full_and_piecewise", 512, 4096),
     "cpu": (CPU_COMPILE_MODE, "none", 128, 2048),
@@ -430,6 +439,11 @@ def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: Optional[in
         step = PIECEWISE_SIZE_STEP
         sizes |= set(range((limit // step + 1) * step, max_num_batched_tokens + 1, step)) | {max_num_batched_tokens}
     return tuple(sorted(sizes))
+
+
+def default_split_every(device_type: str) -> int:
+    """``compile.split_every`` left unset (None), for a model on ``device_type``."""
+    return 1 if device_type == "cuda" else CPU_SPLIT_EVERY
 
 
 def resolve_for_device(compile: CompileConfig, scheduler: SchedulerConfig, device_type: str,
@@ -460,6 +474,8 @@ def resolve_for_device(compile: CompileConfig, scheduler: SchedulerConfig, devic
             scheduler.max_num_seqs, scheduler.max_num_batched_tokens))
     if compile.build == "auto":
         compile = dataclasses.replace(compile, build="startup")
+    if compile.split_every is None:
+        compile = dataclasses.replace(compile, split_every=default_split_every(device_type))
     if compile.build == "background" and (device_type == "cuda" or not can_background):
         raise ValueError("compile.build=background needs the CPU, one process and no speculative draft (CUDA "
                          "graphs are captured over the built forward; the ranks of parallel.backend mp or ray "

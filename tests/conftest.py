@@ -9,8 +9,9 @@ of which pytest keeps the last three runs), except Ray's, whose socket paths mus
 On the CPU, ``compile.mode=auto`` resolves to eager in tests (``cpu_auto_is_eager``), as with
 several processes: users get kiln built in the background, which every test that builds an engine
 on the defaults would otherwise start (a compile of its model on a thread, seconds to minutes of
-CPU). Tests of that default are marked ``cpu_default``; a ``kiln serve`` started as a subprocess
-keeps the user's default.
+CPU). kiln mode there cuts at every attention call (users get every 10th), so a test's layers are
+one small build. Tests of those defaults are marked ``cpu_default``; a ``kiln serve`` started as a
+subprocess keeps the user's defaults.
 
 One exception, shared across runs and read-only to the tests: the embedded SmolLM2 converted into
 a Hugging Face directory (about 14 s to convert), kept in ``$KILN_TEST_SHARED_DIR`` (default
@@ -63,12 +64,15 @@ def kiln_cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def cpu_auto_is_eager():
-    """``compile.mode=auto`` on the CPU resolves to eager (see the module docstring)."""
+    """``compile.mode=auto`` on the CPU resolves to eager, and kiln mode cuts at every attention call
+    (see the module docstring): tests compile small pieces, and the layers of a piece once."""
     import kiln.config
 
+    users = {"split_every": kiln.config.CPU_SPLIT_EVERY}
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(kiln.config.DEVICE_DEFAULTS, "cpu", ("eager", *kiln.config.DEVICE_DEFAULTS["cpu"][1:]))
-        yield
+        mp.setattr(kiln.config, "CPU_SPLIT_EVERY", 1)
+        yield users
 
 
 @pytest.fixture(autouse=True)
@@ -82,6 +86,7 @@ def cpu_default(request, cpu_auto_is_eager):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(kiln.config.DEVICE_DEFAULTS, "cpu", (kiln.config.CPU_COMPILE_MODE, *kiln.config.DEVICE_DEFAULTS["cpu"][1:]))
+        mp.setattr(kiln.config, "CPU_SPLIT_EVERY", cpu_auto_is_eager["split_every"])
         yield
 
 

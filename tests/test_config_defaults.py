@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kiln.config import (
-    CompileConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig, default_capture_sizes,
+    CPU_SPLIT_EVERY, CompileConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig, default_capture_sizes,
     resolve_for_device,
 )
 
@@ -30,6 +30,7 @@ def test_capture_sizes_cover_the_token_budget_with_piecewise_sizes():
 def test_cuda_defaults_are_the_fast_path():
     config = EngineConfig().resolved("cuda")
     assert (config.compile.mode, config.compile.cudagraph) == ("kiln", "full_and_piecewise")
+    assert config.compile.split_every == 1  # piecewise graphs capture the pieces between attention calls
     assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (512, 4096)
     assert config.compile.capture_sizes == default_capture_sizes(512, 4096)
     assert config.compile.capture_sizes[-1] == 4096
@@ -40,8 +41,11 @@ def test_cuda_defaults_are_the_fast_path():
 def test_cpu_defaults_build_kiln_in_the_background():
     config = EngineConfig().resolved("cpu")
     assert (config.compile.mode, config.compile.cudagraph, config.compile.build) == ("kiln", "none", "background")
+    assert config.compile.split_every == CPU_SPLIT_EVERY > 1  # groups of layers, one build each
     assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (128, 2048)
     assert config.compile.is_resolved
+    assert EngineConfig(compile=CompileConfig(split_every=1)).resolved("cpu").compile.split_every == 1
+    assert not CompileConfig().is_resolved and CompileConfig().split_every is None
     # Where no background build can run, auto is eager; a mode or build the user set is kept.
     assert EngineConfig(parallel=ParallelConfig(backend="mp")).resolved("cpu").compile.mode == "eager"
     draft = EngineConfig(speculative=SpeculativeConfig(method="draft", draft_model="random:tiny")).resolved("cpu")
@@ -65,8 +69,10 @@ def test_a_background_build_that_cannot_run_is_refused():
 
 
 def test_tests_resolve_the_cpu_default_to_eager():
-    # tests/conftest.py: unmarked tests do not start a background build for every engine they make.
-    assert EngineConfig().resolved("cpu").compile.mode == "eager"
+    # tests/conftest.py: unmarked tests do not start a background build for every engine they make,
+    # and their kiln pieces hold one layer each.
+    compile = EngineConfig().resolved("cpu").compile
+    assert (compile.mode, compile.split_every) == ("eager", 1)
 
 
 def test_what_the_user_set_is_kept_and_resolution_is_idempotent():

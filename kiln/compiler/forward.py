@@ -23,7 +23,7 @@ from kiln.compiler.artifact_cache import ArtifactCache, key_factors
 from kiln.compiler.backend import KilnBackend
 from kiln.compiler.capture import CAPTURE_NUM_TOKENS, KilnForward
 from kiln.compiler.debug import DebugDump
-from kiln.config import CompileConfig
+from kiln.config import CompileConfig, default_split_every
 from kiln.ops.registry import select_kernels
 from kiln.passes.manager import PassConfig, PassManager, build_passes
 
@@ -65,6 +65,10 @@ def build_forward(model: nn.Module, config: CompileConfig, pass_config: Optional
 
 def build_kiln_forward(model: nn.Module, config: CompileConfig, pass_config: PassConfig,
                        artifact_cache: Optional[ArtifactCache] = None) -> KilnForward:
+    if config.split_every is None:  # a config not resolved for the device (kiln.config.resolve_for_device)
+        param = next(model.parameters(), None)
+        device_type = param.device.type if param is not None else "cpu"
+        config = dataclasses.replace(config, split_every=default_split_every(device_type))
     dump = DebugDump(config.debug_dump_dir) if config.debug_dump_dir else None
     # A generic-path model's per-layer windows and soft-caps, for the attention pass.
     attention_layers = tuple(getattr(model, "attention_layers", ()))

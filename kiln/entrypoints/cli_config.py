@@ -97,7 +97,7 @@ FIELD_HELP = {
     "compile.max_startup_capture_size": "compile.capture=lazy: capture sizes up to this before ready",
     "compile.split_every": "mode kiln: cut the graph at every Nth attention call, the others compiled inside "
                            "the pieces (0: one piece); fewer, larger pieces run faster and compile slower; "
-                           "GPU: needs compile.cudagraph=full or none",
+                           "null: 10 on the CPU, 1 on a GPU (other values need compile.cudagraph=full or none)",
     "compile.build": "when kiln's forward is built: startup: before ready; background (CPU, one process): on a "
                      "thread while the model serves eagerly, switching once built; auto: background for "
                      "compile.mode=auto on the CPU, else startup",
