@@ -410,10 +410,11 @@ class EngineConfig:
 CPU_COMPILE_MODE = "kiln"
 # On the CPU kiln's forward is cut at every 10th attention call, the calls between compiled inside the
 # pieces: fewer piece calls a step, and Inductor fuses across the layers of a piece. SmolLM2 (30
-# layers, 2 cores), `kiln bench -m compile.mode=eager,kiln compile.split_every=1,10`: batch 1 38.5
-# tok/s against 31.1 cut at every call and 27.6-28.0 eager; the first compile takes 74 s against 19 s,
-# which the background build hides behind eager steps (README, "Defaults: fast with no options").
-# CUDA cuts at every call: piecewise graphs capture the pieces between attention calls.
+# layers): on a 2-core Xeon, batch 1 38.5 tok/s against 31.1 cut at every call and 27.6-28.0 eager;
+# on a 2-vCPU EPYC, a batch-1 step of 67.3 ms against 75.3 and 79.2 (benchmarks/cpu_split_every.py).
+# The first compile takes 74 s / 140 s there against 19 s / 51 s, which the background build hides
+# behind eager steps (README, "Defaults: fast with no options"). CUDA cuts at every call: piecewise
+# graphs capture the pieces between attention calls.
 CPU_SPLIT_EVERY = 10
 DEVICE_DEFAULTS = {  # device type -> (mode, cudagraph, max_num_seqs, max_num_batched_tokens)
     "cuda": ("kiln", "full_and_piecewise", 512, 4096),
