@@ -197,8 +197,9 @@ class AsyncEngine:
 
     def stats(self) -> dict:
         """LLMEngine.stats() as of the engine thread's latest turn (empty before it is ready), and
-        what is admitted now against the queue limits (``num_queued_seqs``, ``num_queued_tokens``);
-        ``compile_building`` is read now (a build can end while the engine thread waits for requests)."""
+        what is admitted now against the queue limits (``num_queued_seqs``, ``num_queued_tokens``), and
+        ``compile_building``, ``LLMEngine.building`` read now (a build can end while the engine thread
+        waits for requests, so the engine's own stats would keep it stale)."""
         with self._lock:
             queued = {"num_queued_seqs": self._num_queued_seqs, "num_queued_tokens": self._num_queued_tokens}
         return {**self._stats, **queued, "compile_building": int(self._building())}

@@ -376,7 +376,6 @@ class LLMEngine:
             "num_blocks": self.executor.num_blocks,
             "num_usable_blocks": self.kv_manager.num_usable_blocks,
             "prefix_cache_hit_rate": self.kv_manager.hit_rate,
-            "compile_building": int(self.building),
             **self.spec_stats.as_dict(),
         }
 
