@@ -9,6 +9,10 @@ kiln built before the first request, from the compile cache when it holds the bu
 - batch ``--batch``: that many such requests at once through ``LLM.generate``, output tok/s
   (prefill included).
 
+With ``--mkl``, each system gets a twin whose float32 linears go through ``F.linear`` (MKL's GEMV
+and GEMM, kiln before ``kiln_cpu::linear_f32``), built and run with float32 left out of
+``kiln.ops.cpu_linear.CPU_LINEAR_OPS``, its artifacts in a cache dir of its own.
+
 Systems take turns within a round, so a machine whose speed drifts (a shared VM) moves every
 system alike. The table gives the decode step's 10th percentile and median over all rounds (a
 shared VM's neighbours only add time: the low percentile is the steadier number) and the batch's
@@ -16,12 +20,15 @@ median tok/s. Writes ``benchmarks/results/cpu_split_every-<model><label>.{json,m
 
     python benchmarks/cpu_split_every.py                          # SmolLM2: eager, split 1, split 10
     python benchmarks/cpu_split_every.py --split-every 1,5,10 --rounds 7
+    python benchmarks/cpu_split_every.py --split-every 10 --mkl      # the float32 GEMV against MKL's
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -29,6 +36,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
 
 from benchmarks.common import console_table  # noqa: E402
 from kiln.bench.report import device_name  # noqa: E402
@@ -43,20 +52,41 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--label", default="")
+    p.add_argument("--mkl", action="store_true", help="add each system's twin with float32 linears through MKL")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     from kiln import LLM, SamplingParams
+    from kiln.config import default_cache_dir
+    from kiln.ops import cpu_linear
 
     systems = {"eager": {"mode": "eager"}}
     for every in args.split_every.split(","):
         systems[f"kiln split_every={int(every)}"] = {"mode": "kiln", "build": "startup", "split_every": int(every)}
+    if args.mkl:
+        systems.update({f"{name}, MKL": compile for name, compile in list(systems.items())})
+
+    @contextlib.contextmanager
+    def linears_of(name: str):
+        """A twin's float32 linears go through F.linear while it is built and while it runs."""
+        saved = dict(cpu_linear.CPU_LINEAR_OPS)
+        if name.endswith(", MKL"):
+            cpu_linear.CPU_LINEAR_OPS.pop(torch.float32, None)
+        try:
+            yield
+        finally:
+            cpu_linear.CPU_LINEAR_OPS.clear()
+            cpu_linear.CPU_LINEAR_OPS.update(saved)
+
     llms, startup = {}, {}
     for name, compile in systems.items():
         t0 = time.perf_counter()
-        llms[name] = LLM(model=args.model, compile=compile)
+        # A twin's graphs differ from its system's, but not the artifact key: its own cache dir.
+        cache = {"dir": os.path.join(default_cache_dir(), "bench-mkl")} if name.endswith(", MKL") else {}
+        with linears_of(name):
+            llms[name] = LLM(model=args.model, compile=compile, cache=cache)
         startup[name] = time.perf_counter() - t0
         print(f"{name}: built in {startup[name]:.1f} s", flush=True)
 
@@ -69,9 +99,10 @@ def main(argv=None) -> None:
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t0
 
-    for llm in llms.values():  # warm-up: first calls at new shapes
-        timed(llm, prompt, 4)
-        timed(llm, batch, 4)
+    for name, llm in llms.items():  # warm-up: first calls at new shapes
+        with linears_of(name):
+            timed(llm, prompt, 4)
+            timed(llm, batch, 4)
     def decode_steps(llm, request_id: str) -> list[float]:
         engine = llm.engine
         engine.add_request(request_id, prompt[0], SamplingParams(max_tokens=args.output_len, temperature=0.0,
@@ -86,8 +117,9 @@ def main(argv=None) -> None:
     rows = {name: [] for name in llms}
     for r in range(args.rounds):
         for name, llm in llms.items():
-            steps = decode_steps(llm, f"round{r}")
-            tok_s = args.batch * args.output_len / timed(llm, batch, args.output_len)
+            with linears_of(name):
+                steps = decode_steps(llm, f"round{r}")
+                tok_s = args.batch * args.output_len / timed(llm, batch, args.output_len)
             rows[name].append({"round": r, "b1_steps_ms": [1e3 * t for t in steps], f"b{args.batch}_tok_s": tok_s})
             print(f"round {r} {name}: batch 1 step median {1e3 * statistics.median(steps):.1f} ms, "
                   f"batch {args.batch} {tok_s:.1f} tok/s", flush=True)
@@ -114,7 +146,8 @@ def main(argv=None) -> None:
     md = "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *table])
     out.with_suffix(".md").write_text(
         f"# kiln on the CPU cut at every attention call or every Nth: {args.model}\n\n"
-        f"`python benchmarks/cpu_split_every.py --split-every {args.split_every} --rounds {args.rounds}`, "
+        f"`python benchmarks/cpu_split_every.py --split-every {args.split_every} --rounds {args.rounds}"
+        f"{' --mkl' if args.mkl else ''}`, "
         f"{device_name()}; batch 1: prompt {args.prompt_len}, {args.output_len} new tokens, each decode step "
         f"timed, percentiles over all rounds; batch {args.batch}: output tok/s, prefill included, median of "
         f"the rounds.\n\n" + md + "\n")

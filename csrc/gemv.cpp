@@ -1,4 +1,4 @@
-// One-row bfloat16 GEMV on CPU: torch.ops.kiln_cpu.gemv_bf16 (built into kiln._C with
+// One-row bfloat16 and float32 GEMVs on CPU: torch.ops.kiln_cpu.gemv_bf16 and gemv_f32 (built into kiln._C with
 // paged_attention.cpp). Python side and when it runs: kiln/ops/cpu_linear.py; tests:
 // tests/test_cpu_linear.py; timing: benchmarks/quant_cpu.py.
 //
@@ -12,8 +12,9 @@
 // takes the weight as stored, four rows at a time sharing each load of x, with a software
 // prefetch kPrefetchRows rows ahead: the hardware prefetcher alone left a single core at about
 // 60% of the bandwidth MKL's float32 GEMV reaches (measured on a 2-core Xeon with AMX-BF16).
-// Rows are split over torch's threads in tiles of 16. Without AVX512-BF16 a portable loop computes
-// the same sums (bf16 -> float is exact) in another order.
+// Rows are split over torch's threads in tiles of 16. Without AVX512-BF16, AVX2 + FMA widen each
+// bfloat16 to float32 (exact) and multiply in float32; without either a portable loop computes the
+// same sums in another order.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -93,6 +94,71 @@ void rows_avx512bf16(const uint16_t* w, const uint16_t* x, float* y, int64_t N, 
   }
 }
 
+// Float32 rows with AVX2 + FMA: two 8-float accumulators a row over 16 columns a step, four rows
+// sharing each load of x, and the same software prefetch, kF32PrefetchRows rows ahead. MKL's one-row
+// sgemv (what F.linear and Inductor's extern mm call) read 5.6-7.8 GB/s on a 2-vCPU AMD EPYC whose
+// memory gives 14 GB/s; this loop read 11-14 GB/s there (benchmarks/cpu_gemv.py).
+// Bfloat16 rows without AVX512-BF16 (AVX2 CPUs such as AMD's Zen 3) take the same loop, each
+// bfloat16 widened to float32 exactly (a 16-bit shift): half the bytes at the same memory speed.
+constexpr int64_t kF32GemvRows = 8;  // linear_f32's rows through the GEMV (see there)
+constexpr int64_t kF32PrefetchRows = 16;  // measured on the EPYC: none 10-14 GB/s, 16 and 32 11-14, 64 9-13
+
+__attribute__((target("avx2,fma")))
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+__attribute__((target("avx2,fma")))
+inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) { return bf16_to_float(v); }
+
+template <typename T>
+__attribute__((target("avx2,fma")))
+void rows_avx2(const T* w, const T* x, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements of one 64-byte line: one prefetch each
+  const int64_t prefetch_rows = sizeof(T) == 4 ? kF32PrefetchRows : kPrefetchRows;
+  const int64_t k16 = K / 16 * 16;
+  const int64_t last = N * K;
+  int64_t n = n0;
+  for (; n + kRows <= n1; n += kRows) {
+    __m256 a0[kRows], a1[kRows];
+    for (int r = 0; r < kRows; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+    const int64_t ahead = (n + prefetch_rows) * K;
+    int64_t k = 0;
+    for (; k < k16; k += 16) {
+      const __m256 x0 = load8(x + k), x1 = load8(x + k + 8);
+      for (int r = 0; r < kRows; ++r) {
+        const T* wr = w + (n + r) * K + k;
+        if (k % kLine == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(w + std::min(ahead + r * K + k, last - 1)), _MM_HINT_T0);
+        a0[r] = _mm256_fmadd_ps(load8(wr), x0, a0[r]);
+        a1[r] = _mm256_fmadd_ps(load8(wr + 8), x1, a1[r]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 s = _mm256_add_ps(a0[r], a1[r]);
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      float acc = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+      for (int64_t c = k; c < K; ++c) acc += to_float(w[(n + r) * K + c]) * to_float(x[c]);
+      y[n + r] = acc;
+    }
+  }
+  for (; n < n1; ++n) {
+    float acc = 0.f;
+    for (int64_t c = 0; c < K; ++c) acc += to_float(w[n * K + c]) * to_float(x[c]);
+    y[n] = acc;
+  }
+}
+
+bool has_avx2_fma() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
 bool has_avx512bf16() {
   static const bool yes = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl");
@@ -113,14 +179,65 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w) {
   auto rows = rows_portable;
 #if defined(__x86_64__)
   if (has_avx512bf16()) rows = rows_avx512bf16;
+  else if (has_avx2_fma()) rows = rows_avx2<uint16_t>;
 #endif
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
-  for (int64_t m = 0; m < M; ++m) {
-    at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
-      rows(wp, xp + m * K, yp + m * N, N, K, t0 * kTileRows, std::min(N, t1 * kTileRows));
-    });
-  }
+  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {  // a tile read once for all rows of x
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t m = 0; m < M; ++m)
+        rows(wp, xp + m * K, yp + m * N, N, K, t * kTileRows, std::min(N, (t + 1) * kTileRows));
+  });
   return y;
+}
+
+// gemv_f32: y [M, N] = x [M, K] @ w [N, K].T in float32, through rows_avx2;
+// at::linear where the CPU lacks AVX2 + FMA (a scalar loop would be slower than MKL).
+at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv_f32: x [M, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "gemv_f32: float32 inputs");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "gemv_f32: CPU tensors");
+#if defined(__x86_64__)
+  if (has_avx2_fma()) {
+    const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+    const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
+    at::Tensor y = at::empty({M, N}, xc.options());
+    const float* wp = wc.data_ptr<float>();
+    const float* xp = xc.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+    // Rows of x inside a tile of weight rows: the tile comes from memory once and from the cache
+    // for the other rows.
+    at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t m = 0; m < M; ++m)
+          rows_avx2<float>(wp, xp + m * K, yp + m * N, N, K, t * kTileRows, std::min(N, (t + 1) * kTileRows));
+    });
+    return y;
+  }
+#endif
+  return at::linear(x, w);
+}
+
+// linear_f32: F.linear(x, w, bias) for a float32 weight, in x's dtype: up to kF32GemvRows rows
+// through gemv_f32, more through at::linear (MKL's GEMM). On the EPYC, against MKL, a SmolLM2 layer's
+// four linears took 920 / 913 / 1059 / 2272 / 3575 us at 1 / 2 / 4 / 8 / 16 rows through gemv_f32
+// and 1789 / 2759 / 2803 / 2848 / 3134 us through MKL (benchmarks/cpu_gemv.py --rows).
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "linear_f32: a float32 weight [N, K]");
+  const int64_t K = w.size(1), N = w.size(0);
+  TORCH_CHECK(x.size(-1) == K, "linear_f32: x's last dim must be the weight's K");
+  const int64_t rows = K ? x.numel() / K : 0;
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = N;
+  at::Tensor y;
+  if (rows >= 1 && rows <= kF32GemvRows) {
+    y = gemv_f32(x.reshape({rows, K}).to(at::kFloat), w);
+    if (bias.has_value() && bias->defined()) y.add_(*bias);
+    y = y.to(x.scalar_type());
+  } else {
+    y = at::linear(x.to(at::kFloat), w, bias).to(x.scalar_type());
+  }
+  return y.reshape(out_shape);
 }
 
 // linear_bf16: F.linear(x, w, bias) for a bfloat16 weight, in x's dtype: one row through the GEMV,
@@ -134,8 +251,15 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
   at::Tensor y;
-  if (rows == 1) {
-    y = gemv_bf16(x.reshape({1, K}).to(at::kBFloat16), w);
+  // With AVX512-BF16 (and AMX) oneDNN wins from a few rows on; on AVX2 alone its bfloat16 matmul
+  // is slower than the GEMV up to 16 rows (EPYC: a layer's linears 3109 against 7884 us at 16 rows).
+#if defined(__x86_64__)
+  const int64_t gemv_rows = has_avx512bf16() ? 1 : has_avx2_fma() ? 2 * kF32GemvRows : 1;
+#else
+  const int64_t gemv_rows = 1;
+#endif
+  if (rows >= 1 && rows <= gemv_rows) {
+    y = gemv_bf16(x.reshape({rows, K}).to(at::kBFloat16), w);
     if (bias.has_value() && bias->defined()) y.add_(*bias);
     y = y.to(x.scalar_type());
   } else {
@@ -161,11 +285,15 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
   m.def("gemv_bf16(Tensor x, Tensor w) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
+  m.def("gemv_f32(Tensor x, Tensor w) -> Tensor");
+  m.def("linear_f32(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
   m.def("linear_int4_packed(Tensor x, Tensor w, Tensor scales_zeros, int group_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
   m.impl("gemv_bf16", &kiln::gemv_bf16);
   m.impl("linear_bf16", &kiln::linear_bf16);
+  m.impl("gemv_f32", &kiln::gemv_f32);
+  m.impl("linear_f32", &kiln::linear_f32);
   m.impl("linear_int4_packed", &kiln::linear_int4);
 }

@@ -1,4 +1,4 @@
-"""CPU decode GEMMs (``kiln.ops.cpu_linear``): the AVX512-BF16 GEMV against a float64 reference on
+"""CPU decode GEMMs (``kiln.ops.cpu_linear``): the AVX512-BF16 and float32 GEMVs against a float64 reference on
 fresh random inputs, the one-row dispatch, how a loaded CPU model is prepared, and the GGUF's Q4_1
 blocks through the packed CPU int4 kernel."""
 
@@ -66,9 +66,43 @@ def test_decode_linear_matches_f_linear(rows, x_dtype):
     torch.testing.assert_close(y.double(), want, rtol=2e-2, atol=2e-2)  # one bf16 rounding of y
 
 
-def test_decode_linear_leaves_float32_weights_to_f_linear():
-    x, w = torch.randn(1, 64), torch.randn(32, 64)
-    torch.testing.assert_close(cpu_linear.decode_linear(x, w), F.linear(x, w))
+@needs_gemv
+@pytest.mark.parametrize("m,n,k", [(1, 960, 576), (1, 576, 1536), (1, 37, 100), (1, 5, 7), (3, 64, 576),
+                                   (1, 49152, 576), (2, 17, 31), (1, 3, 16)])
+def test_gemv_f32_matches_float64(m, n, k):
+    g = torch.Generator().manual_seed(n * 5 + k)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    y = torch.ops.kiln_cpu.gemv_f32(x, w)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    want = x.double() @ w.double().t()
+    # float32 products and sums of k terms: a few float32 ulps of the row's absolute sum.
+    bound = 1e-6 * (x.double().abs() @ w.double().abs().t()).max().item() * 8
+    assert (y.double() - want).abs().max().item() <= bound
+
+
+@needs_gemv
+def test_gemv_f32_reads_strided_rows_and_threads():
+    w = torch.randn(200, 48 * 2)[:, ::2]  # neither operand contiguous
+    x = torch.randn(1, 96)[:, ::2]
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            torch.testing.assert_close(torch.ops.kiln_cpu.gemv_f32(x, w).double(), x.double() @ w.double().t(),
+                                       rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8, 9])  # up to 8 rows through the GEMV, more through F.linear
+def test_decode_linear_of_float32_weights_matches_f_linear(rows):
+    x, w, b = torch.randn(rows, 64), torch.randn(32, 64), torch.randn(32)
+    y = cpu_linear.decode_linear(x, w, b)
+    assert y.shape == (rows, 32) and y.dtype == torch.float32
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu_linear.decode_linear(x.view(1, rows, 64), w), F.linear(x, w).view(1, rows, 32),
+                               rtol=1e-5, atol=1e-5)
 
 
 def _tiny_model(dtype: torch.dtype) -> LlamaForCausalLM:
@@ -94,8 +128,10 @@ def test_prepare_bf16_model_switches_linears_to_gemv():
 def test_prepare_quantized_float32_model_gives_a_bf16_head():
     model = _tiny_model(torch.float32)
     model.quantization = "none"
+    linears = sum(type(m) is nn.Linear for m in model.modules())
     cpu_linear.prepare_cpu_decode(model)
-    assert model.head_weight is None and not any(type(m) is cpu_linear.GemvLinear for m in model.modules())
+    assert model.head_weight is None  # float32 linears take the float32 GEMV, the head too
+    assert linears and sum(type(m) is cpu_linear.GemvLinear for m in model.modules()) == linears
     quantize_model(model, "int8", select_kernels("cpu"))
     cpu_linear.prepare_cpu_decode(model)
     assert model.head_weight.dtype == torch.bfloat16

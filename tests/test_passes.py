@@ -207,14 +207,16 @@ class _Attention(torch.nn.Module):
         return self.o_proj((q * k.sum(-1, keepdim=True) + v).flatten(2))
 
 
-def _dynamo_linears_after_merge(model: torch.nn.Module, x: torch.Tensor) -> tuple[int, int, torch.Tensor]:
-    """(linears captured, linears after the pass, the rewritten graph's output)."""
+def _dynamo_linears_after_merge(model: torch.nn.Module, x: torch.Tensor,
+                                target=torch._C._nn.linear) -> tuple[int, int, torch.Tensor]:
+    """(linears captured, linears after the pass, the rewritten graph's output); ``target`` is the
+    linear counted."""
     from kiln.passes.merge_linears import MergeSiblingLinearsPass
 
     counts = []
 
     def backend(gm, example_inputs):
-        count = lambda: sum(n.target is torch._C._nn.linear for n in gm.graph.nodes)  # noqa: E731
+        count = lambda: sum(n.target in (target, getattr(target, "default", None)) for n in gm.graph.nodes)  # noqa: E731
         counts.append(count())
         MergeSiblingLinearsPass()(gm.graph)
         gm.graph.lint()
@@ -242,6 +244,28 @@ def test_merge_sibling_linears_joins_adjacent_weights_of_one_input(bias):
     before, after, got = _dynamo_linears_after_merge(model, x)
     assert (before, after) == (4, 2)  # q, k, v -> one GEMM; o reads another input
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.skipif(not __import__("kiln.ops.cpu_linear").ops.cpu_linear.gemv_available(),
+                    reason="kiln._C not built with the CPU GEMVs")
+def test_merge_sibling_linears_joins_kiln_cpu_gemv_linears():
+    """A CPU model's float32 linears are kiln's GEMV op (``prepare_cpu_decode``): they merge into one
+    such op, whose one-row output matches the model's."""
+    from kiln.models.hf_generic import lay_out_sibling_linears
+    from kiln.ops.cpu_linear import use_decode_gemv
+
+    torch.manual_seed(0)
+    model = _Attention(bias=True)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert lay_out_sibling_linears(model) == 1
+    model.load_state_dict(state)
+    assert use_decode_gemv(model) == 4
+    for tokens in (1, 5):  # one row: the GEMV; more: F.linear inside the op
+        x = torch.randn(1, tokens, 16)
+        want = model(x)
+        before, after, got = _dynamo_linears_after_merge(model, x, torch.ops.kiln_cpu.linear_f32)
+        assert (before, after) == (4, 2)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_merge_sibling_linears_leaves_separate_weights_alone():

@@ -1,4 +1,4 @@
-"""CPU decode GEMMs: one-row bfloat16 linears through kiln's AVX512-BF16 GEMV.
+"""CPU decode GEMMs: one-row bfloat16 and float32 linears through kiln's GEMVs.
 
 At batch-1 decode every linear is ``[1, K] @ W.T``, and the step streams every weight once. On
 the CPU, torch's one-row bfloat16 paths do not read faster than float32: ``F.linear`` sends the row
@@ -6,11 +6,18 @@ through oneDNN's matmul and ``torch.mv`` through a GEMV that converts each bfloa
 2-core Xeon with AMX-BF16 both take about as long as float32's MKL GEMV on twice the bytes, so a
 bfloat16 model decoded no faster than float32. ``torch.ops.kiln_cpu.gemv_bf16`` (``csrc/gemv.cpp``,
 built into ``kiln._C``) multiplies bfloat16 pairs with AVX512-BF16 into float32 sums and
-prefetches ahead: about 2x float32 per step (``benchmarks/quant_cpu.py``). More rows keep
+prefetches ahead: about 2x float32 per step (``benchmarks/quant_cpu.py``); a CPU with AVX2 but not
+AVX512-BF16 widens each bfloat16 to float32 (exact) and multiplies with FMA. More rows keep
 ``F.linear``: oneDNN's AMX kernels win from a few rows on (batch 16: 2.5x float32 on the LM head).
 ``torch.ops.kiln_cpu.linear_bf16`` makes that choice in C++ by the row count, so a compiled graph
 holds it as one opaque op and serves decode and prefill alike. Without the extension, one eager row
 goes through ``torch.mv`` (no worse than ``F.linear``).
+
+Float32 goes the same way through ``torch.ops.kiln_cpu.linear_f32`` (``gemv_f32``: AVX2 + FMA, four
+rows sharing each load of the activation, software prefetch). MKL's one-row sgemv, which
+``F.linear`` and Inductor's extern ``mm`` call, read 5.6-7.8 GB/s on a 2-vCPU AMD EPYC whose memory
+gives 14 GB/s; the GEMV read 11-14 GB/s there (``benchmarks/cpu_gemv.py``). More rows keep MKL's
+GEMM, and a CPU without AVX2 keeps ``F.linear`` (inside the op).
 
 ``decode_linear`` is that choice; ``use_decode_gemv`` switches a CPU model's bfloat16 ``nn.Linear``
 layers to it (``GemvLinear``), and ``prepare_cpu_decode`` also gives a quantized float32 model a
@@ -32,20 +39,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Weight dtypes whose one-row product goes through the GEMV (float32's MKL GEMV is already at
-# memory speed).
-GEMV_DTYPES = (torch.bfloat16,)
+# Weight dtypes whose one-row product goes through a kiln GEMV, and the op (in torch.ops.kiln_cpu)
+# that takes it: one row through the GEMV, more through F.linear.
+CPU_LINEAR_OPS = {torch.bfloat16: "linear_bf16", torch.float32: "linear_f32"}
 _gemv_loaded: Optional[bool] = None  # None: not tried yet
 
 
 def gemv_available() -> bool:
     """Whether ``kiln._C`` is built with the GEMV ops (``torch.ops.kiln_cpu.gemv_bf16``,
-    ``linear_bf16``, ``linear_int4_packed``)."""
+    ``linear_bf16``, ``gemv_f32``, ``linear_f32``, ``linear_int4_packed``)."""
     global _gemv_loaded
     if _gemv_loaded is None:
         from kiln.ops.cpu_attention import load_extension
 
-        _gemv_loaded = load_extension() and hasattr(torch.ops.kiln_cpu, "linear_bf16")
+        _gemv_loaded = (load_extension() and hasattr(torch.ops.kiln_cpu, "linear_bf16")
+                        and hasattr(torch.ops.kiln_cpu, "linear_f32"))
         if _gemv_loaded:
             _register_fakes()
     return _gemv_loaded
@@ -57,6 +65,14 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake("kiln_cpu::linear_bf16")
+    def _(x, w, bias=None):
+        return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+    @torch.library.register_fake("kiln_cpu::gemv_f32")
+    def _(x, w):
+        return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+
+    @torch.library.register_fake("kiln_cpu::linear_f32")
     def _(x, w, bias=None):
         return x.new_empty((*x.shape[:-1], w.shape[0]))
 
@@ -80,15 +96,15 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def decode_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)`` in ``x``'s dtype; for a CPU weight of a GEMV dtype through
-    ``torch.ops.kiln_cpu.linear_bf16`` (one row: the GEMV; more: ``F.linear``), in eager mode and in
-    compiled graphs alike; without the extension, one eager row through ``torch.mv``. A CUDA
+    """``F.linear(x, w, bias)`` in ``x``'s dtype; for a CPU weight of a GEMV dtype through its op in
+    ``CPU_LINEAR_OPS`` (one row: the GEMV; more: ``F.linear``), in eager mode and in compiled graphs
+    alike; without the extension, one eager bfloat16 row through ``torch.mv``. A CUDA
     bf16/fp16 weight goes through ``kiln_cuda::linear_dense`` (``kiln.ops.dense_linear``: the
     Triton GEMV at one row, cuBLAS above)."""
-    if w.dtype in GEMV_DTYPES and w.device.type == "cpu":
+    if w.dtype in CPU_LINEAR_OPS and w.device.type == "cpu":
         if gemv_available():
-            return torch.ops.kiln_cpu.linear_bf16(x, w, bias)
-        if x.dim() == 2 and x.shape[0] == 1 and not torch.compiler.is_compiling():
+            return getattr(torch.ops.kiln_cpu, CPU_LINEAR_OPS[w.dtype])(x, w, bias)
+        if w.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1 and not torch.compiler.is_compiling():
             y = torch.mv(w, x[0].to(w.dtype)).unsqueeze(0).to(x.dtype)
             return y if bias is None else y + bias
     if w.is_cuda:
@@ -115,11 +131,11 @@ class GemvLinear(nn.Linear):
 
 
 def use_decode_gemv(model: nn.Module) -> int:
-    """Switch every ``nn.Linear`` of a CPU model whose weight is a GEMV dtype to ``GemvLinear`` in
-    place (same parameters); returns how many."""
+    """Switch every ``nn.Linear`` of a CPU model whose weight has a GEMV (``CPU_LINEAR_OPS``) to
+    ``GemvLinear`` in place (same parameters); returns how many."""
     count = 0
     for m in model.modules():
-        if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in GEMV_DTYPES:
+        if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in CPU_LINEAR_OPS:
             m.__class__ = GemvLinear
             count += 1
     return count
@@ -206,7 +222,7 @@ def q8_0_head(head: torch.Tensor, blocks=None) -> Optional[Q8Head]:
 
 
 def prepare_cpu_decode(model: nn.Module, head_blocks=None) -> None:
-    """Decode GEMMs of a loaded CPU model: ``GemvLinear`` for its bfloat16 linears, and for a model
+    """Decode GEMMs of a loaded CPU model: ``GemvLinear`` for its bfloat16 and float32 linears, and for a model
     whose decoder linears are quantized (their kernels compute in bfloat16, ``kiln.ops.quant``) a
     bfloat16 copy of the LM head weight (``model.head_weight``, read by ``compute_logits``), which
     halves the largest read of a float32 model's step; a quantized GGUF's embedding is Q8_0, whose

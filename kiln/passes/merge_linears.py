@@ -15,7 +15,8 @@ run, split back into the original outputs:
 
 The view reads memory the weights already occupy: nothing is copied, per step or at start. The
 adjacency is read from Dynamo's fake values (which keep storage identity and offsets), so a model
-whose weights are laid out otherwise (the native path, quantized layers) is left as it is.
+whose weights are laid out otherwise (the native path, quantized layers) is left as it is. kiln's
+CPU decode linears (``kiln_cpu::linear_f32`` / ``linear_bf16``) merge the same way, into their op.
 """
 
 from __future__ import annotations
@@ -29,10 +30,20 @@ from torch._dispatch.python import enable_python_dispatcher
 from kiln.passes.base import KilnPass, node_tensor
 
 _LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
+# kiln's CPU decode linears (kiln.ops.cpu_linear.CPU_LINEAR_OPS): F.linear's signature and result.
+_KILN_LINEARS = ("kiln_cpu::linear_bf16", "kiln_cpu::linear_f32")
+
+
+def _is_linear(target: Any) -> bool:
+    if target in _LINEARS:
+        return True
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name in _KILN_LINEARS
+    return isinstance(target, torch._ops.OpOverload) and target._schema.name in _KILN_LINEARS
 
 
 def _linear_args(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node, Optional[torch.fx.Node]]]:
-    if node.op != "call_function" or node.target not in _LINEARS:
+    if node.op != "call_function" or not _is_linear(node.target):
         return None
     args = list(node.args) + [None] * (3 - len(node.args))
     x, w, b = args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
@@ -96,6 +107,8 @@ class MergeSiblingLinearsPass(KilnPass):
     @staticmethod
     def _extends(run: list[tuple]) -> bool:
         ws = [e[3] for e in run]
+        if len({e[0].target in _LINEARS or str(e[0].target) for e in run}) > 1:  # one op for the run
+            return False
         k = ws[0].shape[1]
         if any(w.shape[1] != k or w.dtype != ws[0].dtype for w in ws) or not _adjacent(ws, k):
             return False
@@ -128,7 +141,7 @@ class MergeSiblingLinearsPass(KilnPass):
         with graph.inserting_before(first):
             weight = call(torch.as_strided, (w0, (total, k), (k, 1), 0))
             bias = call(torch.as_strided, (b0, (total,), (1,), 0)) if b0 is not None else None
-            out = call(torch._C._nn.linear, (x, weight, bias))
+            out = call(first.target, (x, weight, bias))  # the same linear, over the whole run
             parts = call(torch.split, (out, sizes, -1))
             pieces = [call(operator.getitem, (parts, i)) for i in range(len(run))]
         for node, piece in zip(nodes, pieces):
