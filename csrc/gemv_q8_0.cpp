@@ -24,7 +24,8 @@
 //
 // The activation row is packed the same way (int8, no offset). Rows are split over torch's
 // threads in tiles of 16; four rows per inner step share each load of the activation. Without
-// AVX512-VNNI a portable loop computes the same integer sums and the same float products.
+// AVX512-VNNI, AVX2 computes the same integer sums from 32-byte halves (rows_avx2), and without
+// either a portable loop does.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -131,6 +132,50 @@ void rows_avx512vnni(const uint8_t* w, const c10::Half* s, const QuantRow& x, fl
   if (n < n1) rows_portable(w, s, x, y, Kp, n, n1);
 }
 
+// AVX2 (no VNNI, e.g. AMD's Zen 3): the same lanes from 32-byte halves of a chunk. maddubs multiplies
+// unsigned by signed bytes into saturating 16-bit pairs, so the weight's offset comes off first (its
+// signed q, one xor) and the signs move onto x: |q| * sign(x, q) pairs stay within 2 * 128 * 127.
+// That gives sum(q x) per lane directly (no corr term); the float products are as above.
+__attribute__((target("avx2,fma,f16c")))
+void rows_avx2(const uint8_t* w, const c10::Half* s, const QuantRow& x, float* y, int64_t Kp, int64_t n0,
+               int64_t n1) {
+  const int64_t nb = Kp / kBlock, nc = Kp / kChunk, N_end = n1;
+  const auto* sp = reinterpret_cast<const uint16_t*>(s);
+  const int8_t* xq = x.q.data();
+  const float* xd = x.dx.data();
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * Kp;
+    const int64_t ahead = std::min<int64_t>(n + kPrefetchRows, N_end - 1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t c = 0; c < nc; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + ahead * Kp + c * kChunk), _MM_HINT_T0);
+      uint32_t pair;
+      std::memcpy(&pair, sp + n * nb + 2 * c, sizeof pair);
+      const __m256 sv = _mm256_cvtph_ps(_mm_set1_epi32(static_cast<int>(pair)));  // sA, sB, sA, ...
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = c * kChunk + h * 32;
+        const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + at)), flip);
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + at));
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q));
+        const __m256i dot = _mm256_madd_epi16(pairs, ones);
+        const __m256 dv = _mm256_loadu_ps(xd + c * 16 + h * 8);
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), dv), sv, acc);
+      }
+    }
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    y[n] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  }
+}
+
+bool has_avx2_f16c() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return yes;
+}
+
 bool has_avx512vnni() {
   static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl");
@@ -156,6 +201,7 @@ at::Tensor gemv_q8_0(const at::Tensor& x, const at::Tensor& qweight, const at::T
   auto rows = rows_portable;
 #if defined(__x86_64__)
   if (has_avx512vnni()) rows = rows_avx512vnni;
+  else if (has_avx2_f16c()) rows = rows_avx2;
 #endif
   QuantRow row;
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;

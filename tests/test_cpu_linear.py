@@ -257,6 +257,22 @@ def test_gemv_q8_0_matches_reference(m, n, k, threads):
     assert (want - exact).abs().max().item() <= 0.05 * exact.abs().max().item()
 
 
+@needs_q8
+def test_gemv_q8_0_takes_every_int8_value():
+    """A GGUF's blocks may hold -128 (quantize_q8_0 stays within 127): the AVX2 path moves the
+    weight's signs onto x, where -128's magnitude is 128; integer sums stay exact."""
+    g = torch.Generator().manual_seed(11)
+    n, k = 24, 256
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int16).to(torch.int8)
+    q[:, :64] = -128  # whole chunks of the extreme value, against x of both signs
+    d = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3).to(torch.float16)
+    x = torch.randn(2, k, generator=g)
+    y = torch.ops.kiln_cpu.gemv_q8_0(x, *cpu_linear.pack_q8_0(q, d))
+    want = cpu_linear.gemv_q8_0_reference(x, q, d)
+    bound = 1e-6 * 8 * cpu_linear.gemv_q8_0_reference(x.abs(), q.to(torch.int16).abs(), d).max().item()
+    assert (y.double() - want).abs().max().item() <= bound
+
+
 def test_pack_q8_0_layout():
     """Packed bytes are q + 128 with each 64-byte chunk's two blocks interleaved 4 bytes at a time,
     and K padded to 64 with zero blocks."""
