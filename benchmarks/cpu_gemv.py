@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -28,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import console_table  # noqa: E402
-from kiln.bench.report import device_name  # noqa: E402
+from kiln.bench.report import cpu_model  # noqa: E402
 from kiln.ops.cpu_linear import gemv_available  # noqa: E402
 
 # SmolLM2-135M (hidden 576, 30 layers, vocab 49152): qkv and gate_up as kiln's merged linears.
@@ -113,8 +114,8 @@ def main(argv=None) -> None:
     print(console_table(header, rows))
     print(console_table(by_rows_header, by_rows_table))
     print(f"memory (torch.dot over {args.bytes / 1e6:.0f} MB): {mem:.1f} GB/s")
-    cpu = device_name()
-    slug = "".join(c if c.isalnum() else "-" for c in cpu.removeprefix("cpu: ").lower()).strip("-")
+    cpu = cpu_model()
+    slug = re.sub(r"[^a-z0-9]+", "-", cpu.lower()).strip("-")
     out = REPO / "benchmarks" / "results" / f"cpu_gemv-{slug}"
     out.with_suffix(".json").write_text(json.dumps({"device": cpu, "threads": torch.get_num_threads(),
                                                     "memory_gb_s": mem, "args": vars(args),

@@ -100,7 +100,7 @@ void rows_avx512bf16(const uint16_t* w, const uint16_t* x, float* y, int64_t N, 
 // memory gives 14 GB/s; this loop read 11-14 GB/s there (benchmarks/cpu_gemv.py).
 // Bfloat16 rows without AVX512-BF16 (AVX2 CPUs such as AMD's Zen 3) take the same loop, each
 // bfloat16 widened to float32 exactly (a 16-bit shift): half the bytes at the same memory speed.
-constexpr int64_t kF32GemvRows = 8;  // linear_f32's rows through the GEMV (see there)
+constexpr int64_t kF32GemvRows = 8;  // linear_f32's rows through the GEMV off Intel (see there)
 constexpr int64_t kF32PrefetchRows = 16;  // measured on the EPYC: none 10-14 GB/s, 16 and 32 11-14, 64 9-13
 
 __attribute__((target("avx2,fma")))
@@ -218,10 +218,13 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w) {
   return at::linear(x, w);
 }
 
-// linear_f32: F.linear(x, w, bias) for a float32 weight, in x's dtype: up to kF32GemvRows rows
-// through gemv_f32, more through at::linear (MKL's GEMM). On the EPYC, against MKL, a SmolLM2 layer's
-// four linears took 920 / 913 / 1059 / 2272 / 3575 us at 1 / 2 / 4 / 8 / 16 rows through gemv_f32
-// and 1789 / 2759 / 2803 / 2848 / 3134 us through MKL (benchmarks/cpu_gemv.py --rows).
+// linear_f32: F.linear(x, w, bias) for a float32 weight, in x's dtype: one row through gemv_f32 (on
+// an Intel Xeon with 2 threads as fast as MKL's GEMV, the LM head 9% faster; on an AMD EPYC twice
+// as fast), and off Intel up to kF32GemvRows rows, where MKL's small GEMMs are slow; more rows
+// through at::linear (MKL's GEMM). A SmolLM2 layer's four linears at 1 / 2 / 4 / 8 / 16 rows, us,
+// gemv_f32 against MKL (benchmarks/cpu_gemv.py --rows): EPYC 957 / 1106 / 1482 / 1989 / 4452
+// against 1806 / 3394 / 3424 / 3490 / 4881; Xeon 706 / 925 / 1322 / 2471 / 4364 against
+// 705 / 750 / 1294 / 1456 / 1754.
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "linear_f32: a float32 weight [N, K]");
   const int64_t K = w.size(1), N = w.size(0);
@@ -230,7 +233,12 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optio
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
   at::Tensor y;
-  if (rows >= 1 && rows <= kF32GemvRows) {
+#if defined(__x86_64__)
+  static const int64_t gemv_rows = __builtin_cpu_is("intel") ? 1 : kF32GemvRows;
+#else
+  const int64_t gemv_rows = 1;
+#endif
+  if (rows >= 1 && rows <= gemv_rows) {
     y = gemv_f32(x.reshape({rows, K}).to(at::kFloat), w);
     if (bias.has_value() && bias->defined()) y.add_(*bias);
     y = y.to(x.scalar_type());

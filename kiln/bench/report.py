@@ -32,10 +32,10 @@ def device_name() -> str:
 
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    return f"cpu: {_cpu_model()}"
+    return f"cpu: {cpu_model()}"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
