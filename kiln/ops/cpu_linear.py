@@ -15,9 +15,11 @@ goes through ``torch.mv`` (no worse than ``F.linear``).
 
 Float32 goes the same way through ``torch.ops.kiln_cpu.linear_f32`` (``gemv_f32``: AVX2 + FMA, four
 rows sharing each load of the activation, software prefetch). MKL's one-row sgemv, which
-``F.linear`` and Inductor's extern ``mm`` call, read 5.6-7.8 GB/s on a 2-vCPU AMD EPYC whose memory
-gives 14 GB/s; the GEMV read 11-14 GB/s there (``benchmarks/cpu_gemv.py``). More rows keep MKL's
-GEMM, and a CPU without AVX2 keeps ``F.linear`` (inside the op).
+``F.linear`` and Inductor's extern ``mm`` call, read 6.3-11.3 GB/s on a 2-vCPU AMD EPYC whose memory
+gives 15 GB/s; the GEMV read 12.9-17.7 GB/s there (``benchmarks/cpu_gemv.py``), and as fast as MKL's
+on an Intel Xeon. Off Intel, whose MKL GEMMs are fast at a few rows, up to 8 rows take the GEMV too
+(each weight tile read once for all of them); more rows keep MKL's GEMM, and a CPU without AVX2
+keeps ``F.linear`` (inside the op).
 
 ``decode_linear`` is that choice; ``use_decode_gemv`` switches a CPU model's bfloat16 ``nn.Linear``
 layers to it (``GemvLinear``), and ``prepare_cpu_decode`` also gives a quantized float32 model a
