@@ -373,3 +373,52 @@ def test_kernel_caches_go_into_the_cache_dir_unless_the_environment_names_them(t
     triton_dir = Path(chosen["TRITON_CACHE_DIR"])
     assert tmp_path not in triton_dir.parents and (triton_dir / "k" / "a.cubin").read_bytes() == b"x"
     assert os.environ["TRITON_CACHE_DIR"] == str(triton_dir)
+
+
+# ---- what the compile cache can store ------------------------------------------------------------
+_SYSTEMS = [("cpu", "none", "float32"), ("cpu", "none", "bfloat16"), ("cpu", "int8", "float32"),
+            ("cpu", "int4", "float32")] + [
+    pytest.param("cuda", q, "bfloat16", marks=pytest.mark.gpu) for q in ("none", "fp8", "int8", "int4")]
+
+
+@pytest.mark.parametrize("device,quantization,dtype", _SYSTEMS)
+def test_every_precisions_captured_graph_is_one_the_compile_cache_stores(device, quantization, dtype, tmp_path,
+                                                                          monkeypatch):
+    """The pieces kiln hands Inductor after its passes pass AOTAutograd's cacheability check node by
+    node: a node it refuses (a method called on a node a pass created without its fake value) leaves
+    the artifact cache without an entry, and every restart compiles again. Captured only (no
+    Inductor build): the pieces are recorded where they would be compiled."""
+    import torch
+    from torch._functorch._aot_autograd.autograd_cache import check_node_safe
+
+    from kiln.compiler.backend import KilnBackend
+    from kiln.compiler.forward import build_kiln_forward, build_now
+    from kiln.config import ModelConfig
+    from kiln.models.loader import load_model
+    from kiln.ops import quant
+    from kiln.ops.registry import select_kernels
+
+    if device == "cpu" and quantization == "int8" and not quant.cpu_int8_supported():
+        pytest.skip("torch's packed int8 CPU GEMM is missing")
+    if device == "cpu" and quantization == "int4" and not quant.cpu_int4_supported():
+        pytest.skip("torch's packed int4 CPU GEMM is missing")
+    if quantization == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs SM89+")
+    recorded = []
+    monkeypatch.setattr(KilnBackend, "_compile_pieces", lambda self, split_gm, *args: recorded.append(split_gm))
+    dev = torch.device(device)
+    loaded = load_model(ModelConfig(model="random:tiny", quantization=quantization), str(tmp_path), dev,
+                        getattr(torch, dtype))
+    kernels = select_kernels(device)
+    build_now(build_kiln_forward(loaded.model, CompileConfig(mode="kiln", split_every=2), PassConfig(kernels=kernels)),
+              dev)
+    (split_gm,) = recorded
+    pieces = [m for m in split_gm.children() if isinstance(m, torch.fx.GraphModule)]
+    assert len(pieces) >= 2
+    targets = set()
+    for gm in (split_gm, *pieces):
+        for node in gm.graph.nodes:
+            check_node_safe(node)  # raises BypassAOTAutogradCache with the node it refuses
+            targets.add(str(node.target))
+    if quantization != "none":  # the quantized GEMMs are in the graph, not a dequantized weight
+        assert any(f"linear_{quantization}" in t for t in targets), sorted(targets)

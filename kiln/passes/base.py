@@ -14,14 +14,18 @@ cache (which keys on it) misses exactly when a pass's code or settings change.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
+import operator
 import sys
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Optional
 
 import torch
+from torch._dispatch.python import enable_python_dispatcher
+from torch._subclasses.fake_tensor import FakeTensor
 
 from kiln.ops.registry import op_name
 
@@ -35,6 +39,33 @@ def node_tensor(node: Any) -> Optional[torch.Tensor]:
         return None
     value = node.meta.get("example_value", node.meta.get("val"))
     return value if isinstance(value, torch.Tensor) else None
+
+
+def fake_node(graph: torch.fx.Graph, kind: str, target: Any, args: tuple,
+              kwargs: Optional[dict] = None) -> torch.fx.Node:
+    """A new ``call_function`` / ``call_method`` node at the graph's insertion point, with its fake
+    value in ``meta["example_value"]``, computed as Dynamo does (the Python dispatcher gives
+    composite ops their symbolic-shape decompositions).
+
+    Dynamo-stage passes create their nodes through this: later passes read shapes from the value,
+    and the AOTAutograd cache, which the artifact cache stores, refuses a graph that calls a method
+    on a node without one (the entry is then not stored and every restart compiles again). With no
+    fake tensor among the arguments, fake tensors of several modes, or an argument node without a
+    value (a graph built by hand), the node gets no value, except a ``getitem`` of a sequence.
+    """
+    kwargs = kwargs or {}
+    node = graph.create_node(kind, target, tuple(args), kwargs)
+    vals = [a.meta.get("example_value", a.meta.get("val")) if isinstance(a, torch.fx.Node) else a for a in args]
+    modes = {id(v.fake_mode): v.fake_mode for v in vals if isinstance(v, FakeTensor)}
+    fake = next(iter(modes.values())) if len(modes) == 1 else None
+    is_getitem = kind == "call_function" and target is operator.getitem and isinstance(vals[0], (tuple, list))
+    unknown = any(isinstance(a, torch.fx.Node) and v is None for a, v in zip(args, vals))
+    if unknown or (fake is None and not is_getitem):
+        return node
+    with fake if fake is not None else contextlib.nullcontext(), enable_python_dispatcher():
+        node.meta["example_value"] = (getattr(vals[0], target)(*vals[1:], **kwargs) if kind == "call_method"
+                                      else target(*vals, **kwargs))
+    return node
 
 
 def source_hash(*objects: Any) -> str:

@@ -25,9 +25,8 @@ import operator
 from typing import Any, Optional
 
 import torch
-from torch._dispatch.python import enable_python_dispatcher
 
-from kiln.passes.base import KilnPass, node_tensor
+from kiln.passes.base import KilnPass, fake_node, node_tensor
 
 _LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
 # kiln's CPU decode linears (kiln.ops.cpu_linear.CPU_LINEAR_OPS): F.linear's signature and result.
@@ -126,17 +125,9 @@ class MergeSiblingLinearsPass(KilnPass):
         sizes = [e[3].shape[0] for e in run]
         total, k = sum(sizes), run[0][3].shape[1]
         w0, b0 = run[0][1], run[0][2]
-        fake_mode = getattr(run[0][3], "fake_mode", None)
 
         def call(target: Any, args: tuple) -> torch.fx.Node:
-            new = graph.call_function(target, args)
-            if fake_mode is not None:  # Dynamo's nodes carry their fake value
-                vals = [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a for a in args]
-                # As Dynamo computes fake values: the Python dispatcher gives composite ops (linear on
-                # a 3-d input) their symbolic-shape decompositions.
-                with fake_mode, enable_python_dispatcher():
-                    new.meta["example_value"] = target(*vals)
-            return new
+            return fake_node(graph, "call_function", target, args)
 
         with graph.inserting_before(first):
             weight = call(torch.as_strided, (w0, (total, k), (k, 1), 0))

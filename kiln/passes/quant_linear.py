@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops.registry import QUANT_SCHEMES, KernelSet, QuantLinearKernel, op_name, reference_kernels
-from kiln.passes.base import KilnPass
+from kiln.passes.base import KilnPass, fake_node
 
 aten = torch.ops.aten
 _LINEARS = (torch._C._nn.linear, F.linear, aten.linear.default)
@@ -105,16 +105,13 @@ class QuantLinearPass(KilnPass):
             weight_users = [a for a in node.all_input_nodes if a is not x and a is not bias]
             cast = _activation_cast(kernel, scales)
             with graph.inserting_before(node):
-                xc = x if cast is None else graph.call_method("to", (x, cast))
-                gemm = graph.call_function(kernel.op.default, (xc, qweight, scales, group_size))
-                if cast is None:
-                    gemm.meta.update(node.meta)
-                else:  # back to x's dtype; the casts' metadata is left to the retrace
-                    gemm = graph.call_method("type_as", (gemm, x))
-                y = gemm
+                xc = x if cast is None else fake_node(graph, "call_method", "to", (x, cast))
+                y = fake_node(graph, "call_function", kernel.op.default, (xc, qweight, scales, group_size))
+                if cast is not None:  # back to x's dtype
+                    y = fake_node(graph, "call_method", "type_as", (y, x))
                 if bias is not None:
-                    y = graph.call_function(operator.add, (gemm, bias))
-                    y.meta.update(node.meta)
+                    y = fake_node(graph, "call_function", operator.add, (y, bias))
+            y.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
             node.replace_all_uses_with(y)
             graph.erase_node(node)
             for orphan in dict.fromkeys((*weight_users, dequant)):  # the transpose, then the dequant, if unused

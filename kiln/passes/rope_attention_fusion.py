@@ -28,7 +28,6 @@ so the artifact cache keys on them.
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import os
 from typing import Any, Optional
@@ -36,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 from kiln.ops.registry import GENERIC_ATTENTION_OP, KernelSet, op_name, reference_kernels
-from kiln.passes.base import KilnPass, node_tensor
+from kiln.passes.base import KilnPass, fake_node, node_tensor
 
 _ADDS = (operator.add, torch.add)
 _MULS = (operator.mul, torch.mul)
@@ -155,10 +154,10 @@ class RopeAttentionFusionPass(KilnPass):
         if joint is not None:
             split, (x, cos, sin) = joint
             with graph.inserting_after(split):
-                new_split = _fake_node(graph, split.op, split.target, (x, *split.args[1:]), dict(split.kwargs))
+                new_split = fake_node(graph, split.op, split.target, (x, *split.args[1:]), dict(split.kwargs))
             with graph.inserting_after(new_split):
-                q_new = _fake_node(graph, "call_function", operator.getitem, (new_split, 0))
-                k_new = _fake_node(graph, "call_function", operator.getitem, (new_split, 1))
+                q_new = fake_node(graph, "call_function", operator.getitem, (new_split, 0))
+                k_new = fake_node(graph, "call_function", operator.getitem, (new_split, 1))
             dead = [q, k, split, *_rope_nodes(split.args[0])]
         else:
             mq, mk = match_rope(q), match_rope(k)
@@ -167,8 +166,8 @@ class RopeAttentionFusionPass(KilnPass):
             q_new, k_new, (cos, sin) = mq[0], mk[0], mq[1:]
             dead = [*_rope_nodes(q), *_rope_nodes(k)]
         with graph.inserting_before(attn):
-            new = _fake_node(graph, "call_function", self.op.default,
-                             (q_new, k_new, attn.args[2], cos, sin, *attn.args[3:]), dict(attn.kwargs))
+            new = fake_node(graph, "call_function", self.op.default,
+                            (q_new, k_new, attn.args[2], cos, sin, *attn.args[3:]), dict(attn.kwargs))
         new.meta.update({key: v for key, v in attn.meta.items() if key in ("nn_module_stack", "stack_trace")})
         attn.replace_all_uses_with(new)
         graph.erase_node(attn)
@@ -214,17 +213,3 @@ def _erase_unused(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
                 graph.erase_node(n)
                 left.remove(n)
                 changed = True
-
-
-def _fake_node(graph: torch.fx.Graph, kind: str, target: Any, args: tuple, kwargs: Optional[dict] = None):
-    """A new node with its fake value (Dynamo's nodes carry one; Inductor's caches check it)."""
-    kwargs = kwargs or {}
-    node = graph.create_node(kind, target, args, kwargs)
-    vals = [a.meta.get("example_value", a.meta.get("val")) if isinstance(a, torch.fx.Node) else a for a in args]
-    fake = next((getattr(v, "fake_mode", None) for v in vals if isinstance(v, torch.Tensor)), None)
-    if fake is None and not (kind == "call_function" and target is operator.getitem):
-        return node
-    with fake if fake is not None else contextlib.nullcontext():
-        node.meta["example_value"] = (getattr(vals[0], target)(*vals[1:], **kwargs) if kind == "call_method"
-                                      else target(*vals, **kwargs))
-    return node

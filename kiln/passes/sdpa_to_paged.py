@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.attend_paged)
-from kiln.passes.base import KilnPass, node_tensor
+from kiln.passes.base import KilnPass, fake_node, node_tensor
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
 _LAYER_NUMBER = re.compile(r"[.\[](\d+)\]?")
@@ -147,16 +147,9 @@ class SDPAToPagedAttentionPass(KilnPass):
             raise ValueError(f"{where}: {q_shape[1]} query heads are not a multiple of {k_shape[1]} kv heads")
         scale = a.get("scale")
         scale = float(scale) if scale is not None else float(q_shape[-1]) ** -0.5
-        fake_mode = getattr(q.meta.get("example_value"), "fake_mode", None)
 
         def call(kind: str, target: Any, args: tuple) -> torch.fx.Node:
-            new = graph.create_node(kind, target, args)
-            if fake_mode is not None:  # Dynamo's nodes carry their fake value; Inductor's caches check it
-                vals = [a.meta["example_value"] if isinstance(a, torch.fx.Node) else a for a in args]
-                with fake_mode:
-                    new.meta["example_value"] = (getattr(vals[0], target)(*vals[1:]) if kind == "call_method"
-                                                 else target(*vals))
-            return new
+            return fake_node(graph, kind, target, args)
 
         with graph.inserting_before(node):
             flat = [call("call_function", torch.transpose, (call("call_function", torch.select, (x, 0, 0)), 0, 1))
