@@ -277,6 +277,22 @@ def test_a_pass_source_change_changes_the_key(monkeypatch):
     assert differing_factors(before, after) == ["passes.NoOpEliminationPass", "passes.PassManager"]
 
 
+def test_a_cpu_extension_without_an_op_the_graphs_call_changes_the_key(monkeypatch):
+    import kiln.compiler.artifact_cache as artifact_cache
+    from kiln.ops.cpu_attention import extension_ops
+    from kiln.ops.cpu_linear import gemv_available
+
+    ops = extension_ops()
+    if gemv_available():  # the real list names the GEMV op the CPU graphs call
+        assert any(op.startswith("kiln_cpu::linear_f32(") for op in ops)
+    before = _factors()
+    monkeypatch.setattr(artifact_cache, "extension_ops",
+                        lambda: [op for op in ops if not op.startswith("kiln_cpu::linear_f32(")] or ["none"])
+    after = _factors()
+    assert cache_key(before) != cache_key(after)
+    assert differing_factors(before, after) == ["extension"]
+
+
 def test_test_factors_env_reaches_nested_factors(monkeypatch):
     monkeypatch.setenv("KILN_TEST_KEY_FACTORS", json.dumps({"torch": "0.0", "device.name": "x"}))
     factors = _factors()

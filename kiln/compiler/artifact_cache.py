@@ -10,7 +10,8 @@ One entry per key, a directory under ``<cache.dir>/compile/``::
 
 The key is a hash of ``key_factors``: the model (name, impl, architecture, dtype, tensor shapes,
 quantization), the compile config, every pass's uuid, kiln's own source, torch/triton/Python
-versions and the device (name and capability). A miss names the factors that differ from the nearest existing entry.
+versions, the device (name and capability) and, on CPU, the ``kiln_cpu`` ops ``kiln._C`` registers
+(the graphs call them by name). A miss names the factors that differ from the nearest existing entry.
 
 Rules kept here:
 - Loading never writes into the cache dir: a read-only copy (an image layer) works. The C++
@@ -52,6 +53,7 @@ import torch
 
 from kiln.compiler.saved_forward import GRAPH, PLAN, LoadedForward, read_forward
 from kiln.config import CompileConfig
+from kiln.ops.cpu_attention import extension_ops
 from kiln.passes.manager import PassManager
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,7 @@ def key_factors(model: torch.nn.Module, model_name: str, config: CompileConfig, 
         "triton": _triton_version(),
         "python": platform.python_version(),
         "device": device_factors(device),
+        "extension": extension_ops() if device.type == "cpu" else None,
     }
     factors = json.loads(json.dumps(factors, default=str))  # tuples -> lists: equal to what is read back
     for dotted, value in json.loads(os.environ.get(TEST_FACTORS_ENV) or "{}").items():

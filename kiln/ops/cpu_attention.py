@@ -60,6 +60,16 @@ def load_extension() -> bool:
     return _extension_loaded
 
 
+def extension_ops() -> list[str]:
+    """The schemas of the ``kiln_cpu`` ops registered now (``kiln._C``'s and their Python
+    companions), sorted; [] without the extension. A compiled graph calls these ops by name, so the
+    artifact key includes them: a build without one (an older ``_C``, ``KILN_SKIP_EXTENSION=1``)
+    must not load a graph that calls it."""
+    if not load_extension():
+        return []
+    return sorted(str(s) for s in torch._C._jit_get_all_schemas() if s.name.startswith("kiln_cpu::"))
+
+
 def has_context_op() -> bool:
     """Whether the loaded ``kiln._C`` has the C++ ``kiln_cpu::attend_paged`` (a build older than
     ``csrc/attention_context.cpp`` has only ``attend_paged_cpu``)."""
