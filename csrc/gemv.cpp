@@ -218,6 +218,30 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w) {
   return at::linear(x, w);
 }
 
+using GemvFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&);
+
+// F.linear(x, w, bias) in x's dtype for a weight of `dtype`: up to `gemv_rows` rows of x through
+// `gemv`, more through at::linear. `name` is the op's, for its errors.
+at::Tensor linear_by_rows(const char* name, const at::Tensor& x, const at::Tensor& w,
+                          const c10::optional<at::Tensor>& bias, at::ScalarType dtype, int64_t gemv_rows,
+                          GemvFn gemv) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == dtype, name, ": a ", c10::toString(dtype), " weight [N, K]");
+  const int64_t K = w.size(1), N = w.size(0);
+  TORCH_CHECK(x.size(-1) == K, name, ": x's last dim must be the weight's K");
+  const int64_t rows = K ? x.numel() / K : 0;
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = N;
+  at::Tensor y;
+  if (rows >= 1 && rows <= gemv_rows) {
+    y = gemv(x.reshape({rows, K}).to(dtype), w);
+    if (bias.has_value() && bias->defined()) y.add_(*bias);
+    y = y.to(x.scalar_type());
+  } else {
+    y = at::linear(x.to(dtype), w, bias).to(x.scalar_type());
+  }
+  return y.reshape(out_shape);
+}
+
 // linear_f32: F.linear(x, w, bias) for a float32 weight, in x's dtype: one row through gemv_f32 (on
 // an Intel Xeon with 2 threads as fast as MKL's GEMV, the LM head 9% faster; on an AMD EPYC twice
 // as fast), and off Intel up to kF32GemvRows rows, where MKL's small GEMMs are slow; more rows
@@ -226,54 +250,26 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w) {
 // against 1806 / 3394 / 3424 / 3490 / 4881; Xeon 706 / 925 / 1322 / 2471 / 4364 against
 // 705 / 750 / 1294 / 1456 / 1754.
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "linear_f32: a float32 weight [N, K]");
-  const int64_t K = w.size(1), N = w.size(0);
-  TORCH_CHECK(x.size(-1) == K, "linear_f32: x's last dim must be the weight's K");
-  const int64_t rows = K ? x.numel() / K : 0;
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = N;
-  at::Tensor y;
 #if defined(__x86_64__)
   static const int64_t gemv_rows = __builtin_cpu_is("intel") ? 1 : kF32GemvRows;
 #else
   const int64_t gemv_rows = 1;
 #endif
-  if (rows >= 1 && rows <= gemv_rows) {
-    y = gemv_f32(x.reshape({rows, K}).to(at::kFloat), w);
-    if (bias.has_value() && bias->defined()) y.add_(*bias);
-    y = y.to(x.scalar_type());
-  } else {
-    y = at::linear(x.to(at::kFloat), w, bias).to(x.scalar_type());
-  }
-  return y.reshape(out_shape);
+  return linear_by_rows("linear_f32", x, w, bias, at::kFloat, gemv_rows, &gemv_f32);
 }
 
-// linear_bf16: F.linear(x, w, bias) for a bfloat16 weight, in x's dtype: one row through the GEMV,
-// more rows through at::linear (oneDNN's AMX kernels from a few rows on). One dispatcher call from
-// Python in eager mode and an opaque op in compiled graphs, so both get the GEMV at decode.
+// linear_bf16: F.linear(x, w, bias) for a bfloat16 weight, in x's dtype. One dispatcher call from
+// Python in eager mode and an opaque op in compiled graphs, so both get the GEMV at decode. With
+// AVX512-BF16 (and AMX) one row takes the GEMV: oneDNN wins from a few rows on. On AVX2 alone its
+// bfloat16 matmul is slower than the GEMV up to 16 rows (EPYC: a layer's linears 3109 against
+// 7884 us at 16 rows).
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "linear_bf16: a bfloat16 weight [N, K]");
-  const int64_t K = w.size(1), N = w.size(0);
-  TORCH_CHECK(x.size(-1) == K, "linear_bf16: x's last dim must be the weight's K");
-  const int64_t rows = K ? x.numel() / K : 0;
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = N;
-  at::Tensor y;
-  // With AVX512-BF16 (and AMX) oneDNN wins from a few rows on; on AVX2 alone its bfloat16 matmul
-  // is slower than the GEMV up to 16 rows (EPYC: a layer's linears 3109 against 7884 us at 16 rows).
 #if defined(__x86_64__)
   const int64_t gemv_rows = has_avx512bf16() ? 1 : has_avx2_fma() ? 2 * kF32GemvRows : 1;
 #else
   const int64_t gemv_rows = 1;
 #endif
-  if (rows >= 1 && rows <= gemv_rows) {
-    y = gemv_bf16(x.reshape({rows, K}).to(at::kBFloat16), w);
-    if (bias.has_value() && bias->defined()) y.add_(*bias);
-    y = y.to(x.scalar_type());
-  } else {
-    y = at::linear(x.to(at::kBFloat16), w, bias).to(x.scalar_type());
-  }
-  return y.reshape(out_shape);
+  return linear_by_rows("linear_bf16", x, w, bias, at::kBFloat16, gemv_rows, &gemv_bf16);
 }
 
 // linear_int4: torch's packed int4 weight-only GEMM (aten::_weight_int4pack_mm_for_cpu, fast with
