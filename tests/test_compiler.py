@@ -154,6 +154,32 @@ def test_stock_matches_eager(model):
     _assert_same_logits(_run_schedule(stock, model, schedule), _run_schedule(model, model, schedule))
 
 
+def test_stock_does_not_recompile_over_the_step_buffers_layout(model, monkeypatch):
+    """kiln's step buffers hand positions over as a view at offset max_num_tokens. A first step of
+    exactly that many tokens made Dynamo's duck sizing guard offset == num_tokens, and the next
+    step (another size) compiled the model again. Guards are Dynamo's, so Inductor is left out."""
+    import functools
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    stock = build_forward(model, CompileConfig(mode="stock"))
+    first = {"a": list(range(5, 17)), "b": list(range(20, 32))}  # 24 tokens = the buffer's capacity
+    capacity = sum(map(len, first.values()))
+
+    def through_buffers(input_ids, positions):  # as kiln.compiler.inputs.InputBuffers lays them out
+        buf = torch.zeros(2 * capacity, dtype=positions.dtype)
+        buf[capacity:capacity + len(positions)] = positions
+        return stock(input_ids, buf[capacity:capacity + len(positions)])
+
+    batcher = PagedBatcher(NUM_BLOCKS, BLOCK_SIZE, seed=4)
+    caches, eager_caches = (make_kv_caches(ARCH, NUM_BLOCKS, BLOCK_SIZE) for _ in range(2))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for new_tokens in (first, {"a": [3], "b": [4]}, {"a": [5, 6, 7], "b": [8]}):
+        step = batcher.step(new_tokens)
+        got, want = run_step(through_buffers, caches, step), run_step(model, eager_caches, step)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
+
+
 def test_kiln_no_recompiles_over_batch_sizes_1_to_64(model, kiln_forward):
     num_blocks = 640  # 64 requests of 3 prompt tokens plus up to 64 decoded ones
     batcher = PagedBatcher(num_blocks, BLOCK_SIZE, seed=2)
