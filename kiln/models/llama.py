@@ -127,9 +127,13 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         if self.qk_norm is None:
-            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            # Heads first, then the split: a view of the whole (contiguous) projection. A view of a
+            # row-strided slice makes Inductor guard num_tokens != 1 while lowering it, and every
+            # compiled piece then needs a second build for one token.
+            heads = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+            qk, v = heads.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
             # q and k heads rotate together: one set of elementwise ops instead of two.
-            qk = apply_rope(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin_signed)
+            qk = apply_rope(qk, cos, sin_signed)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -140,7 +144,7 @@ class LlamaAttention(nn.Module):
             if self.qk_norm == "head":
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin_signed), apply_rope(k, cos, sin_signed)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+            v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         # q, k, v are row-strided views (last dim contiguous); the attention kernels take strides.
         o = torch.ops.kiln.attend_paged(q, k, v, self.layer_idx, self.scale, **self.attn_options)  # [T, H, D]
         out = self.o_proj(o.flatten(1))  # [T, hidden]: a partial sum over this rank's heads
