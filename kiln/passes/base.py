@@ -68,6 +68,11 @@ def fake_node(graph: torch.fx.Graph, kind: str, target: Any, args: tuple,
     return node
 
 
+def keep_source_meta(new: torch.fx.Node, old: torch.fx.Node) -> None:
+    """Give ``new`` the model source ``old`` came from (module path and stack trace), for dumps and errors."""
+    new.meta.update({k: v for k, v in old.meta.items() if k in ("nn_module_stack", "stack_trace")})
+
+
 def source_hash(*objects: Any) -> str:
     """sha256 over the source files that define ``objects`` (classes, functions or modules)."""
     h = hashlib.sha256()

@@ -21,12 +21,13 @@ CPU decode linears (``kiln_cpu::linear_f32`` / ``linear_bf16``) merge the same w
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any, Optional
 
 import torch
 
-from kiln.passes.base import KilnPass, fake_node, node_tensor
+from kiln.passes.base import KilnPass, fake_node, keep_source_meta, node_tensor
 
 _LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
 # kiln's CPU decode linears (kiln.ops.cpu_linear.CPU_LINEAR_OPS): F.linear's signature and result.
@@ -125,9 +126,7 @@ class MergeSiblingLinearsPass(KilnPass):
         sizes = [e[3].shape[0] for e in run]
         total, k = sum(sizes), run[0][3].shape[1]
         w0, b0 = run[0][1], run[0][2]
-
-        def call(target: Any, args: tuple) -> torch.fx.Node:
-            return fake_node(graph, "call_function", target, args)
+        call = functools.partial(fake_node, graph, "call_function")  # (target, args) -> node
 
         with graph.inserting_before(first):
             weight = call(torch.as_strided, (w0, (total, k), (k, 1), 0))
@@ -136,7 +135,7 @@ class MergeSiblingLinearsPass(KilnPass):
             parts = call(torch.split, (out, sizes, -1))
             pieces = [call(operator.getitem, (parts, i)) for i in range(len(run))]
         for node, piece in zip(nodes, pieces):
-            piece.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+            keep_source_meta(piece, node)
             node.replace_all_uses_with(piece)
             graph.erase_node(node)
 

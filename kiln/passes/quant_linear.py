@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops.registry import QUANT_SCHEMES, KernelSet, QuantLinearKernel, op_name, reference_kernels
-from kiln.passes.base import KilnPass, fake_node
+from kiln.passes.base import KilnPass, fake_node, keep_source_meta
 
 aten = torch.ops.aten
 _LINEARS = (torch._C._nn.linear, F.linear, aten.linear.default)
@@ -111,7 +111,7 @@ class QuantLinearPass(KilnPass):
                     y = fake_node(graph, "call_method", "type_as", (y, x))
                 if bias is not None:
                     y = fake_node(graph, "call_function", operator.add, (y, bias))
-            y.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+            keep_source_meta(y, node)
             node.replace_all_uses_with(y)
             graph.erase_node(node)
             for orphan in dict.fromkeys((*weight_users, dequant)):  # the transpose, then the dequant, if unused

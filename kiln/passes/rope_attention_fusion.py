@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 from kiln.ops.registry import GENERIC_ATTENTION_OP, KernelSet, op_name, reference_kernels
-from kiln.passes.base import KilnPass, fake_node, node_tensor
+from kiln.passes.base import KilnPass, fake_node, keep_source_meta, node_tensor
 
 _ADDS = (operator.add, torch.add)
 _MULS = (operator.mul, torch.mul)
@@ -168,7 +168,7 @@ class RopeAttentionFusionPass(KilnPass):
         with graph.inserting_before(attn):
             new = fake_node(graph, "call_function", self.op.default,
                             (q_new, k_new, attn.args[2], cos, sin, *attn.args[3:]), dict(attn.kwargs))
-        new.meta.update({key: v for key, v in attn.meta.items() if key in ("nn_module_stack", "stack_trace")})
+        keep_source_meta(new, attn)
         attn.replace_all_uses_with(new)
         graph.erase_node(attn)
         _erase_unused(graph, dead)

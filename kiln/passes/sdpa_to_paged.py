@@ -33,6 +33,7 @@ position biases) are refused earlier, from their config (``kiln.models.hf_generi
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from typing import Any, Optional
@@ -41,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.attend_paged)
-from kiln.passes.base import KilnPass, fake_node, node_tensor
+from kiln.passes.base import KilnPass, fake_node, keep_source_meta, node_tensor
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
 _LAYER_NUMBER = re.compile(r"[.\[](\d+)\]?")
@@ -147,9 +148,7 @@ class SDPAToPagedAttentionPass(KilnPass):
             raise ValueError(f"{where}: {q_shape[1]} query heads are not a multiple of {k_shape[1]} kv heads")
         scale = a.get("scale")
         scale = float(scale) if scale is not None else float(q_shape[-1]) ** -0.5
-
-        def call(kind: str, target: Any, args: tuple) -> torch.fx.Node:
-            return fake_node(graph, kind, target, args)
+        call = functools.partial(fake_node, graph)  # (kind, target, args) -> node
 
         with graph.inserting_before(node):
             flat = [call("call_function", torch.transpose, (call("call_function", torch.select, (x, 0, 0)), 0, 1))
@@ -161,7 +160,7 @@ class SDPAToPagedAttentionPass(KilnPass):
             extra = (window, softcap) if window or softcap else ()  # unset: the same graph as without options
             o = call("call_function", torch.ops.kiln.attend_paged.default, (*flat, layer, scale, *extra))  # [T, H, D]
             out = call("call_function", torch.unsqueeze, (call("call_function", torch.transpose, (o, 0, 1)), 0))
-        out.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        keep_source_meta(out, node)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
 
