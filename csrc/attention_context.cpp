@@ -12,6 +12,9 @@
 //   compiled pieces       attend_paged(q, k, v, layer_idx, scale, ...)          C++ -> kernel
 //   forward scope exit    clear_attention_context()
 //
+// A compiled piece that numbers its layers' calls from 0 sets its first layer around its run
+// (set_layer_base); every call reads layer layer_base + layer_idx.
+//
 // Rules kept here:
 // - One context per thread (a forward runs on one thread), set only inside the scope; setting it
 //   twice without a clear is refused, as nested forward contexts are.
@@ -42,6 +45,11 @@ struct AttentionContext {
 };
 
 thread_local std::optional<AttentionContext> current;
+// Added to every call's layer_idx: set by a compiled piece that numbers its layers from 0 while it
+// runs (kiln/compiler/piece.py), 0 otherwise. The Python fallback reads the forward context's own.
+thread_local int64_t layer_base = 0;
+
+void set_layer_base(int64_t base) { layer_base = base; }
 
 void set_attention_context(at::TensorList kv_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, at::TensorList kv_scales) {
@@ -73,14 +81,15 @@ at::Tensor attend_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
     return attend_paged_py(q, k, v, layer_idx, scale, sliding_window, logit_softcap);
   }
   const AttentionContext& ctx = *current;
-  TORCH_CHECK(layer_idx >= 0 && layer_idx < int64_t(ctx.kv_caches.size()), "attend_paged: layer ", layer_idx,
-              " of ", ctx.kv_caches.size());
-  at::Tensor cache = ctx.kv_caches[layer_idx];
+  const int64_t layer = layer_base + layer_idx;
+  TORCH_CHECK(layer >= 0 && layer < int64_t(ctx.kv_caches.size()), "attend_paged: layer ", layer, " of ",
+              ctx.kv_caches.size());
+  at::Tensor cache = ctx.kv_caches[layer];
   if (cache.scalar_type() != dtype && cache.scalar_type() != at::kFloat8_e4m3fn) {
     return attend_paged_py(q, k, v, layer_idx, scale, sliding_window, logit_softcap);
   }
   std::optional<at::Tensor> kv_scale;
-  if (!ctx.kv_scales.empty()) kv_scale = ctx.kv_scales[layer_idx];
+  if (!ctx.kv_scales.empty()) kv_scale = ctx.kv_scales[layer];
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   attend_paged_cpu_into(q, k, v, cache, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
                         sliding_window, logit_softcap, kv_scale, out);
@@ -99,6 +108,7 @@ TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
         TORCH_FN(kiln::set_attention_context));
   m.def("clear_attention_context() -> ()", TORCH_FN(kiln::clear_attention_context));
   m.def("has_attention_context() -> bool", TORCH_FN(kiln::has_attention_context));
+  m.def("set_layer_base(int base) -> ()", TORCH_FN(kiln::set_layer_base));
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("attend_paged", &kiln::attend_paged); }

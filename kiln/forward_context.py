@@ -56,6 +56,10 @@ class ForwardContext:
     # Set the step's kv_scales from its new keys and values (amax) before storing them: the first
     # step with a prefill when cache.calculate_kv_scales is on.
     calibrate_kv_scales: bool = False
+    # Added to the layer_idx of every attention call: a compiled piece holding several layers'
+    # attention calls numbers them from 0 and sets its first layer here while it runs, so pieces
+    # that differ only in which layers they hold share one build (``kiln.compiler.piece``).
+    layer_base: int = 0
 
 
 _current: Optional[ForwardContext] = None

@@ -137,6 +137,31 @@ def test_kiln_split_every_keeps_attention_inside_pieces(model, every, pieces):
         CompileConfig(mode="kiln", split_every=-1)
 
 
+def test_groups_of_layers_share_one_build_and_read_their_own_caches(tmp_path):
+    """split_every=2 over six layers cuts at the attention calls of layers 0, 2 and 4; the pieces
+    between hold the calls of layers 1 and 3 (and 5, with the final norm), each numbered from 0, so
+    the two middle pieces are one build, run at layer base 1 and 3. Eager's logits over prefills and
+    decodes (a piece attending over another layer's cache would not give them), compiled and then
+    loaded back from the compile cache."""
+    from kiln.compiler import ArtifactCache
+    from kiln.compiler.piece import CompiledPiece
+
+    six = dataclasses.replace(ARCH, num_layers=6)
+    model = _model(six)
+    config = CompileConfig(mode="kiln", split_every=2)
+    schedule = _schedule(six.vocab_size)
+    want = _run_schedule(model, model, schedule)
+    forward = build_forward(model, config, artifact_cache=ArtifactCache(str(tmp_path), "six"))
+    _assert_same_logits(_run_schedule(forward, model, schedule), want)
+    capture = forward.backend.capture
+    assert (capture.num_pieces, capture.num_unique_pieces) == (4, 3)
+    pieces = [p for p in capture.split_gm.__dict__.values() if isinstance(p, CompiledPiece)]
+    assert sorted(p.layer_base for p in pieces) == [0, 1, 3, 5]
+    loaded = build_forward(model, config, artifact_cache=ArtifactCache(str(tmp_path), "six"))
+    _assert_same_logits(_run_schedule(loaded, model, schedule), want)
+    assert loaded.cache_hit and loaded.num_captures == 0
+
+
 def test_split_every_is_refused_with_piecewise_cuda_graphs():
     from kiln.config import SchedulerConfig, resolve_for_device
 

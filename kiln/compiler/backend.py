@@ -30,7 +30,7 @@ from torch._dispatch.python import enable_python_dispatcher
 
 from kiln.compiler.debug import DebugDump
 from kiln.compiler.piece import PieceCompiler
-from kiln.compiler.split import split_graph
+from kiln.compiler.split import number_layers_from_zero, split_graph
 from kiln.ops.registry import GENERIC_ATTENTION_OP
 from kiln.passes.manager import PassManager
 from kiln.passes.sdpa_to_paged import check_no_sdpa_left
@@ -61,13 +61,14 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
         self.labels = labels
 
     def call_module(self, target, args, kwargs):
+        base = number_layers_from_zero(self.fetch_attr(target)) if target in self.compile_names else 0
         out = super().call_module(target, args, kwargs)
         if target in self.compile_names:
             piece = self.compiler.compile_dynamic(target, self.fetch_attr(target), list(args), self.real_of, self.symbol)
-            self.labels[target] = f"piece {piece.key}"
+            self.labels[target] = f"piece {piece.key}" + (f" from layer {base}" if base else "")
             # Instance attribute, not a child module: it shadows the submodule for the graph's
             # `self.submod_i(...)` calls, while named_children() still shows the original code.
-            self.module.__dict__[target] = piece
+            self.module.__dict__[target] = piece.at_layer(base)
         return out
 
 

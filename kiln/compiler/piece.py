@@ -3,7 +3,9 @@
 Rules kept here:
 - Identical pieces compile once. A piece's key is a hash of its graph with node names replaced
   by positions, plus every input's shape, stride and dtype; the middle transformer layers all
-  give the same key, so a 30-layer model compiles three pieces, not thirty-one.
+  give the same key, so a 30-layer model compiles three pieces, not thirty-one. Attention calls
+  inside a piece (``compile.split_every`` > 1) are numbered from the piece's first layer, which
+  the call site sets while the piece runs (``CompiledPiece.layer_base``).
 - ``num_tokens`` is the only dynamic dimension. The dynamic build serves every size; a size in
   ``compile.sizes`` gets its own static build, chosen at run time by one dict lookup.
 - Every build happens while the graph is captured (at the first call), never while serving.
@@ -30,6 +32,7 @@ import sympy
 import torch
 from torch._inductor import standalone_compile
 
+from kiln.ops.attention import set_layer_base
 from kiln.passes.manager import PassManager
 from kiln.progress import logs_above, progress_bar
 
@@ -74,14 +77,31 @@ def piece_key(gm: torch.fx.GraphModule, example_args: list[Any]) -> str:
 
 @dataclass
 class CompiledPiece:
-    """Runs one piece: the static build for this num_tokens if there is one, else the dynamic one."""
+    """Runs one piece: the static build for this num_tokens if there is one, else the dynamic one.
+    Pieces of one key share their builds; each call site has its own ``layer_base`` (the first
+    layer of the attention calls inside it, which its graph numbers from 0)."""
 
     key: str
     dynamic: Callable[..., Any]
     size_arg: Optional[int]  # index of the argument that is num_tokens (a SymInt input)
     by_size: dict[int, Callable[..., Any]] = field(default_factory=dict)
+    layer_base: int = 0
+
+    def at_layer(self, base: int) -> "CompiledPiece":
+        """This piece's builds (the same objects, static builds added later included) at ``base``."""
+        return self if base == self.layer_base else CompiledPiece(self.key, self.dynamic, self.size_arg, self.by_size,
+                                                                  base)
 
     def __call__(self, *args: Any) -> Any:
+        if self.layer_base:
+            set_layer_base(self.layer_base)
+            try:
+                return self._run(args)
+            finally:
+                set_layer_base(0)
+        return self._run(args)
+
+    def _run(self, args: tuple) -> Any:
         if self.by_size:
             fn = self.by_size.get(args[self.size_arg])
             if fn is not None:

@@ -3,7 +3,7 @@
 ``write_forward`` (after a cold compile) and ``read_forward`` (on a hit) own these files of an
 entry (``kiln.compiler.artifact_cache`` owns the entry itself: key, manifest, atomic rename)::
 
-    plan.json      argument plan, submodule -> piece key, each piece's builds, C++ libraries
+    plan.json      argument plan, submodule -> piece key (and layer base), each piece's builds, C++ libraries
     graph.pkl      the split GraphModule, every compiled piece an empty stub module
     graph.py       its code and the attention submodules' code, for people; never loaded
     pieces/<piece key>/dynamic.bin, size<N>.bin    Inductor standalone artifacts (binary format)
@@ -167,6 +167,7 @@ def write_forward(entry_dir: Path, saved: SavedForward) -> None:
         builds[piece.key] = {"size_arg": piece.size_arg, "single_output": saved.single_output[piece.key],
                              "files": files}
     plan = {"args": saved.args, "pieces": {n: p.key for n, p in saved.pieces.items()}, "builds": builds,
+            "layer_base": {n: p.layer_base for n, p in saved.pieces.items() if p.layer_base},
             "cpp_binaries": copy_cpp_binaries(saved.cpp_binaries, entry_dir)}
     (entry_dir / PLAN).write_text(json.dumps(plan, indent=1))
 
@@ -230,6 +231,6 @@ def read_forward(entry_dir: Path) -> LoadedForward:
         by_size = {int(v): fn for v, fn in fns.items() if v != "dynamic"}
         loaded[key] = CompiledPiece(key, fns["dynamic"], build["size_arg"], by_size)
     split_gm = pickle.loads((entry_dir / GRAPH).read_bytes())
-    for name, key in plan["pieces"].items():
-        split_gm.__dict__[name] = loaded[key]  # as the backend does: shadows the stub submodule
+    for name, key in plan["pieces"].items():  # as the backend does: shadows the stub submodule
+        split_gm.__dict__[name] = loaded[key].at_layer(plan["layer_base"].get(name, 0))
     return LoadedForward(split_gm, plan["args"], len(plan["pieces"]), num_builds)

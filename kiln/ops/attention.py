@@ -25,6 +25,10 @@ An FP8 cache (``cache.dtype=fp8``) may carry per-layer, per-tensor scales (``kv_
 ``clamp(x / scale, +-448)`` in float8_e4m3fn and a read multiplies by the scale again. Kernels fold
 k_scale into the score scale and v_scale into the output; no scale (None) means 1. Scales of a
 cache that is not FP8 are ignored.
+
+Every attention op reads layer ``ForwardContext.layer_base + layer_idx``: a compiled piece holding
+the calls of several layers numbers them from 0 and sets its first layer with ``set_layer_base``
+while it runs (``kiln.compiler.piece``).
 """
 
 from __future__ import annotations
@@ -208,6 +212,18 @@ def attend_paged_rope_reference(
                                   kv_cache, meta, scale, sliding_window, logit_softcap, kv_scale=kv_scale)
 
 
+# Where else the layer base must be set: the CPU extension's C++ attention context adds its setter
+# when it loads (``kiln.ops.cpu_attention.load_extension``).
+layer_base_setters: list[Callable[[int], object]] = []
+
+
+def set_layer_base(base: int) -> None:
+    """Make the attention calls that follow read layer ``base + layer_idx`` (0: their own index)."""
+    get_forward_context().layer_base = base
+    for setter in layer_base_setters:
+        setter(base)
+
+
 def define_attention_op(qualname: str, impl: Optional[AttentionImpl]):
     """Define op ``qualname`` with the schema of ``kiln::attend_paged``: it runs ``impl`` on the
     cache and metadata of the forward context (``impl=None``: the context's ``attention_impl``, else
@@ -220,10 +236,11 @@ def define_attention_op(qualname: str, impl: Optional[AttentionImpl]):
         if ctx.attn is None:
             raise RuntimeError(f"{qualname} needs attention metadata in the forward context")
         run = impl or ctx.attention_impl or attend_paged_reference
-        kv_scale = ctx.kv_scales[layer_idx] if ctx.kv_scales is not None else None
+        layer = ctx.layer_base + layer_idx
+        kv_scale = ctx.kv_scales[layer] if ctx.kv_scales is not None else None
         if kv_scale is not None and ctx.calibrate_kv_scales:
             calibrate_kv_scale(k, v, ctx.attn, kv_scale)
-        return run(q, k, v, ctx.kv_caches[layer_idx], ctx.attn, scale,
+        return run(q, k, v, ctx.kv_caches[layer], ctx.attn, scale,
                    sliding_window=sliding_window, logit_softcap=logit_softcap, kv_scale=kv_scale)
 
     return define_op(qualname, attend,
@@ -248,16 +265,17 @@ def define_rope_attention_op(qualname: str, impl: Optional[RopeAttentionImpl]):
         ctx = get_forward_context()
         if ctx.attn is None:
             raise RuntimeError(f"{qualname} needs attention metadata in the forward context")
-        kv_scale = ctx.kv_scales[layer_idx] if ctx.kv_scales is not None else None
+        layer = ctx.layer_base + layer_idx
+        kv_scale = ctx.kv_scales[layer] if ctx.kv_scales is not None else None
         calibrate = kv_scale is not None and ctx.calibrate_kv_scales
         if impl is not None and not calibrate:
-            return impl(q, k, v, cos, sin_signed, ctx.kv_caches[layer_idx], ctx.attn, scale,
+            return impl(q, k, v, cos, sin_signed, ctx.kv_caches[layer], ctx.attn, scale,
                         sliding_window=sliding_window, logit_softcap=logit_softcap, kv_scale=kv_scale)
         q, k = rotate_reference(q, cos, sin_signed), rotate_reference(k, cos, sin_signed)
         if calibrate:
             calibrate_kv_scale(k, v, ctx.attn, kv_scale)
         run = ctx.attention_impl or attend_paged_reference
-        return run(q, k, v, ctx.kv_caches[layer_idx], ctx.attn, scale,
+        return run(q, k, v, ctx.kv_caches[layer], ctx.attn, scale,
                    sliding_window=sliding_window, logit_softcap=logit_softcap, kv_scale=kv_scale)
 
     return define_op(qualname, attend, lambda q, k, v, cos, sin_signed, layer_idx, scale, sliding_window=0,

@@ -33,7 +33,7 @@ from typing import Iterator, Optional
 import torch
 
 from kiln.forward_context import AttentionMetadata, ForwardContext
-from kiln.ops.attention import attend_paged_reference, define_attention_op, fp8_kv_scale
+from kiln.ops.attention import attend_paged_reference, define_attention_op, fp8_kv_scale, layer_base_setters
 from kiln.ops.paged_batch import PagedBatch, PagedBatchSpec, random_paged_batch  # noqa: F401  (checks and tests)
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ def load_extension() -> bool:
             torch.library.register_fake("kiln_cpu::attend_paged_cpu")(_attend_paged_cpu_fake)
             if has_context_op():
                 torch.library.register_fake("kiln_cpu::attend_paged")(_attend_paged_fake)
+                layer_base_setters.append(torch.ops.kiln_cpu.set_layer_base.default)
             _extension_loaded = True
         except (ImportError, OSError) as e:
             logger.info("C++ CPU attention unavailable (%s); using the pure-torch reference. "
@@ -71,9 +72,11 @@ def extension_ops() -> list[str]:
 
 
 def has_context_op() -> bool:
-    """Whether the loaded ``kiln._C`` has the C++ ``kiln_cpu::attend_paged`` (a build older than
-    ``csrc/attention_context.cpp`` has only ``attend_paged_cpu``)."""
-    return hasattr(torch.ops.kiln_cpu, "attend_paged")
+    """Whether the loaded ``kiln._C`` has the C++ ``kiln_cpu::attend_paged`` and its layer base (a
+    build older than ``csrc/attention_context.cpp`` has only ``attend_paged_cpu``; an older one
+    of that file has no ``set_layer_base``, and its op would read the wrong layer in a piece that
+    numbers its layers from 0)."""
+    return hasattr(torch.ops.kiln_cpu, "attend_paged") and hasattr(torch.ops.kiln_cpu, "set_layer_base")
 
 
 def _attend_paged_cpu_fake(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
