@@ -251,6 +251,23 @@ def test_kiln_static_sizes_and_fusions(model):
         _run_schedule(forward, model, schedule[:1] + [{r: [1] for r in "abc"} | {"d": [2]}])
 
 
+@pytest.mark.parametrize("family", ["qwen3", "olmo2"])
+def test_heads_of_a_split_projection_need_no_one_token_build(family):
+    """Qwen3 (and Gemma 3) normalize each head of q and k, OLMo-2 the whole projections: the model
+    splits the fused projection before viewing heads, which made Inductor guard num_tokens != 1
+    and every piece get a second build for one token. HeadsViewPass leaves one build a piece, and
+    the one-token steps of the schedule still give eager's logits."""
+    arch = dataclasses.replace(ARCH, num_layers=2, family=family)
+    model = _model(arch)
+    forward = build_forward(model, CompileConfig(mode="kiln"))
+    schedule = _schedule(arch.vocab_size)
+    _assert_same_logits(_run_schedule(forward, model, schedule), _run_schedule(model, model, schedule))
+    backend = forward.backend
+    assert backend.passes.num_rewrites["HeadsViewPass"] > 0 and not backend.passes.failed
+    assert backend.excluded_sizes == set()
+    assert all(not p.by_size for p in backend.compiler.cache.values())
+
+
 def test_dynamic_builds_make_no_padding_choice_on_num_tokens(model, monkeypatch):
     """Inductor's matmul padding heuristic compares num_tokens with a matmul's other sizes where
     they are not aligned (on CUDA, torch 2.11: ``K > M`` guarded ``num_tokens < hidden`` for

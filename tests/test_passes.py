@@ -24,6 +24,7 @@ from kiln.passes.add_rms_norm_fusion import AddRMSNormFusionPass
 from kiln.ops.registry import AttentionKernel, KernelSet, reference_kernels, select_kernels
 from kiln.passes.attention_backend import AttentionBackendPass
 from kiln.passes.base import KilnPass
+from kiln.passes.heads_view import HeadsViewPass
 from kiln.passes.manager import PassConfig, PassManager, build_passes
 from kiln.passes.noop_elimination import NoOpEliminationPass
 from kiln.passes.silu_mul_fusion import SiluMulFusionPass
@@ -82,6 +83,59 @@ def test_noop_elimination_keeps_partial_slices():
     gm = trace(f, torch.randn(3, 8))
     apply(PassManager([NoOpEliminationPass()]), gm)
     assert op_counts(gm)["slice"] == 1
+
+
+# ---- HeadsViewPass ----------------------------------------------------------------------------------
+
+def _split_heads(qkv):
+    """q/k/v heads of a fused projection viewed after the split (Qwen3's q/k norms, transformers)."""
+    q, k, v = qkv.split([32, 16, 16], dim=-1)
+    q, k, v = q.reshape(-1, 4, 8), k.reshape(-1, 2, 8), v.reshape(-1, 2, 8)
+    return (q * 2).sum(-1), k.float() + 1, v[:, :, :4].contiguous()
+
+
+def _split_batched_heads(qkv):
+    """transformers' layout: [1, T, N] viewed as [1, T, heads, D]; k from a step-1 slice. (The split's
+    sizes fix N: a real projection's width is known.)"""
+    q, kv = qkv.split([32, 32], dim=-1)
+    k = qkv[..., 32:48]
+    return q.reshape(1, -1, 4, 8).transpose(1, 2) * 3, k.reshape(1, -1, 2, 8) + 1, kv.sum(-1)
+
+
+@pytest.mark.parametrize("fn,shape,parts,splits_left", [(_split_heads, (5, 64), 3, 0),
+                                                        (_split_batched_heads, (1, 5, 64), 2, 1)])
+def test_heads_view_takes_heads_of_the_whole_projection(fn, shape, parts, splits_left):
+    qkv = torch.randn(shape)
+    gm = trace(fn, qkv)
+    want = [n.meta["val"].stride() for n in gm.graph.nodes if n.op == "call_function" and "view" in str(n.target)]
+    before = op_counts(gm)
+    manager = PassManager([HeadsViewPass()])
+    apply(manager, gm)
+    after = op_counts(gm)
+    assert manager.num_rewrites["HeadsViewPass"] == parts
+    assert after["view"] == 1 and before["view"] == parts  # one heads view of the whole projection
+    assert after["split_with_sizes"] == splits_left  # a split whose parts were all viewed goes
+    sliced = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.slice.Tensor
+              and n.args[0].target is aten.view.default]
+    assert [n.meta["val"].stride() for n in sliced] == want  # the same tensors: same strides
+    for n in (3, 1):
+        x = torch.randn(*shape[:-2], n, shape[-1])
+        for got, ref in zip(gm(x), fn(x), strict=True):
+            torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_heads_view_leaves_views_that_are_not_whole_heads_alone():
+    def f(qkv):
+        a, b = qkv.split([20, 44], dim=-1)  # 20 columns: not whole heads of 8 (nor of 20: 64 % 20)
+        c = qkv[:, 4:36]  # starts inside a head of 8
+        return a.reshape(-1, 2, 10) * 2, b.sum(-1), c.reshape(-1, 4, 8) + 1
+
+    qkv = torch.randn(5, 64)
+    gm = trace(f, qkv)
+    before = op_counts(gm)
+    manager = PassManager([HeadsViewPass()])
+    apply(manager, gm)
+    assert manager.num_rewrites["HeadsViewPass"] == 0 and op_counts(gm) == before
 
 
 # ---- SiluMulFusionPass ------------------------------------------------------------------------------
@@ -386,7 +440,7 @@ def test_pass_list_order_and_auto_fusion():
     assert names == ["SDPAToPagedAttentionPass", "MergeSiblingLinearsPass", "AttentionBackendPass",
                      "RopeAttentionFusionPass", "MoEBackendPass", "QuantLinearPass",
                      "DenseLinearPass", "NoOpEliminationPass", "SiluMulFusionPass", "AddRMSNormFusionPass",
-                     "GemmInputFusionPass"]
+                     "GemmInputFusionPass", "HeadsViewPass"]
     cpu = {p.name: p.options() for p in build_passes(PassConfig(kernels=select_kernels("cpu")))}
     cuda = {p.name: p.options() for p in build_passes(PassConfig(kernels=select_kernels("cuda")))}
     assert cpu["SiluMulFusionPass"] == {"enabled": False}  # no CPU kernel beats Inductor's loop

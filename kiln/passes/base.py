@@ -44,7 +44,7 @@ def node_tensor(node: Any) -> Optional[torch.Tensor]:
 def fake_node(graph: torch.fx.Graph, kind: str, target: Any, args: tuple,
               kwargs: Optional[dict] = None) -> torch.fx.Node:
     """A new ``call_function`` / ``call_method`` node at the graph's insertion point, with its fake
-    value in ``meta["example_value"]``, computed as Dynamo does (the Python dispatcher gives
+    value in ``meta["example_value"]`` (``meta["val"]`` in a post_grad graph), computed as Dynamo does (the Python dispatcher gives
     composite ops their symbolic-shape decompositions).
 
     Dynamo-stage passes create their nodes through this: later passes read shapes from the value,
@@ -62,9 +62,11 @@ def fake_node(graph: torch.fx.Graph, kind: str, target: Any, args: tuple,
     unknown = any(isinstance(a, torch.fx.Node) and v is None for a, v in zip(args, vals))
     if unknown or (fake is None and not is_getitem):
         return node
+    # Dynamo's nodes keep their value under "example_value", Inductor's (post_grad) under "val".
+    key = "example_value" if any(isinstance(a, torch.fx.Node) and "example_value" in a.meta for a in args) else "val"
     with fake if fake is not None else contextlib.nullcontext(), enable_python_dispatcher():
-        node.meta["example_value"] = (getattr(vals[0], target)(*vals[1:], **kwargs) if kind == "call_method"
-                                      else target(*vals, **kwargs))
+        node.meta[key] = (getattr(vals[0], target)(*vals[1:], **kwargs) if kind == "call_method"
+                          else target(*vals, **kwargs))
     return node
 
 

@@ -19,6 +19,8 @@ The list (``build_passes``) runs in order; each pass says where it runs (``KilnP
 7. ``GemmInputFusionPass`` (post_grad): add + RMSNorm or SiLU-and-mul and the GEMM it feeds -> one
    op, the KernelSet's ``joined_<scheme>``: FP8 (quantizes the rows it writes at prefill row
    counts) and dense, one fed GEMV kernel at one row (``KILN_GEMV_JOIN``: FP8's and int4's too, or none).
+8. ``HeadsViewPass`` (post_grad): heads of a split projection viewed from the whole projection
+   (a view of a row-strided part would make Inductor guard on the token count).
 
 ``run_dynamo(gm)`` applies the dynamo-stage passes to the captured graph before it is split;
 the manager itself is Inductor's ``post_grad_custom_pre_pass`` (a ``CustomGraphPass``) and applies
@@ -59,6 +61,7 @@ from kiln.passes.attention_backend import AttentionBackendPass
 from kiln.passes.base import STAGES, KilnPass, source_hash
 from kiln.passes.dense_linear import DenseLinearPass
 from kiln.passes.gemm_input_fusion import GemmInputFusionPass
+from kiln.passes.heads_view import HeadsViewPass
 from kiln.passes.merge_linears import MergeSiblingLinearsPass
 from kiln.passes.moe_backend import MoEBackendPass
 from kiln.passes.noop_elimination import NoOpEliminationPass
@@ -106,6 +109,7 @@ def build_passes(config: PassConfig) -> list[KilnPass]:
         SiluMulFusionPass(enabled=config.fusion_enabled(k.silu_and_mul), op=k.silu_and_mul.op),
         AddRMSNormFusionPass(enabled=config.fusion_enabled(k.add_rms_norm), op=k.add_rms_norm.op),
         GemmInputFusionPass(joins=_joins(config)),
+        HeadsViewPass(),
     ]
 
 
