@@ -412,8 +412,8 @@ CPU_COMPILE_MODE = "kiln"
 # pieces: fewer piece calls a step, and Inductor fuses across the layers of a piece. SmolLM2 (30
 # layers): on a 2-core Xeon, batch 1 38.5 tok/s against 31.1 cut at every call and 27.6-28.0 eager;
 # on a 2-vCPU EPYC, a batch-1 step of 67.3 ms against 75.3 and 79.2 (benchmarks/cpu_split_every.py).
-# The first compile takes 74 s / 140 s there against 19 s / 51 s, which the background build hides
-# behind eager steps (README, "Defaults: fast with no options"). CUDA cuts at every call: piecewise
+# The first compile takes 74 s / 140 s there against 19 s / 51 s (71-76 s on the EPYC since each piece
+# builds once and groups of layers share a build), which the background build hides behind eager steps (README, "Defaults: fast with no options"). CUDA cuts at every call: piecewise
 # graphs capture the pieces between attention calls.
 CPU_SPLIT_EVERY = 10
 DEVICE_DEFAULTS = {  # device type -> (mode, cudagraph, max_num_seqs, max_num_batched_tokens)
