@@ -35,11 +35,11 @@ def _greedy(llm, prompts, max_tokens: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def _llm(model: str, dtype: str, mode: str, cudagraph: str, device: str = "cuda", **extra):
+def _llm(model: str, dtype: str, mode: str, cudagraph: str, device: str = "cuda", compile_extra=None, **extra):
     from kiln import LLM
 
     return LLM(model=model, dtype=dtype, device=device, max_model_len=1024,
-               compile={"mode": mode, "cudagraph": cudagraph, "capture_sizes": (1, 2, 4, 8)},
+               compile={"mode": mode, "cudagraph": cudagraph, "capture_sizes": (1, 2, 4, 8), **(compile_extra or {})},
                cache={"kv_cache_memory_gib": 1.0}, scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 256},
                **extra)
 
@@ -280,6 +280,25 @@ def test_full_graphs_match_no_graphs_float32(mode):
     assert llm.engine.executor.runner.compiled.full_graphs is not None
     assert _greedy(llm, prompts, 24) == want
     assert _greedy(llm, prompts[:1], 24) == want[:1]  # batch 1: capture size 1, no padding
+
+
+@pytest.mark.gpu
+def test_groups_of_layers_in_full_graphs_match_eager_float32():
+    """compile.split_every=4 on CUDA (full graphs; piecewise ones need 1): the five pieces between
+    the cuts of Qwen2.5-0.5B's 24 layers hold four attention calls each, numbered from 0, and share
+    one build; each sets its first layer while it runs, also while its graph is captured. A piece
+    reading another layer's cache would lose eager's tokens from the first decode on."""
+    prompts = _prompts(151936)
+    want = _greedy(_llm("random:qwen2.5-0.5b", "float32", "eager", "none"), prompts, 24)
+    llm = _llm("random:qwen2.5-0.5b", "float32", "kiln", "full", compile_extra={"split_every": 4})
+    from kiln.compiler.piece import CompiledPiece
+
+    graph = llm.engine.executor.runner.compiled.forward.split_graph  # captured, or loaded from the cache
+    pieces = [p for p in graph.__dict__.values() if isinstance(p, CompiledPiece)]
+    assert len({p.key for p in pieces}) == 3 and sorted(p.layer_base for p in pieces) == [0, 1, 5, 9, 13, 17, 21]
+    got = _greedy(llm, prompts, 24)
+    prefixes = [_agreeing_prefix(g, w) for g, w in zip(got, want)]
+    assert min(prefixes) >= 8 and sum(prefixes) >= 0.75 * 24 * len(prompts), prefixes
 
 
 @pytest.mark.gpu
