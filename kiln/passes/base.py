@@ -44,12 +44,13 @@ def node_tensor(node: Any) -> Optional[torch.Tensor]:
 def fake_node(graph: torch.fx.Graph, kind: str, target: Any, args: tuple,
               kwargs: Optional[dict] = None) -> torch.fx.Node:
     """A new ``call_function`` / ``call_method`` node at the graph's insertion point, with its fake
-    value in ``meta["example_value"]`` (``meta["val"]`` in a post_grad graph), computed as Dynamo does (the Python dispatcher gives
-    composite ops their symbolic-shape decompositions).
+    value computed as Dynamo does (the Python dispatcher gives composite ops their symbolic-shape
+    decompositions), under the key its arguments use: ``meta["example_value"]`` in a Dynamo graph,
+    ``meta["val"]`` in a post_grad one.
 
-    Dynamo-stage passes create their nodes through this: later passes read shapes from the value,
-    and the AOTAutograd cache, which the artifact cache stores, refuses a graph that calls a method
-    on a node without one (the entry is then not stored and every restart compiles again). With no
+    Dynamo-stage passes (and ``HeadsViewPass``) create their nodes through this: later passes read
+    shapes from the value, and the AOTAutograd cache, which the artifact cache stores, refuses a
+    graph that calls a method on a node without one (the entry is then not stored and every restart compiles again). With no
     fake tensor among the arguments, fake tensors of several modes, or an argument node without a
     value (a graph built by hand), the node gets no value, except a ``getitem`` of a sequence.
     """
