@@ -14,7 +14,8 @@
 // 60% of the bandwidth MKL's float32 GEMV reaches (measured on a 2-core Xeon with AMX-BF16).
 // Rows are split over torch's threads in tiles of 16. Without AVX512-BF16, AVX2 + FMA widen each
 // bfloat16 to float32 (exact) and multiply in float32; without either a portable loop computes the
-// same sums in another order.
+// same sums in another order. Several rows of x (batched decode, short prefills) take register
+// blocks of 3 rows of x by 4 weight rows (tile_avx2) on AVX2, in float32 and bfloat16 alike.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -100,7 +101,7 @@ void rows_avx512bf16(const uint16_t* w, const uint16_t* x, float* y, int64_t N, 
 // memory gives 14 GB/s; this loop read 11-14 GB/s there (benchmarks/cpu_gemv.py).
 // Bfloat16 rows without AVX512-BF16 (AVX2 CPUs such as AMD's Zen 3) take the same loop, each
 // bfloat16 widened to float32 exactly (a 16-bit shift): half the bytes at the same memory speed.
-constexpr int64_t kF32GemvRows = 8;  // linear_f32's rows through the GEMV off Intel (see there)
+constexpr int64_t kF32GemvRows = 64;  // linear_f32's rows through the GEMV off Intel (see there)
 constexpr int64_t kF32PrefetchRows = 16;  // measured on the EPYC: none 10-14 GB/s, 16 and 32 11-14, 64 9-13
 
 __attribute__((target("avx2,fma")))
@@ -110,6 +111,13 @@ __attribute__((target("avx2,fma")))
 inline __m256 load8(const uint16_t* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+__attribute__((target("avx2,fma")))
+inline float hsum8(__m256 s) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
 inline float to_float(float v) { return v; }
@@ -139,10 +147,7 @@ void rows_avx2(const T* w, const T* x, float* y, int64_t N, int64_t K, int64_t n
       }
     }
     for (int r = 0; r < kRows; ++r) {
-      const __m256 s = _mm256_add_ps(a0[r], a1[r]);
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      float acc = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+      float acc = hsum8(_mm256_add_ps(a0[r], a1[r]));
       for (int64_t c = k; c < K; ++c) acc += to_float(w[(n + r) * K + c]) * to_float(x[c]);
       y[n + r] = acc;
     }
@@ -152,6 +157,66 @@ void rows_avx2(const T* w, const T* x, float* y, int64_t N, int64_t K, int64_t n
     for (int64_t c = 0; c < K; ++c) acc += to_float(w[n * K + c]) * to_float(x[c]);
     y[n] = acc;
   }
+}
+
+// Several rows of x: rows_avx2 per row of x does one FMA per two loads (a weight vector and x's),
+// about 30 GFLOP/s from the cache on a Zen 3 core, so from 2 rows on the linears were bound by
+// that loop, not by memory (16 rows: a SmolLM2 layer's linears 4.5 ms). A register block of MR
+// rows of x by kRows weight rows keeps MR x kRows 8-float accumulators (12 of AVX2's 16 registers
+// at MR = 3) and gives each weight load MR FMAs. x is float32 (bfloat16 callers widen it once).
+// prefetch_from >= 0: prefetch that element's rows (kRows of them) in step, as rows_avx2 does.
+template <typename T, int MR>
+__attribute__((target("avx2,fma")))
+void block_avx2(const T* w, const float* x, float* y, int64_t N, int64_t K, int64_t n, int64_t m,
+                int64_t prefetch_from) {
+  constexpr int64_t kLine = 64 / sizeof(T);
+  const int64_t k8 = K / 8 * 8;
+  const int64_t last = N * K - 1;
+  __m256 acc[MR][kRows];
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < kRows; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k8; k += 8) {
+    if (prefetch_from >= 0 && k % kLine == 0)
+      for (int r = 0; r < kRows; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + std::min(prefetch_from + r * K + k, last)), _MM_HINT_T0);
+    __m256 xv[MR];
+    for (int i = 0; i < MR; ++i) xv[i] = _mm256_loadu_ps(x + (m + i) * K + k);
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 wv = load8(w + (n + r) * K + k);
+      for (int i = 0; i < MR; ++i) acc[i][r] = _mm256_fmadd_ps(wv, xv[i], acc[i][r]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < kRows; ++r) {
+      float s = hsum8(acc[i][r]);
+      for (int64_t c = k8; c < K; ++c) s += to_float(w[(n + r) * K + c]) * x[(m + i) * K + c];
+      y[(m + i) * N + n + r] = s;
+    }
+}
+
+constexpr int kBlockM = 3;  // rows of x a block (measured on one Zen 3 core, 15 rows x SmolLM2's o
+                            // projection from the cache: 3 rows 49-64 GFLOP/s, 2 rows 40-43, 1 row 33-37)
+
+// y[m, n0:n1] for every row m of x (float32 [M, K]), kRows weight rows at a time, every block of
+// x's rows against them while they sit in the L1; the first block prefetches rows ahead.
+template <typename T>
+__attribute__((target("avx2,fma")))
+void tile_avx2(const T* w, const float* x, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t prefetch_rows = sizeof(T) == 4 ? kF32PrefetchRows : kPrefetchRows;
+  int64_t n = n0;
+  for (; n + kRows <= n1; n += kRows) {
+    const int64_t ahead = (n + prefetch_rows) * K;
+    int64_t m = 0;
+    for (; m + kBlockM <= M; m += kBlockM) block_avx2<T, kBlockM>(w, x, y, N, K, n, m, m == 0 ? ahead : -1);
+    if (M - m == 2) block_avx2<T, 2>(w, x, y, N, K, n, m, m == 0 ? ahead : -1);
+    else if (M - m == 1) block_avx2<T, 1>(w, x, y, N, K, n, m, m == 0 ? ahead : -1);
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t c = 0; c < K; ++c) acc += to_float(w[n * K + c]) * x[m * K + c];
+      y[m * N + n] = acc;
+    }
 }
 
 bool has_avx2_fma() {
@@ -182,6 +247,17 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w) {
   else if (has_avx2_fma()) rows = rows_avx2<uint16_t>;
 #endif
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+#if defined(__x86_64__)
+  if (M > 1 && !has_avx512bf16() && has_avx2_fma()) {  // x widened once; blocks of x's rows (tile_avx2)
+    const at::Tensor xf = xc.to(at::kFloat);
+    const float* xfp = xf.data_ptr<float>();
+    at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        tile_avx2<uint16_t>(wp, xfp, yp, M, N, K, t * kTileRows, std::min(N, (t + 1) * kTileRows));
+    });
+    return y;
+  }
+#endif
   at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {  // a tile read once for all rows of x
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t m = 0; m < M; ++m)
@@ -205,12 +281,13 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w) {
     const float* xp = xc.data_ptr<float>();
     float* yp = y.data_ptr<float>();
     const int64_t tiles = (N + kTileRows - 1) / kTileRows;
-    // Rows of x inside a tile of weight rows: the tile comes from memory once and from the cache
-    // for the other rows.
+    // A tile of weight rows comes from memory once, for every row of x.
     at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t m = 0; m < M; ++m)
-          rows_avx2<float>(wp, xp + m * K, yp + m * N, N, K, t * kTileRows, std::min(N, (t + 1) * kTileRows));
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * kTileRows, n1 = std::min(N, (t + 1) * kTileRows);
+        if (M == 1) rows_avx2<float>(wp, xp, yp, N, K, n0, n1);
+        else tile_avx2<float>(wp, xp, yp, M, N, K, n0, n1);
+      }
     });
     return y;
   }
@@ -244,11 +321,13 @@ at::Tensor linear_by_rows(const char* name, const at::Tensor& x, const at::Tenso
 
 // linear_f32: F.linear(x, w, bias) for a float32 weight, in x's dtype: one row through gemv_f32 (on
 // an Intel Xeon with 2 threads as fast as MKL's GEMV, the LM head 9% faster; on an AMD EPYC twice
-// as fast), and off Intel up to kF32GemvRows rows, where MKL's small GEMMs are slow; more rows
-// through at::linear (MKL's GEMM). A SmolLM2 layer's four linears at 1 / 2 / 4 / 8 / 16 rows, us,
-// gemv_f32 against MKL (benchmarks/cpu_gemv.py --rows): EPYC 957 / 1106 / 1482 / 1989 / 4452
-// against 1806 / 3394 / 3424 / 3490 / 4881; Xeon 706 / 925 / 1322 / 2471 / 4364 against
-// 705 / 750 / 1294 / 1456 / 1754.
+// as fast), and off Intel up to kF32GemvRows rows (tile_avx2's register blocks), where MKL's GEMMs
+// at these shapes are slow; more rows through at::linear (MKL's GEMM). A SmolLM2 layer's four
+// linears at 1 / 2 / 4 / 8 / 16 / 32 / 64 rows, us, gemv_f32 against MKL (benchmarks/cpu_gemv.py
+// --rows, weights read from memory): EPYC 995 / 1103 / 1271 / 1517 / 1957 / 3102 / 5684 against
+// 1881 / 3804 / 4093 / 3775 / 4474 / 5102 / 7990, the LM head at 64 rows 46.5 against 87.1 ms
+// (at 256 rows MKL's is faster); Xeon, before the register blocks, 706 / 925 / 1322 / 2471 / 4364
+// against MKL's 705 / 750 / 1294 / 1456 / 1754.
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
 #if defined(__x86_64__)
   static const int64_t gemv_rows = __builtin_cpu_is("intel") ? 1 : kF32GemvRows;
@@ -261,11 +340,12 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optio
 // linear_bf16: F.linear(x, w, bias) for a bfloat16 weight, in x's dtype. One dispatcher call from
 // Python in eager mode and an opaque op in compiled graphs, so both get the GEMV at decode. With
 // AVX512-BF16 (and AMX) one row takes the GEMV: oneDNN wins from a few rows on. On AVX2 alone its
-// bfloat16 matmul is slower than the GEMV up to 16 rows (EPYC: a layer's linears 3109 against
-// 7884 us at 16 rows).
+// bfloat16 matmul is several times slower than the GEMV at every row count measured, so every row
+// takes it (EPYC, a SmolLM2 layer's linears: 1781 against 7782 us at 16 rows, 24.3 against 131.6 ms
+// at 256).
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
 #if defined(__x86_64__)
-  const int64_t gemv_rows = has_avx512bf16() ? 1 : has_avx2_fma() ? 2 * kF32GemvRows : 1;
+  const int64_t gemv_rows = has_avx512bf16() ? 1 : has_avx2_fma() ? INT64_MAX : 1;
 #else
   const int64_t gemv_rows = 1;
 #endif

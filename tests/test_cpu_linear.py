@@ -27,7 +27,8 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @needs_gemv
 @pytest.mark.parametrize("m,n,k", [(1, 1536, 576), (1, 576, 1536), (1, 37, 100), (1, 5, 32), (3, 64, 576),
-                                   (1, 49152, 576), (2, 17, 31)])
+                                   (1, 49152, 576), (2, 17, 31), (4, 37, 100), (5, 66, 576), (7, 19, 13),
+                                   (16, 64, 1536), (65, 21, 33)])
 def test_gemv_bf16_matches_float64(m, n, k):
     g = torch.Generator().manual_seed(n * 7 + k)
     x = torch.randn(m, k, generator=g)
@@ -68,7 +69,8 @@ def test_decode_linear_matches_f_linear(rows, x_dtype):
 
 @needs_gemv
 @pytest.mark.parametrize("m,n,k", [(1, 960, 576), (1, 576, 1536), (1, 37, 100), (1, 5, 7), (3, 64, 576),
-                                   (1, 49152, 576), (2, 17, 31), (1, 3, 16)])
+                                   (1, 49152, 576), (2, 17, 31), (1, 3, 16), (4, 37, 100), (5, 66, 576),
+                                   (7, 19, 13), (16, 64, 1536), (65, 21, 33)])
 def test_gemv_f32_matches_float64(m, n, k):
     g = torch.Generator().manual_seed(n * 5 + k)
     x = torch.randn(m, k, generator=g)
@@ -84,18 +86,19 @@ def test_gemv_f32_matches_float64(m, n, k):
 @needs_gemv
 def test_gemv_f32_reads_strided_rows_and_threads():
     w = torch.randn(200, 48 * 2)[:, ::2]  # neither operand contiguous
-    x = torch.randn(1, 96)[:, ::2]
     before = torch.get_num_threads()
     try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            torch.testing.assert_close(torch.ops.kiln_cpu.gemv_f32(x, w).double(), x.double() @ w.double().t(),
-                                       rtol=1e-5, atol=1e-5)
+        for rows in (1, 7):  # one row's loop and the register blocks
+            x = torch.randn(rows, 96)[:, ::2]
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                torch.testing.assert_close(torch.ops.kiln_cpu.gemv_f32(x, w).double(), x.double() @ w.double().t(),
+                                           rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 8, 9])  # up to 8 rows through the GEMV, more through F.linear
+@pytest.mark.parametrize("rows", [1, 4, 8, 64, 65])  # off Intel up to 64 rows through the GEMV, more through F.linear
 def test_decode_linear_of_float32_weights_matches_f_linear(rows):
     x, w, b = torch.randn(rows, 64), torch.randn(32, 64), torch.randn(32)
     y = cpu_linear.decode_linear(x, w, b)
