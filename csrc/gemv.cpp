@@ -18,6 +18,7 @@
 // blocks of 3 rows of x by 4 weight rows (tile_avx2) on AVX2, in float32 and bfloat16 alike.
 
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/empty.h>
@@ -27,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -352,13 +354,83 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   return linear_by_rows("linear_bf16", x, w, bias, at::kBFloat16, gemv_rows, &gemv_bf16);
 }
 
+#if defined(__x86_64__)
+// One row of x against torch's int4 weights as _convert_weight_to_int4pack_for_cpu packs them on
+// an AVX2 CPU: blocks of 32 output rows, [N / 32][K][16] bytes, byte d of column k holding row d
+// in its low nibble and row 16 + d in its high one; scales_zeros [K / g, N, 2] bfloat16 (s, z),
+// w = (q - 8) s + z. Per group of g columns the block sums t = x . q without scales (an integer op
+// and a convert per nibble, one FMA per 8 weights), then adds s t + (z - 8 s) sum(x), where torch's
+// kernel dequantizes every weight and rounds x and y to bfloat16 (benchmarks/cpu_int4.py).
+__attribute__((target("avx2,fma")))
+void int4_block_avx2(const uint8_t* w, const uint16_t* sz, const float* x, const float* xsums, float* y, int64_t N,
+                     int64_t K, int64_t group, int64_t n0) {
+  const __m256i low4 = _mm256_set1_epi32(0xF);
+  const __m256i pairs = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  __m256 acc[4];
+  for (int v = 0; v < 4; ++v) acc[v] = _mm256_setzero_ps();
+  const uint8_t* block = w + n0 * K / 2;
+  for (int64_t g0 = 0; g0 < K; g0 += group) {
+    __m256 t[2][4];  // even and odd columns: two chains of FMAs a row, not one
+    for (int u = 0; u < 2; ++u)
+      for (int v = 0; v < 4; ++v) t[u][v] = _mm256_setzero_ps();
+    for (int64_t k = g0; k < g0 + group; k += 2) {
+      for (int u = 0; u < 2; ++u) {
+        const uint8_t* col = block + (k + u) * 16;  // each half widened as it loads (vpmovzxbd)
+        const __m256i e0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(col)));      // rows 0-7 | 16-23
+        const __m256i e1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(col + 8)));  // rows 8-15 | 24-31
+        const __m256 xk = _mm256_broadcast_ss(x + k + u);
+        t[u][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(e0, low4)), xk, t[u][0]);
+        t[u][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(e1, low4)), xk, t[u][1]);
+        t[u][2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(e0, 4)), xk, t[u][2]);
+        t[u][3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(e1, 4)), xk, t[u][3]);
+      }
+    }
+    const __m256 xsum = _mm256_set1_ps(xsums[g0 / group]);
+    const uint16_t* gsz = sz + ((g0 / group) * N + n0) * 2;
+    for (int v = 0; v < 4; ++v) {  // 8 (s, z) pairs -> s and z of rows 8v .. 8v + 7
+      const __m256 a = _mm256_permutevar8x32_ps(load8(gsz + 16 * v), pairs);      // s0..s3 z0..z3
+      const __m256 b = _mm256_permutevar8x32_ps(load8(gsz + 16 * v + 8), pairs);  // s4..s7 z4..z7
+      const __m256 s = _mm256_permute2f128_ps(a, b, 0x20), z = _mm256_permute2f128_ps(a, b, 0x31);
+      const __m256 z8 = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, z);  // z - 8 s
+      acc[v] = _mm256_fmadd_ps(z8, xsum, _mm256_fmadd_ps(s, _mm256_add_ps(t[0][v], t[1][v]), acc[v]));
+    }
+  }
+  for (int v = 0; v < 4; ++v) _mm256_storeu_ps(y + n0 + 8 * v, acc[v]);
+}
+#endif
+
 // linear_int4: torch's packed int4 weight-only GEMM (aten::_weight_int4pack_mm_for_cpu, fast with
 // bfloat16 activations and scales only) for activations of any float dtype, in x's dtype: the
-// casts and reshapes kiln/ops/quant.py's _linear_int4_cpu does, without its Python.
+// casts and reshapes kiln/ops/quant.py's _linear_int4_cpu does, without its Python. One row, where
+// torch packed for AVX2 (its kernels' layout depends on the CPU capability it dispatches to) and
+// N is whole blocks of 32, goes through int4_block_avx2 in float32 instead (SmolLM2's linears
+// 1.32-1.40x torch's kernel, weights read from memory; below kInt4MinWeights the fixed costs win).
+constexpr int64_t kInt4MinWeights = int64_t(1) << 17;
+
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales_zeros, int64_t group_size) {
   const int64_t K = x.size(-1), N = scales_zeros.size(1);
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
+#if defined(__x86_64__)
+  static const bool avx2_layout =
+      has_avx2_fma() && at::get_cpu_capability() == "AVX2";
+  if (avx2_layout && x.numel() == K && N * K >= kInt4MinWeights && N % 32 == 0 && group_size % 2 == 0 && K % group_size == 0 &&
+      scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() && w.is_contiguous() &&
+      w.scalar_type() == at::kByte && w.numel() * 2 == N * K) {
+    const at::Tensor xf = x.reshape({K}).to(at::kFloat).contiguous();
+    at::Tensor y = at::empty({N}, xf.options());
+    const auto* wp = w.data_ptr<uint8_t>();
+    const auto* szp = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr());
+    const float* xp = xf.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    std::vector<float> xsums(K / group_size, 0.f);  // each group's sum of x, for its zero points
+    for (int64_t k = 0; k < K; ++k) xsums[k / group_size] += xp[k];
+    at::parallel_for(0, N / 32, 4, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) int4_block_avx2(wp, szp, xp, xsums.data(), yp, N, K, group_size, b * 32);
+    });
+    return y.to(x.scalar_type()).reshape(out_shape);
+  }
+#endif
   const at::Tensor x2 = x.reshape({-1, K}).to(scales_zeros.scalar_type()).contiguous();
   return at::_weight_int4pack_mm_for_cpu(x2, w, group_size, scales_zeros).to(x.scalar_type()).reshape(out_shape);
 }
