@@ -22,6 +22,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
 
@@ -397,14 +398,65 @@ void int4_block_avx2(const uint8_t* w, const uint16_t* sz, const float* x, const
   }
   for (int v = 0; v < 4; ++v) _mm256_storeu_ps(y + n0 + 8 * v, acc[v]);
 }
+// Two rows of x at a time (more than one row): each nibble converted once for both, the group's
+// sums added into y (zeroed by the caller) instead of held in registers; an odd last row takes
+// int4_block_avx2.
+__attribute__((target("avx2,fma")))
+void int4_block2_avx2(const uint8_t* w, const uint16_t* sz, const float* x, const float* xsums, float* y, int64_t N,
+                      int64_t K, int64_t group, int64_t n0, int64_t m0) {
+  const __m256i low4 = _mm256_set1_epi32(0xF);
+  const __m256i pairs = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const uint8_t* block = w + n0 * K / 2;
+  const float* x0 = x + m0 * K;
+  const float* x1 = x0 + K;
+  const int64_t groups = K / group;
+  for (int64_t g0 = 0; g0 < K; g0 += group) {
+    __m256 t[2][4];
+    for (int u = 0; u < 2; ++u)
+      for (int v = 0; v < 4; ++v) t[u][v] = _mm256_setzero_ps();
+    for (int64_t k = g0; k < g0 + group; ++k) {
+      const uint8_t* col = block + k * 16;
+      const __m256i e0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(col)));
+      const __m256i e1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(col + 8)));
+      const __m256 a = _mm256_broadcast_ss(x0 + k), b = _mm256_broadcast_ss(x1 + k);
+      __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(e0, low4));
+      t[0][0] = _mm256_fmadd_ps(q, a, t[0][0]);
+      t[1][0] = _mm256_fmadd_ps(q, b, t[1][0]);
+      q = _mm256_cvtepi32_ps(_mm256_and_si256(e1, low4));
+      t[0][1] = _mm256_fmadd_ps(q, a, t[0][1]);
+      t[1][1] = _mm256_fmadd_ps(q, b, t[1][1]);
+      q = _mm256_cvtepi32_ps(_mm256_srli_epi32(e0, 4));
+      t[0][2] = _mm256_fmadd_ps(q, a, t[0][2]);
+      t[1][2] = _mm256_fmadd_ps(q, b, t[1][2]);
+      q = _mm256_cvtepi32_ps(_mm256_srli_epi32(e1, 4));
+      t[0][3] = _mm256_fmadd_ps(q, a, t[0][3]);
+      t[1][3] = _mm256_fmadd_ps(q, b, t[1][3]);
+    }
+    const int64_t gi = g0 / group;
+    const uint16_t* gsz = sz + (gi * N + n0) * 2;
+    for (int v = 0; v < 4; ++v) {
+      const __m256 lo = _mm256_permutevar8x32_ps(load8(gsz + 16 * v), pairs);
+      const __m256 hi = _mm256_permutevar8x32_ps(load8(gsz + 16 * v + 8), pairs);
+      const __m256 sc = _mm256_permute2f128_ps(lo, hi, 0x20), z = _mm256_permute2f128_ps(lo, hi, 0x31);
+      const __m256 z8 = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sc, z);
+      for (int u = 0; u < 2; ++u) {
+        float* out = y + (m0 + u) * N + n0 + 8 * v;
+        const __m256 xs = _mm256_set1_ps(xsums[(m0 + u) * groups + gi]);
+        _mm256_storeu_ps(out, _mm256_fmadd_ps(z8, xs, _mm256_fmadd_ps(sc, t[u][v], _mm256_loadu_ps(out))));
+      }
+    }
+  }
+}
 #endif
 
 // linear_int4: torch's packed int4 weight-only GEMM (aten::_weight_int4pack_mm_for_cpu, fast with
 // bfloat16 activations and scales only) for activations of any float dtype, in x's dtype: the
-// casts and reshapes kiln/ops/quant.py's _linear_int4_cpu does, without its Python. One row, where
-// torch packed for AVX2 (its kernels' layout depends on the CPU capability it dispatches to) and
-// N is whole blocks of 32, goes through int4_block_avx2 in float32 instead (SmolLM2's linears
-// 1.32-1.40x torch's kernel, weights read from memory; below kInt4MinWeights the fixed costs win).
+// casts and reshapes kiln/ops/quant.py's _linear_int4_cpu does, without its Python. Where torch
+// packed for AVX2 (its kernels' layout depends on the CPU capability it dispatches to) and N is
+// whole blocks of 32, every row count goes through int4_block_avx2 / int4_block2_avx2 in float32
+// instead: a SmolLM2 layer's four int4 linears, weights read from memory, 1.50x / 1.48x / 1.27x /
+// 1.21x torch's kernel at 1 / 2 / 16 / 64 rows on an AMD EPYC (benchmarks/cpu_int4.py --rows);
+// below kInt4MinWeights the fixed costs win.
 constexpr int64_t kInt4MinWeights = int64_t(1) << 17;
 
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales_zeros, int64_t group_size) {
@@ -414,19 +466,27 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 #if defined(__x86_64__)
   static const bool avx2_layout =
       has_avx2_fma() && at::get_cpu_capability() == "AVX2";
-  if (avx2_layout && x.numel() == K && N * K >= kInt4MinWeights && N % 32 == 0 && group_size % 2 == 0 && K % group_size == 0 &&
-      scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() && w.is_contiguous() &&
-      w.scalar_type() == at::kByte && w.numel() * 2 == N * K) {
-    const at::Tensor xf = x.reshape({K}).to(at::kFloat).contiguous();
-    at::Tensor y = at::empty({N}, xf.options());
+  const int64_t M = K ? x.numel() / K : 0;
+  if (avx2_layout && M >= 1 && N * K >= kInt4MinWeights && N % 32 == 0 &&
+      group_size % 2 == 0 && K % group_size == 0 && scales_zeros.scalar_type() == at::kBFloat16 &&
+      scales_zeros.is_contiguous() && w.is_contiguous() && w.scalar_type() == at::kByte && w.numel() * 2 == N * K) {
+    const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+    at::Tensor y = M == 1 ? at::empty({M, N}, xf.options()) : at::zeros({M, N}, xf.options());
     const auto* wp = w.data_ptr<uint8_t>();
     const auto* szp = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr());
     const float* xp = xf.data_ptr<float>();
     float* yp = y.data_ptr<float>();
-    std::vector<float> xsums(K / group_size, 0.f);  // each group's sum of x, for its zero points
-    for (int64_t k = 0; k < K; ++k) xsums[k / group_size] += xp[k];
+    const int64_t groups = K / group_size;
+    std::vector<float> xsums(M * groups, 0.f);  // each row's and group's sum of x, for the zero points
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) xsums[m * groups + k / group_size] += xp[m * K + k];
     at::parallel_for(0, N / 32, 4, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) int4_block_avx2(wp, szp, xp, xsums.data(), yp, N, K, group_size, b * 32);
+      for (int64_t b = b0; b < b1; ++b) {
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) int4_block2_avx2(wp, szp, xp, xsums.data(), yp, N, K, group_size, b * 32, m);
+        if (m < M)
+          int4_block_avx2(wp, szp, xp + m * K, xsums.data() + m * groups, yp + m * N, N, K, group_size, b * 32);
+      }
     });
     return y.to(x.scalar_type()).reshape(out_shape);
   }

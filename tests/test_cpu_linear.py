@@ -228,17 +228,19 @@ def test_linear_int4_packed_op_matches_the_python_wrapper(shape):
 
 
 @needs_gemv
+@pytest.mark.parametrize("rows", [1, 2, 3, 16])
 @pytest.mark.parametrize("n,k,group", [(512, 576, 32), (256, 1536, 128), (1024, 256, 64)])
-def test_linear_int4_packed_one_row_matches_float64(n, k, group):
-    # One row of a large enough weight takes kiln's float32 kernel on AVX2 (torch's bf16 kernel
-    # elsewhere): both within their own rounding of the float64 product with the dequantized weight.
-    g = torch.Generator().manual_seed(n + k + group)
+def test_linear_int4_packed_matches_float64(n, k, group, rows):
+    # A large enough weight takes kiln's float32 kernels on AVX2 (pairs of rows, an odd last row
+    # alone; torch's bf16 kernel elsewhere): both within their own rounding of the float64 product
+    # with the dequantized weight.
+    g = torch.Generator().manual_seed(n + k + group + rows)
     w, sz = quant.quantize_int4(torch.randn(n, k, generator=g), group)
     pw, psz = quant.pack_int4_cpu(w, sz, group)
-    x = torch.randn(1, k, generator=g)
+    x = torch.randn(rows, k, generator=g)
     want = x.double() @ quant.dequant_int4_reference(w, psz, group, torch.float64).t()
     y = torch.ops.kiln_cpu.linear_int4_packed(x, pw, psz, group)
-    assert y.shape == (1, n) and y.dtype == torch.float32
+    assert y.shape == (rows, n) and y.dtype == torch.float32
     scale = (x.double().abs() @ quant.dequant_int4_reference(w, psz, group, torch.float64).abs().t()).max().item()
     float32_path = torch.backends.cpu.get_cpu_capability() == "AVX2"
     bound = 1e-5 if float32_path else 1e-2  # float32 sums, or bfloat16 x and y
