@@ -356,6 +356,17 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
 }
 
 #if defined(__x86_64__)
+// Scales and zero points of 8 output rows from a group's (s, z) bfloat16 pairs: s, and z - 8 s
+// (so that (q - 8) s + z = q s + (z - 8 s)).
+__attribute__((target("avx2,fma")))
+inline void int4_scales(const uint16_t* pairs_of_8, __m256* s, __m256* z8) {
+  const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256 a = _mm256_permutevar8x32_ps(load8(pairs_of_8), order);      // s0..s3 z0..z3
+  const __m256 b = _mm256_permutevar8x32_ps(load8(pairs_of_8 + 8), order);  // s4..s7 z4..z7
+  *s = _mm256_permute2f128_ps(a, b, 0x20);
+  *z8 = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), *s, _mm256_permute2f128_ps(a, b, 0x31));
+}
+
 // One row of x against torch's int4 weights as _convert_weight_to_int4pack_for_cpu packs them on
 // an AVX2 CPU: blocks of 32 output rows, [N / 32][K][16] bytes, byte d of column k holding row d
 // in its low nibble and row 16 + d in its high one; scales_zeros [K / g, N, 2] bfloat16 (s, z),
@@ -366,7 +377,6 @@ __attribute__((target("avx2,fma")))
 void int4_block_avx2(const uint8_t* w, const uint16_t* sz, const float* x, const float* xsums, float* y, int64_t N,
                      int64_t K, int64_t group, int64_t n0) {
   const __m256i low4 = _mm256_set1_epi32(0xF);
-  const __m256i pairs = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
   __m256 acc[4];
   for (int v = 0; v < 4; ++v) acc[v] = _mm256_setzero_ps();
   const uint8_t* block = w + n0 * K / 2;
@@ -388,11 +398,9 @@ void int4_block_avx2(const uint8_t* w, const uint16_t* sz, const float* x, const
     }
     const __m256 xsum = _mm256_set1_ps(xsums[g0 / group]);
     const uint16_t* gsz = sz + ((g0 / group) * N + n0) * 2;
-    for (int v = 0; v < 4; ++v) {  // 8 (s, z) pairs -> s and z of rows 8v .. 8v + 7
-      const __m256 a = _mm256_permutevar8x32_ps(load8(gsz + 16 * v), pairs);      // s0..s3 z0..z3
-      const __m256 b = _mm256_permutevar8x32_ps(load8(gsz + 16 * v + 8), pairs);  // s4..s7 z4..z7
-      const __m256 s = _mm256_permute2f128_ps(a, b, 0x20), z = _mm256_permute2f128_ps(a, b, 0x31);
-      const __m256 z8 = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, z);  // z - 8 s
+    for (int v = 0; v < 4; ++v) {
+      __m256 s, z8;
+      int4_scales(gsz + 16 * v, &s, &z8);
       acc[v] = _mm256_fmadd_ps(z8, xsum, _mm256_fmadd_ps(s, _mm256_add_ps(t[0][v], t[1][v]), acc[v]));
     }
   }
@@ -405,7 +413,6 @@ __attribute__((target("avx2,fma")))
 void int4_block2_avx2(const uint8_t* w, const uint16_t* sz, const float* x, const float* xsums, float* y, int64_t N,
                       int64_t K, int64_t group, int64_t n0, int64_t m0) {
   const __m256i low4 = _mm256_set1_epi32(0xF);
-  const __m256i pairs = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
   const uint8_t* block = w + n0 * K / 2;
   const float* x0 = x + m0 * K;
   const float* x1 = x0 + K;
@@ -435,10 +442,8 @@ void int4_block2_avx2(const uint8_t* w, const uint16_t* sz, const float* x, cons
     const int64_t gi = g0 / group;
     const uint16_t* gsz = sz + (gi * N + n0) * 2;
     for (int v = 0; v < 4; ++v) {
-      const __m256 lo = _mm256_permutevar8x32_ps(load8(gsz + 16 * v), pairs);
-      const __m256 hi = _mm256_permutevar8x32_ps(load8(gsz + 16 * v + 8), pairs);
-      const __m256 sc = _mm256_permute2f128_ps(lo, hi, 0x20), z = _mm256_permute2f128_ps(lo, hi, 0x31);
-      const __m256 z8 = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sc, z);
+      __m256 sc, z8;
+      int4_scales(gsz + 16 * v, &sc, &z8);
       for (int u = 0; u < 2; ++u) {
         float* out = y + (m0 + u) * N + n0 + 8 * v;
         const __m256 xs = _mm256_set1_ps(xsums[(m0 + u) * groups + gi]);

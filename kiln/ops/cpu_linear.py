@@ -120,8 +120,9 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
 
 
 def linear_int4_eager():
-    """What an eager int4 ``QuantLinear`` on the CPU calls: the C++ wrapper of torch's packed int4
-    GEMM when built (one dispatcher call), else the Python one."""
+    """What an eager int4 ``QuantLinear`` on the CPU calls: the C++ op when built (one dispatcher
+    call: kiln's float32 int4 kernels where torch packs for AVX2, torch's packed int4 GEMM
+    elsewhere), else the Python wrapper of torch's."""
     from kiln.ops import quant
 
     return torch.ops.kiln_cpu.linear_int4_packed if gemv_available() else quant._linear_int4_cpu
