@@ -128,6 +128,13 @@ def linear_int4_eager():
     return torch.ops.kiln_cpu.linear_int4_packed if gemv_available() else quant._linear_int4_cpu
 
 
+def int4_takes_float() -> bool:
+    """Whether ``kiln_cpu::linear_int4_packed`` runs kiln's float32 int4 kernels (``csrc/gemv.cpp``:
+    where torch dispatches to AVX2, whose packing they read): its activations then go in as float32.
+    Elsewhere torch's kernel computes in bfloat16, so ``QuantLinearPass`` casts around the op."""
+    return gemv_available() and torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
 class GemvLinear(nn.Linear):
     """An ``nn.Linear`` whose calls go through ``decode_linear``."""
 

@@ -354,16 +354,18 @@ def _cpu_int8() -> Optional[QuantLinearKernel]:
 
 def _cpu_int4() -> Optional[QuantLinearKernel]:
     from kiln.ops import quant
-    from kiln.ops.cpu_linear import gemv_available, linear_int4_eager
+    from kiln.ops.cpu_linear import gemv_available, int4_takes_float, linear_int4_eager
 
     if not quant.cpu_int4_supported():
         return None
     # Compiled graphs hold the C++ wrapper when kiln._C is built: one dispatcher call without the
-    # Python op's casts and reshapes (about 20 us a call, 120 calls a SmolLM2 decode step).
+    # Python op's casts and reshapes (about 20 us a call, 120 calls a SmolLM2 decode step). Where that
+    # op runs kiln's float32 kernels (AVX2), the graph keeps float32 activations: no bfloat16 round
+    # trip (the op would widen x again and round y, two copies a linear).
     op = torch.ops.kiln_cpu.linear_int4_packed if gemv_available() else torch.ops.kiln_cpu.linear_int4
     return QuantLinearKernel("cpu", op, fast=True, dequant=torch.ops.kiln_cpu.dequant_int4,
                              pack=quant.pack_int4_cpu, fits=quant.cpu_int4_fits, eager=linear_int4_eager(),
-                             activation_dtype=quant.CPU_COMPUTE_DTYPE)
+                             activation_dtype=None if int4_takes_float() else quant.CPU_COMPUTE_DTYPE)
 
 
 def _cuda_fp8() -> Optional[QuantLinearKernel]:

@@ -9,7 +9,7 @@ may hold it, and replaces it with the kernel op of that scheme, which reads the 
              y = torch._C._nn.linear(x, w, bias)          # or aten.linear / aten.mm(x, aten.t(w))
                                                           # or aten.addmm(bias, x, aten.t(w))
     after:   y = torch.ops.kiln_cpu.linear_int4(qweight, ...)(x, qweight, scales_zeros, 32) + bias
-             (a kernel with an ``activation_dtype``, the CPU's: ``op(x.to(bfloat16), ...).type_as(x)``)
+             (a kernel with an ``activation_dtype``, torch's CPU GEMMs: ``op(x.to(bfloat16), ...).type_as(x)``)
 
 The scheme's kernel is the ``KernelSet``'s (``kiln.ops.registry``), found by the dequant op's name,
 so the weight layout and the GEMM always agree. A dequant whose value is used elsewhere too stays
@@ -69,7 +69,9 @@ class QuantLinearPass(KilnPass):
                 self._by_dequant[kernel.dequant_name] = kernel
 
     def options(self) -> dict:
-        return {name: op_name(k.op) for name, k in sorted(self._by_dequant.items())}
+        # The activation dtype too: whether the graph casts around an op depends on the CPU it runs on.
+        return {name: op_name(k.op) + (f" on {k.activation_dtype}" if k.activation_dtype else "")
+                for name, k in sorted(self._by_dequant.items())}
 
     def _kernel_of(self, node: Any) -> Optional[QuantLinearKernel]:
         if isinstance(node, torch.fx.Node) and node.op == "call_function":
