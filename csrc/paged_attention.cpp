@@ -33,15 +33,21 @@
 // (batch-1 decode) a group is split over items. Items go to OpenMP threads dynamically, most
 // expensive first: prefill tiles near the end of a long prompt see the most keys.
 //
-// Per item and tile of 16 keys: scores for groups of 4 rows (one vector product per row and key,
-// lanes summed once), an online softmax in base 2 (q is pre-scaled by scale * log2(e)), and
-// P x V with the 4 rows' accumulators in registers across the keys. All arithmetic is float32.
-// attend_item is compiled for x86-64-v4, x86-64-v3 and the baseline and picked at load time, so
-// one binary is portable and still uses AVX-512 where it exists (vec.h has the vector pieces).
+// Per item and tile of L keys (L floats, one vector): scores for groups of 4 rows (one vector
+// product per row and key, lanes summed once), an online softmax in base 2 (q is pre-scaled by
+// scale * log2(e)), and P x V with the 4 rows' accumulators in registers across the keys. All
+// arithmetic is float32. attend_item is a template over L, instantiated for x86-64-v4 (16 floats,
+// one zmm), x86-64-v3 (8, one ymm) and the baseline (4), and the widest the CPU runs is picked at
+// load time, so one binary is portable and still uses AVX-512 where it exists (vec.h has the
+// vector pieces).
 //
 // History: the first version did one `omp simd` dot product per (row, key) and one axpy per key
 // into an accumulator in memory. GCC summed each dot's lanes serially through the stack and
-// round-tripped the accumulator per key: about 12 GFLOP/s on one Zen 4 core against 30-50 now.
+// round-tripped the accumulator per key: about 12 GFLOP/s on one Zen 4 core against 30-50 after.
+// The next compiled 16-float vectors for every instruction set (target_clones of one body): on
+// AVX2 each was two ymm registers and GCC 12 kept them on the stack. 8 floats there made SmolLM2's
+// shapes 3.5-6x faster on a Zen 3 core (decode of 160 keys 95 -> 24 us, a 128-token prefill
+// 4.3 -> 0.75 ms; benchmarks/cpu_attention.py).
 
 #include <Python.h>
 
@@ -56,6 +62,7 @@
 #include "vec.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -63,11 +70,6 @@
 #include <limits>
 #include <vector>
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define KILN_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define KILN_MULTIVERSION
-#endif
 
 namespace kiln {
 namespace {
@@ -114,25 +116,26 @@ struct WorkItem {
   int64_t cost;                         // rows x visible keys, for ordering
 };
 
-// Float rows are padded to a whole number of vfloats (`padded_dim`); the pad lanes stay zero.
+// Float rows are padded to a whole number of the widest vectors (`padded_dim`), so every width
+// reads whole vectors; the pad lanes stay zero. A kernel of L lanes uses the first L keys' entries.
 struct Scratch {
   int padded_dim;
   std::vector<float> q;       // [max_rows][padded_dim], pre-scaled queries
   std::vector<float> acc;     // [max_rows][padded_dim], unnormalised outputs
-  std::vector<float> scores;  // [max_rows][kLanes], one key tile's scores, then probabilities
+  std::vector<float> scores;  // [max_rows][L], one key tile's scores, then probabilities
   std::vector<float> row_max, row_sum, alpha;  // [max_rows]
-  std::vector<float> k_rows, v_rows;           // [kLanes][padded_dim], converted cache rows
-  const float* k_ptr[kLanes];
-  const float* v_ptr[kLanes];
+  std::vector<float> k_rows, v_rows;           // [L][padded_dim], converted cache rows
+  const float* k_ptr[kMaxLanes];
+  const float* v_ptr[kMaxLanes];
   Scratch(int max_rows, int head_dim)
-      : padded_dim((head_dim + kLanes - 1) / kLanes * kLanes), q(size_t(max_rows) * padded_dim, 0.f),
-        acc(size_t(max_rows) * padded_dim), scores(size_t(max_rows) * kLanes), row_max(max_rows),
-        row_sum(max_rows), alpha(max_rows), k_rows(size_t(kLanes) * padded_dim, 0.f),
-        v_rows(size_t(kLanes) * padded_dim, 0.f) {}
+      : padded_dim((head_dim + kMaxLanes - 1) / kMaxLanes * kMaxLanes), q(size_t(max_rows) * padded_dim, 0.f),
+        acc(size_t(max_rows) * padded_dim), scores(size_t(max_rows) * kMaxLanes), row_max(max_rows),
+        row_sum(max_rows), alpha(max_rows), k_rows(size_t(kMaxLanes) * padded_dim, 0.f),
+        v_rows(size_t(kMaxLanes) * padded_dim, 0.f) {}
 };
 
 // Byte offsets of keys [n0, n0 + count) of kv head 0 from the K or V cache base; a tile may span
-// cache blocks when block_size < kLanes.
+// cache blocks when block_size < L.
 KILN_INLINE void tile_offsets(const Problem& p, const int32_t* table, int64_t n0, int count, int64_t* offsets) {
   for (int n = 0; n < count; ++n) {
     const int64_t key = n0 + n;
@@ -160,63 +163,65 @@ KILN_INLINE void tile_rows(const Problem& p, const char* cache, const int64_t* o
   }
 }
 
-// Scores of R rows against `count` keys: scores[r][n] = q_r . k_n (one vfloat product per
+// Scores of R rows against `count` keys: scores[r][n] = q_r . k_n (one vector product per
 // row and key, summed across lanes once at the end).
-template <int R>
+template <int L, int R>
 KILN_INLINE void tile_scores(const float* q, int padded_dim, const float* const* k, int count, float* scores) {
+  using vfloat = typename Vec<L>::f;
   for (int n = 0; n < count; ++n) {
     vfloat t[R];
-    for (int r = 0; r < R; ++r) t[r] = splat(0.f);
-    for (int c = 0; c < padded_dim; c += kLanes) {
-      const vfloat kv = load(k[n] + c);
-      for (int r = 0; r < R; ++r) t[r] += load(q + size_t(r) * padded_dim + c) * kv;
+    for (int r = 0; r < R; ++r) t[r] = splat<L>(0.f);
+    for (int c = 0; c < padded_dim; c += L) {
+      const vfloat kv = load<L>(k[n] + c);
+      for (int r = 0; r < R; ++r) t[r] += load<L>(q + size_t(r) * padded_dim + c) * kv;
     }
-    for (int r = 0; r < R; ++r) scores[r * kLanes + n] = hsum(t[r]);
+    for (int r = 0; r < R; ++r) scores[r * L + n] = hsum<L>(t[r]);
   }
 }
 
-// acc_r = acc_r * alpha_r + sum_n p_r[n] * v_n for R rows, one vfloat column of head_dim at a time,
+// acc_r = acc_r * alpha_r + sum_n p_r[n] * v_n for R rows, one vector column of head_dim at a time,
 // with the R accumulators in registers across the keys.
-template <int R>
+template <int L, int R>
 KILN_INLINE void tile_accumulate(float* acc, int padded_dim, const float* probs, const float* alpha,
                                  const float* const* v, int count) {
-  for (int c = 0; c < padded_dim; c += kLanes) {
+  using vfloat = typename Vec<L>::f;
+  for (int c = 0; c < padded_dim; c += L) {
     vfloat a[R];
-    for (int r = 0; r < R; ++r) a[r] = load(acc + size_t(r) * padded_dim + c) * alpha[r];
+    for (int r = 0; r < R; ++r) a[r] = load<L>(acc + size_t(r) * padded_dim + c) * alpha[r];
     for (int n = 0; n < count; ++n) {
-      const vfloat vv = load(v[n] + c);
-      for (int r = 0; r < R; ++r) a[r] += probs[r * kLanes + n] * vv;
+      const vfloat vv = load<L>(v[n] + c);
+      for (int r = 0; r < R; ++r) a[r] += probs[r * L + n] * vv;
     }
-    for (int r = 0; r < R; ++r) store(acc + size_t(r) * padded_dim + c, a[r]);
+    for (int r = 0; r < R; ++r) store<L>(acc + size_t(r) * padded_dim + c, a[r]);
   }
 }
 
 // The two passes over rows [r, r + R) of one key tile, for `over_row_groups`.
-template <int R>
+template <int L, int R>
 struct ScoresPass {
   static KILN_INLINE void run(Scratch& s, int r, int count) {
-    tile_scores<R>(s.q.data() + size_t(r) * s.padded_dim, s.padded_dim, s.k_ptr, count,
-                   s.scores.data() + size_t(r) * kLanes);
+    tile_scores<L, R>(s.q.data() + size_t(r) * s.padded_dim, s.padded_dim, s.k_ptr, count,
+                      s.scores.data() + size_t(r) * L);
   }
 };
 
-template <int R>
+template <int L, int R>
 struct AccumulatePass {
   static KILN_INLINE void run(Scratch& s, int r, int count) {
-    tile_accumulate<R>(s.acc.data() + size_t(r) * s.padded_dim, s.padded_dim, s.scores.data() + size_t(r) * kLanes,
-                       s.alpha.data() + r, s.v_ptr, count);
+    tile_accumulate<L, R>(s.acc.data() + size_t(r) * s.padded_dim, s.padded_dim, s.scores.data() + size_t(r) * L,
+                          s.alpha.data() + r, s.v_ptr, count);
   }
 };
 
-// Pass<R> over rows [r_begin, num_rows): groups of 4 rows, then one group of the 1-3 left.
-template <template <int> class Pass>
+// Pass<L, R> over rows [r_begin, num_rows): groups of 4 rows, then one group of the 1-3 left.
+template <int L, template <int, int> class Pass>
 KILN_INLINE void over_row_groups(Scratch& s, int r_begin, int num_rows, int count) {
   int r = r_begin;
-  for (; r + 4 <= num_rows; r += 4) Pass<4>::run(s, r, count);
+  for (; r + 4 <= num_rows; r += 4) Pass<L, 4>::run(s, r, count);
   switch (num_rows - r) {
-    case 3: Pass<3>::run(s, r, count); break;
-    case 2: Pass<2>::run(s, r, count); break;
-    case 1: Pass<1>::run(s, r, count); break;
+    case 3: Pass<L, 3>::run(s, r, count); break;
+    case 2: Pass<L, 2>::run(s, r, count); break;
+    case 1: Pass<L, 1>::run(s, r, count); break;
     default: break;
   }
 }
@@ -224,10 +229,11 @@ KILN_INLINE void over_row_groups(Scratch& s, int r_begin, int num_rows, int coun
 // Row m's scores for one tile (keys outside [lo, hi) of the tile are masked) become probabilities;
 // its running max and sum absorb them, and alpha[m] rescales its accumulator in the accumulate
 // pass. A row that sees no key of the tile (outside its window) keeps its state: alpha 1, p 0.
+template <int L>
 KILN_INLINE void online_softmax_step(const Problem& p, Scratch& s, int m, int lo, int hi) {
-  float* sc = s.scores.data() + size_t(m) * kLanes;
+  float* sc = s.scores.data() + size_t(m) * L;
   if (lo >= hi) {
-    for (int n = 0; n < kLanes; ++n) sc[n] = 0.f;
+    for (int n = 0; n < L; ++n) sc[n] = 0.f;
     s.alpha[m] = 1.f;
     return;
   }
@@ -236,13 +242,13 @@ KILN_INLINE void online_softmax_step(const Problem& p, Scratch& s, int m, int lo
     for (int n = lo; n < hi; ++n) sc[n] = cap_log2 * std::tanh(sc[n] * inv_cap);
   }
   for (int n = 0; n < lo; ++n) sc[n] = kNegInf;
-  for (int n = hi; n < kLanes; ++n) sc[n] = kNegInf;
-  const vfloat sv = load(sc);
-  const float new_max = std::max(s.row_max[m], hmax(sv));  // finite: the row sees a key of the tile
-  const vfloat pv = exp2_nonpositive(sv - new_max);
-  store(sc, pv);
+  for (int n = hi; n < L; ++n) sc[n] = kNegInf;
+  const typename Vec<L>::f sv = load<L>(sc);
+  const float new_max = std::max(s.row_max[m], hmax<L>(sv));  // finite: the row sees a key of the tile
+  const typename Vec<L>::f pv = exp2_nonpositive<L>(sv - new_max);
+  store<L>(sc, pv);
   s.alpha[m] = std::exp2(s.row_max[m] - new_max);  // 0 on the first tile (max -inf)
-  s.row_sum[m] = s.row_sum[m] * s.alpha[m] + hsum(pv);
+  s.row_sum[m] = s.row_sum[m] * s.alpha[m] + hsum<L>(pv);
   s.row_max[m] = new_max;
 }
 
@@ -258,9 +264,11 @@ KILN_INLINE void store_out_row(const Problem& p, const float* acc, float inv_sum
 }
 
 // ---------------------------------------------------------------------------------------------
-// One work item: its rows attend over the request's context, one tile of kLanes keys at a time.
+// One work item: its rows attend over the request's context, one tile of L keys at a time (L the
+// vector width: the scores of a row's tile are one vector).
 
-KILN_MULTIVERSION void attend_item(const Problem& p, const WorkItem& w, Scratch& s) {
+template <int L>
+KILN_INLINE void attend_item(const Problem& p, const WorkItem& w, Scratch& s) {
   const int D = p.head_dim, P = s.padded_dim, nh = w.num_heads;
   const int rows_per_kv_head = w.num_toks * nh;
   const int num_rows = w.num_kv_heads * rows_per_kv_head;
@@ -284,11 +292,11 @@ KILN_MULTIVERSION void attend_item(const Problem& p, const WorkItem& w, Scratch&
 
   const int64_t kv_end = first_pos + w.num_toks;  // last token's position + 1
   const int32_t* table = p.block_tables + int64_t(w.req) * p.bt_stride;
-  int64_t offsets[kLanes];
+  int64_t offsets[L];
   // With a window, keys before the first row's window are never read.
-  const int64_t kv_begin = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) / kLanes * kLanes : 0;
-  for (int64_t n0 = kv_begin; n0 < kv_end; n0 += kLanes) {
-    const int count = int(std::min<int64_t>(kLanes, kv_end - n0));
+  const int64_t kv_begin = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) / L * L : 0;
+  for (int64_t n0 = kv_begin; n0 < kv_end; n0 += L) {
+    const int count = int(std::min<int64_t>(L, kv_end - n0));
     tile_offsets(p, table, n0, count, offsets);
     // The item's kv heads one after another over the same slots: a slot's heads are adjacent in
     // the cache, so the tile reads whole runs of memory, not one head's rows out of each.
@@ -299,13 +307,13 @@ KILN_MULTIVERSION void attend_item(const Problem& p, const WorkItem& w, Scratch&
       // Rows are in token order, so the rows that see any key of this tile are a suffix.
       const int r_begin = g * rows_per_kv_head + int(std::max<int64_t>(0, n0 - first_pos)) * nh;
       const int r_end = (g + 1) * rows_per_kv_head;
-      over_row_groups<ScoresPass>(s, r_begin, r_end, count);
+      over_row_groups<L, ScoresPass>(s, r_begin, r_end, count);
       for (int m = r_begin; m < r_end; ++m) {
         const int64_t pos = first_pos + (m % rows_per_kv_head) / nh;
         const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - n0) : 0;
-        online_softmax_step(p, s, m, int(std::min<int64_t>(lo, count)), int(std::min<int64_t>(count, pos - n0 + 1)));
+        online_softmax_step<L>(p, s, m, int(std::min<int64_t>(lo, count)), int(std::min<int64_t>(count, pos - n0 + 1)));
       }
-      over_row_groups<AccumulatePass>(s, r_begin, r_end, count);
+      over_row_groups<L, AccumulatePass>(s, r_begin, r_end, count);
     }
   }
 
@@ -314,6 +322,50 @@ KILN_MULTIVERSION void attend_item(const Problem& p, const WorkItem& w, Scratch&
     const int64_t tok = q_start + w.tok_begin + i / nh;
     const int64_t head = int64_t(w.kv_head_begin + m / rows_per_kv_head) * p.group + w.head_begin + i % nh;
     store_out_row(p, s.acc.data() + size_t(m) * P, p.v_scale / s.row_sum[m], p.out + (tok * p.num_heads + head) * D * p.elt);
+  }
+}
+
+// attend_item at the vector width of each instruction set's registers (vec.h): 16 floats on
+// x86-64-v4, 8 on v3, 4 on the baseline. The widest the CPU runs is picked once; a test or a
+// benchmark may force a narrower one (set_attention_lanes).
+using AttendItemFn = void (*)(const Problem&, const WorkItem&, Scratch&);
+
+void attend_item_4(const Problem& p, const WorkItem& w, Scratch& s) { attend_item<4>(p, w, s); }
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define KILN_X86_LEVELS 1
+__attribute__((target("arch=x86-64-v3"))) void attend_item_8(const Problem& p, const WorkItem& w, Scratch& s) {
+  attend_item<8>(p, w, s);
+}
+__attribute__((target("arch=x86-64-v4"))) void attend_item_16(const Problem& p, const WorkItem& w, Scratch& s) {
+  attend_item<16>(p, w, s);
+}
+#endif
+
+int widest_lanes() {
+#if defined(KILN_X86_LEVELS)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("x86-64-v4")) return 16;
+  if (__builtin_cpu_supports("x86-64-v3")) return 8;
+#endif
+  return 4;
+}
+
+std::atomic<int> forced_lanes{0};  // 0: the widest
+
+int attention_lanes() {
+  static const int widest = widest_lanes();
+  const int forced = forced_lanes.load(std::memory_order_relaxed);
+  return forced ? forced : widest;
+}
+
+AttendItemFn attend_item_fn() {
+  switch (attention_lanes()) {
+#if defined(KILN_X86_LEVELS)
+    case 16: return attend_item_16;
+    case 8: return attend_item_8;
+#endif
+    default: return attend_item_4;
   }
 }
 
@@ -511,6 +563,7 @@ void attend_paged_cpu_into(const at::Tensor& q_in, const at::Tensor& k_in, const
   int max_rows = 1;
   const std::vector<WorkItem> items = plan_items(p, num_reqs, num_threads, &max_rows);
   const int64_t num_items = int64_t(items.size());
+  const AttendItemFn attend = attend_item_fn();
 #pragma omp parallel num_threads(num_threads)
   {
 #pragma omp for schedule(static)
@@ -518,7 +571,7 @@ void attend_paged_cpu_into(const at::Tensor& q_in, const at::Tensor& k_in, const
     // The implicit barrier above: every new key is in the cache before any item reads it.
     Scratch scratch(max_rows, p.head_dim);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_items; ++i) attend_item(p, items[i], scratch);
+    for (int64_t i = 0; i < num_items; ++i) attend(p, items[i], scratch);
   }
 }
 
@@ -544,6 +597,18 @@ at::Tensor& attend_paged_cpu_out(const at::Tensor& q, const at::Tensor& k, const
   return out;
 }
 
+// The vector width the kernel runs at from now on: 0 for the widest this CPU has, or 4, 8 or 16
+// floats where it has them (tests check each against the reference; benchmarks compare them).
+// Returns the width in use.
+int64_t set_attention_lanes(int64_t lanes) {
+  static const int widest = widest_lanes();
+  TORCH_CHECK(lanes == 0 || ((lanes == 4 || lanes == 8 || lanes == 16) && lanes <= widest),
+              "set_attention_lanes: 0 (the widest) or 4, 8 or 16 floats up to this CPU's widest, ", widest,
+              "; got ", lanes);
+  forced_lanes.store(int(lanes), std::memory_order_relaxed);
+  return attention_lanes();
+}
+
 }  // namespace
 }  // namespace kiln
 
@@ -557,6 +622,7 @@ TORCH_LIBRARY(kiln_cpu, m) {
       "attend_paged_cpu.out(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window=0, "
       "float logit_softcap=0., Tensor? kv_scale=None, *, Tensor(b!) out) -> Tensor(b!)");
+  m.def("set_attention_lanes(int lanes) -> int", TORCH_FN(kiln::set_attention_lanes));
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {

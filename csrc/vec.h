@@ -1,9 +1,12 @@
 // Vector building blocks for the CPU kernels in csrc/: always inlined, so each caller compiled
-// with target_clones gets them in its own instruction set.
+// for an instruction set (a function with a target attribute) gets them in that set.
 //
-// vfloat is a GCC/Clang generic vector of 16 floats: one zmm register on x86-64-v4, two ymm on v3,
-// four xmm on the baseline. Written this way the compiler keeps accumulators in registers, which
-// it does not do for `omp simd` loops with a runtime trip count.
+// Vec<L>::f is a GCC/Clang generic vector of L floats. A kernel is a template over L and each
+// instruction set instantiates the width of its registers: 16 on x86-64-v4 (one zmm), 8 on v3 (one
+// ymm), 4 on the baseline (one xmm). Written this way the compiler keeps accumulators in registers,
+// which it does not do for `omp simd` loops with a runtime trip count. A width wider than the
+// registers (16 floats on AVX2, two ymm each) compiles but spills: GCC 12 kept the paged-attention
+// kernel's vectors on the stack, 3.5-6x slower than 8 lanes on a Zen 3 core.
 
 #pragma once
 
@@ -20,50 +23,59 @@
 
 namespace kiln {
 
-typedef float vfloat __attribute__((vector_size(64)));
-typedef int32_t vint __attribute__((vector_size(64)));
-typedef float vfloat8 __attribute__((vector_size(32)));
-typedef float vfloat4 __attribute__((vector_size(16)));
-constexpr int kLanes = 16;  // floats per vfloat
+template <int L>
+struct Vec {
+  typedef float f __attribute__((vector_size(4 * L)));
+  typedef int32_t i __attribute__((vector_size(4 * L)));
+};
+constexpr int kMaxLanes = 16;  // the widest Vec a kernel instantiates
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-KILN_INLINE vfloat splat(float x) { return vfloat{} + x; }
+template <int L>
+KILN_INLINE typename Vec<L>::f splat(float x) { return typename Vec<L>::f{} + x; }
 
-KILN_INLINE vfloat load(const float* p) {
-  vfloat v;
+template <int L>
+KILN_INLINE typename Vec<L>::f load(const float* p) {
+  typename Vec<L>::f v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-KILN_INLINE void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+template <int L>
+KILN_INLINE void store(float* p, typename Vec<L>::f v) { std::memcpy(p, &v, sizeof v); }
 
-KILN_INLINE float hsum(vfloat v) {
-  vfloat8 a, b;
-  std::memcpy(&a, &v, sizeof a);
-  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
-  a += b;
-  vfloat4 c, d;
-  std::memcpy(&c, &a, sizeof c);
-  std::memcpy(&d, reinterpret_cast<const char*>(&a) + sizeof c, sizeof d);
-  c += d;
-  return (c[0] + c[2]) + (c[1] + c[3]);
+// Lanes summed pairwise: halves added until one 4-lane vector is left.
+template <int L>
+KILN_INLINE float hsum(typename Vec<L>::f v) {
+  if constexpr (L > 4) {
+    typename Vec<L / 2>::f a, b;
+    std::memcpy(&a, &v, sizeof a);
+    std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
+    return hsum<L / 2>(a + b);
+  } else {
+    return (v[0] + v[2]) + (v[1] + v[3]);
+  }
 }
 
-KILN_INLINE float hmax(vfloat v) {
+template <int L>
+KILN_INLINE float hmax(typename Vec<L>::f v) {
   float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  for (int i = 1; i < L; ++i) m = std::max(m, v[i]);
   return m;
 }
 
 // 2^x for x <= 0, relative error ~1e-7, exactly 0 below -126 (never a denormal, and -inf gives 0).
 // Plain arithmetic and bit casts, so it stays in vector registers where exp2f is a libm call.
-KILN_INLINE vfloat exp2_nonpositive(vfloat x) {
-  const vfloat magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer in the low bits
-  const vfloat xc = x < splat(-126.f) ? splat(-126.f) : x;
+template <int L>
+KILN_INLINE typename Vec<L>::f exp2_nonpositive(typename Vec<L>::f x) {
+  using vfloat = typename Vec<L>::f;
+  using vint = typename Vec<L>::i;
+  const vfloat magic = splat<L>(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer in the low bits
+  const vfloat xc = x < splat<L>(-126.f) ? splat<L>(-126.f) : x;
   const vfloat t = xc + magic;
   const vint n = (vint)t - (vint)magic;
   const vfloat y = (xc - (t - magic)) * 0.6931471805599453f;  // 2^f = e^y, f in [-0.5, 0.5]: Taylor, degree 7
-  vfloat e = splat(1.f / 5040.f);
+  vfloat e = splat<L>(1.f / 5040.f);
   e = e * y + 1.f / 720.f;
   e = e * y + 1.f / 120.f;
   e = e * y + 1.f / 24.f;
@@ -72,7 +84,7 @@ KILN_INLINE vfloat exp2_nonpositive(vfloat x) {
   e = e * y + 1.f;
   e = e * y + 1.f;
   const vfloat r = e * (vfloat)((n + 127) << 23);
-  return x < splat(-126.f) ? splat(0.f) : r;
+  return x < splat<L>(-126.f) ? splat<L>(0.f) : r;
 }
 
 KILN_INLINE float bf16_to_float(uint16_t bits) {
