@@ -342,7 +342,7 @@ __attribute__((target("arch=x86-64-v4"))) void attend_item_16(const Problem& p, 
 }
 #endif
 
-int widest_lanes() {
+int detect_widest_lanes() {
 #if defined(KILN_X86_LEVELS)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("x86-64-v4")) return 16;
@@ -351,12 +351,16 @@ int widest_lanes() {
   return 4;
 }
 
+int widest_lanes() {
+  static const int widest = detect_widest_lanes();
+  return widest;
+}
+
 std::atomic<int> forced_lanes{0};  // 0: the widest
 
 int attention_lanes() {
-  static const int widest = widest_lanes();
   const int forced = forced_lanes.load(std::memory_order_relaxed);
-  return forced ? forced : widest;
+  return forced ? forced : widest_lanes();
 }
 
 AttendItemFn attend_item_fn() {
@@ -599,15 +603,16 @@ at::Tensor& attend_paged_cpu_out(const at::Tensor& q, const at::Tensor& k, const
 
 // The vector width the kernel runs at from now on: 0 for the widest this CPU has, or 4, 8 or 16
 // floats where it has them (tests check each against the reference; benchmarks compare them).
-// Returns the width in use.
+// Returns the width in use; a width the CPU cannot run leaves it unchanged (these two ops never
+// throw: kiln.ops.cpu_attention.set_attention_lanes turns a refusal into a Python error).
 int64_t set_attention_lanes(int64_t lanes) {
-  static const int widest = widest_lanes();
-  TORCH_CHECK(lanes == 0 || ((lanes == 4 || lanes == 8 || lanes == 16) && lanes <= widest),
-              "set_attention_lanes: 0 (the widest) or 4, 8 or 16 floats up to this CPU's widest, ", widest,
-              "; got ", lanes);
-  forced_lanes.store(int(lanes), std::memory_order_relaxed);
+  if (lanes == 0 || ((lanes == 4 || lanes == 8 || lanes == 16) && lanes <= widest_lanes())) {
+    forced_lanes.store(int(lanes), std::memory_order_relaxed);
+  }
   return attention_lanes();
 }
+
+int64_t max_attention_lanes() { return widest_lanes(); }
 
 }  // namespace
 }  // namespace kiln
@@ -623,6 +628,7 @@ TORCH_LIBRARY(kiln_cpu, m) {
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window=0, "
       "float logit_softcap=0., Tensor? kv_scale=None, *, Tensor(b!) out) -> Tensor(b!)");
   m.def("set_attention_lanes(int lanes) -> int", TORCH_FN(kiln::set_attention_lanes));
+  m.def("max_attention_lanes() -> int", TORCH_FN(kiln::max_attention_lanes));
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {

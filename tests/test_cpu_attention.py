@@ -90,9 +90,9 @@ def test_window_and_softcap_change_the_output():
 @pytest.fixture
 def lanes_of_this_cpu():
     """The vector widths (floats) this CPU runs the kernel at, widest last; width restored after."""
-    widest = torch.ops.kiln_cpu.set_attention_lanes(0)
+    widest = ca.set_attention_lanes(0)
     yield [w for w in (4, 8, 16) if w <= widest]
-    torch.ops.kiln_cpu.set_attention_lanes(0)
+    ca.set_attention_lanes(0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -100,7 +100,7 @@ def test_every_vector_width_matches_reference(lanes_of_this_cpu, dtype):
     # Each instruction set's width (16 floats on AVX-512, 8 on AVX2, 4 on the baseline) tiles the
     # keys by its own width: blocks smaller than a tile, a padded head_dim, windows and soft-caps.
     for lanes in lanes_of_this_cpu:
-        assert torch.ops.kiln_cpu.set_attention_lanes(lanes) == lanes
+        assert ca.set_attention_lanes(lanes) == lanes
         _check(20 + lanes, decodes=(3, 41), prefills=((50, 17), (12, 12)), group=3, num_kv_heads=2, head_dim=96,
                block_size=4, dtype=dtype)
         _check(40 + lanes, decodes=(1, 29), prefills=((66, 33),), group=4, num_kv_heads=2, block_size=8, dtype=dtype,
@@ -108,10 +108,12 @@ def test_every_vector_width_matches_reference(lanes_of_this_cpu, dtype):
 
 
 def test_vector_width_beyond_the_cpu_is_refused(lanes_of_this_cpu):
+    ca.set_attention_lanes(4)
     for bad in (3, 32, -1, *(w for w in (8, 16) if w not in lanes_of_this_cpu)):
-        with pytest.raises(RuntimeError, match="set_attention_lanes"):
-            torch.ops.kiln_cpu.set_attention_lanes(bad)
-    assert torch.ops.kiln_cpu.set_attention_lanes(0) == lanes_of_this_cpu[-1]
+        with pytest.raises(ValueError, match="set_attention_lanes"):
+            ca.set_attention_lanes(bad)
+        assert torch.ops.kiln_cpu.set_attention_lanes(bad) == 4  # the op itself leaves the width as it was
+    assert ca.set_attention_lanes(0) == lanes_of_this_cpu[-1] == torch.ops.kiln_cpu.max_attention_lanes()
 
 
 def test_store_writes_exactly_the_new_slots():

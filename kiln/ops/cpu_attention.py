@@ -88,6 +88,19 @@ def _attend_paged_fake(q, k, v, layer_idx, scale, sliding_window=0, logit_softca
     return q.new_empty(q.shape)
 
 
+def set_attention_lanes(lanes: int) -> int:
+    """Run the C++ kernel at ``lanes`` floats a vector from now on (4, 8 or 16, up to the widest this
+    CPU has: 16 with AVX-512, 8 with AVX2) or, with 0, at the widest; returns the width in use.
+    For tests, which check every width against the reference, and for benchmarks."""
+    if not load_extension():
+        raise RuntimeError("set_attention_lanes needs kiln._C: run `pip install --no-build-isolation -e .`")
+    widest = torch.ops.kiln_cpu.max_attention_lanes()
+    if lanes != 0 and (lanes not in (4, 8, 16) or lanes > widest):
+        raise ValueError(f"set_attention_lanes: 0 (the widest) or 4, 8 or 16 floats up to this CPU's widest, "
+                         f"{widest}; got {lanes}")
+    return torch.ops.kiln_cpu.set_attention_lanes(lanes)
+
+
 def cpu_attend_paged(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
