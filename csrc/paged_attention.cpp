@@ -70,7 +70,6 @@
 #include <limits>
 #include <vector>
 
-
 namespace kiln {
 namespace {
 

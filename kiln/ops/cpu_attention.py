@@ -94,11 +94,11 @@ def set_attention_lanes(lanes: int) -> int:
     For tests, which check every width against the reference, and for benchmarks."""
     if not load_extension():
         raise RuntimeError("set_attention_lanes needs kiln._C: run `pip install --no-build-isolation -e .`")
-    widest = torch.ops.kiln_cpu.max_attention_lanes()
-    if lanes != 0 and (lanes not in (4, 8, 16) or lanes > widest):
+    in_use = torch.ops.kiln_cpu.set_attention_lanes(lanes)  # a width the CPU cannot run is left unapplied
+    if lanes != 0 and in_use != lanes:
         raise ValueError(f"set_attention_lanes: 0 (the widest) or 4, 8 or 16 floats up to this CPU's widest, "
-                         f"{widest}; got {lanes}")
-    return torch.ops.kiln_cpu.set_attention_lanes(lanes)
+                         f"{torch.ops.kiln_cpu.max_attention_lanes()}; got {lanes}")
+    return in_use
 
 
 def cpu_attend_paged(
