@@ -29,7 +29,7 @@ def cpu_extensions() -> dict:
     ext = CppExtension(
         "kiln._C",
         ["csrc/paged_attention.cpp", "csrc/attention_context.cpp", "csrc/gemv.cpp", "csrc/gemv_q8_0.cpp"],
-        depends=["csrc/vec.h", "csrc/paged_attention.h"],
+        depends=["csrc/vec.h", "csrc/paged_attention.h", "csrc/error.h"],
         extra_compile_args=["-O3", "-fno-math-errno", *arch, *openmp],
         # libgomp has the soname of the copy torch ships, so the process has one OpenMP runtime; the
         # rpath lets `import kiln._C` find libtorch even before torch is imported.

@@ -26,6 +26,8 @@
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
 
+#include "error.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -305,9 +307,9 @@ using GemvFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&);
 at::Tensor linear_by_rows(const char* name, const at::Tensor& x, const at::Tensor& w,
                           const c10::optional<at::Tensor>& bias, at::ScalarType dtype, int64_t gemv_rows,
                           GemvFn gemv) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == dtype, name, ": a ", c10::toString(dtype), " weight [N, K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == dtype, kiln::message(name, ": a ", dtype, " weight [N, K]"));
   const int64_t K = w.size(1), N = w.size(0);
-  TORCH_CHECK(x.size(-1) == K, name, ": x's last dim must be the weight's K");
+  TORCH_CHECK(x.size(-1) == K, kiln::message(name, ": x's last dim must be the weight's K"));
   const int64_t rows = K ? x.numel() / K : 0;
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;

@@ -130,13 +130,41 @@ def test_store_writes_exactly_the_new_slots():
     assert torch.equal(cache[1].view(-1, kvh, hd)[m.slot_mapping], batch.v)
 
 
-def test_bad_metadata_is_an_error_not_a_crash():
-    batch = ca.random_paged_batch(ca.PagedBatchSpec(decode_seq_lens=(9,)), seed=8)
+# Each bad input and the message it must raise, with the offending values in it (the C++ builds
+# these messages without std::ostream: csrc/error.h).
+BAD_INPUTS = {
+    "block id": (lambda b, m: dict(block_tables=torch.full_like(m.block_tables, 10_000)),
+                 r"request 0: block id 10000 out of range"),
+    "slot": (lambda b, m: dict(slot_mapping=torch.full_like(m.slot_mapping, 10**9)),
+             r"token 0: slot 1000000000 out of range"),
+    "query longer than context": (lambda b, m: dict(seq_lens=torch.zeros_like(m.seq_lens)),
+                                  r"request 0: query length 1 vs seq_len 0"),
+    "table too narrow": (lambda b, m: dict(block_tables=m.block_tables[:, :1]),
+                         r"request 0: seq_len 9 needs 3 blocks, table has 1"),
+    "heads": (lambda b, m: dict(q=b.q[:, :3]), r"num_heads \(3\) must be a multiple of num_kv_heads \(2\)"),
+    "dtype": (lambda b, m: dict(q=b.q.half(), k=b.k.half(), v=b.v.half()),
+              r"supports float32 and bfloat16, got Half"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_metadata_is_an_error_not_a_crash(case):
+    batch = ca.random_paged_batch(ca.PagedBatchSpec(decode_seq_lens=(9,), num_heads=8, num_kv_heads=2,
+                                                    block_size=4), seed=8)
     m = batch.meta
-    bad_table = torch.full_like(m.block_tables, 10_000)
-    with pytest.raises(RuntimeError, match="out of range"):
-        torch.ops.kiln_cpu.attend_paged_cpu(batch.q, batch.k, batch.v, batch.kv_cache, m.slot_mapping, bad_table,
-                                            m.seq_lens, m.query_start_loc, 0.125)
+    args = dict(q=batch.q, k=batch.k, v=batch.v, kv_cache=batch.kv_cache, slot_mapping=m.slot_mapping,
+                block_tables=m.block_tables, seq_lens=m.seq_lens, query_start_loc=m.query_start_loc)
+    change, message = BAD_INPUTS[case]
+    args.update(change(batch, m))
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.kiln_cpu.attend_paged_cpu(*args.values(), 0.125)
+
+
+def test_a_layer_past_the_context_caches_is_an_error():
+    batch = _small_batch(seed=13)
+    with ca.attention_context(ForwardContext(attn=batch.meta, kv_caches=[batch.kv_cache])):
+        with pytest.raises(RuntimeError, match="attend_paged: layer 5 of 1"):
+            torch.ops.kiln_cpu.attend_paged(batch.q, batch.k, batch.v, 5, 0.125)
 
 
 def _small_batch(seed=9):
