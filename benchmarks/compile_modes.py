@@ -8,6 +8,14 @@ token: through Dynamo's guards, kiln's direct call, and the pieces alone.
     python benchmarks/compile_modes.py                       # SmolLM2, 32 x (128 in, 64 out)
     python benchmarks/compile_modes.py --num-requests 8 --output-len 16   # quicker
 
+``--rounds R`` instead builds every mode's engine in this one process, then runs ``kiln bench``'s
+throughput measurement (``bench.batch_sizes`` rounds of concurrent requests, the bench's prompts)
+for each mode in turn, R times over, and reports each mode's median output tok/s per batch size.
+A sweep runs each mode in its own process minutes apart, so on a shared machine its rows also
+measure how busy the machine was at the time; taking turns spreads that over every mode alike.
+
+    python benchmarks/compile_modes.py --rounds 3            # SmolLM2, batch 1 / 8 / 32
+
 Writes ``benchmarks/results/compile_modes_<device>_<model>.{json,md}`` and prints the table.
 """
 
@@ -95,13 +103,52 @@ def bench_mode(mode: str, args) -> dict:
     return row
 
 
+def interleaved(args) -> list[dict]:
+    """``--rounds``: every mode's engine built first, then the bench's throughput rounds taking turns."""
+    import math
+    import statistics
+
+    from kiln.bench.sweep import BenchConfig
+    from kiln.bench.worker import fixed_length, make_prompts
+
+    bench = BenchConfig(batch_sizes=tuple(args.batch_sizes), prompt_len=args.prompt_len, output_len=args.output_len,
+                        num_requests=args.bench_requests)
+    engines = {}
+    for mode in args.modes.split(","):
+        t0 = time.perf_counter()
+        llm = LLM(args.model, compile={"mode": mode})
+        llm.engine.wait_for_build()
+        prompts = make_prompts(llm, max(bench.batch_sizes), bench.prompt_len, bench.seed)
+        llm.generate(prompts, fixed_length(min(4, bench.output_len)), use_tqdm=False)  # the bench's warm-up
+        engines[mode] = (llm, prompts)
+        print(f"{mode}: built and warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
+    samples = {mode: {bs: [] for bs in bench.batch_sizes} for mode in engines}
+    for r in range(args.rounds):
+        for mode, (llm, prompts) in engines.items():
+            for bs in bench.batch_sizes:
+                rounds = max(1, math.ceil(bench.num_requests / bs))
+                t0, tokens = time.perf_counter(), 0
+                for _ in range(rounds):
+                    outs = llm.generate(prompts[:bs], fixed_length(bench.output_len), use_tqdm=False)
+                    tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+                samples[mode][bs].append(tokens / (time.perf_counter() - t0))
+            print(f"round {r + 1}: {mode} " + " ".join(f"bs{bs} {samples[mode][bs][-1]:.1f}" for bs in bench.batch_sizes),
+                  flush=True)
+    return [{"mode": mode, **{f"output_tok_s_bs{bs}": round(statistics.median(v), 2) for bs, v in per_bs.items()},
+             **{f"rounds_bs{bs}": [round(x, 1) for x in v] for bs, v in per_bs.items()}}
+            for mode, per_bs in samples.items()]
+
+
 def _markdown(rows: list[dict], meta: dict) -> str:
     keys = [k for k in rows[0] if not k.startswith("call_us")]
     for r in rows:
         keys += [k for k in r if k not in keys and not k.startswith("call_us")]
     lines = [f"# compile modes on {meta['device']} ({meta['model']})", "",
-             f"prompt {meta['prompt_len']}, output {meta['output_len']}, {meta['num_requests']} concurrent; "
-             f"torch {meta['torch']}, {meta['threads']} threads, load average {meta['load_avg_at_start']:.1f} "
+             f"prompt {meta['prompt_len']}, output {meta['output_len']}, "
+             + (f"{meta['rounds']} rounds taking turns in one process over batch sizes {meta['batch_sizes']} "
+                f"(at least {meta['bench_requests']} requests each; medians, then each round); "
+                if meta.get("rounds") else f"{meta['num_requests']} concurrent; ")
+             + f"torch {meta['torch']}, {meta['threads']} threads, load average {meta['load_avg_at_start']:.1f} "
              f"at start on {os.cpu_count()} cores", "",
              "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
@@ -123,6 +170,11 @@ def main() -> None:
     p.add_argument("--overhead-iters", type=int, default=200)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default); on a shared "
                    "machine 1 avoids OpenMP threads spinning against other jobs")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="build every mode in this process, then R rounds of the bench's throughput runs taking turns")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32], help="--rounds: concurrent requests")
+    p.add_argument("--bench-requests", type=int, default=8,
+                   help="--rounds: at least this many requests per batch size (kiln bench's num_requests)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -131,11 +183,16 @@ def main() -> None:
             "num_requests": args.num_requests, "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": platform.machine(), "sizes": args.sizes, "load_avg_at_start": os.getloadavg()[0]}
     rows = []
-    for mode in args.modes.split(","):
-        rows.append(bench_mode(mode, args))
-        print(json.dumps(rows[-1]), flush=True)
+    if args.rounds:
+        meta.update(rounds=args.rounds, batch_sizes=args.batch_sizes, bench_requests=args.bench_requests)
+        rows = interleaved(args)
+    else:
+        for mode in args.modes.split(","):
+            rows.append(bench_mode(mode, args))
+            print(json.dumps(rows[-1]), flush=True)
     os.makedirs(RESULTS_DIR, exist_ok=True)
-    stem = os.path.join(RESULTS_DIR, f"compile_modes_{device}_{args.model.replace(':', '-').replace('/', '_')}")
+    suffix = "_interleaved" if args.rounds else ""
+    stem = os.path.join(RESULTS_DIR, f"compile_modes_{device}_{args.model.replace(':', '-').replace('/', '_')}{suffix}")
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
     md = _markdown(rows, meta)
