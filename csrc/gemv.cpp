@@ -454,16 +454,87 @@ void int4_block2_avx2(const uint8_t* w, const uint16_t* sz, const float* x, cons
     }
   }
 }
+
+// R rows of x against one half of a 32-row block: kHalf 0 takes rows 0-15 (the low nibbles), 1
+// rows 16-31 (the high ones). Each nibble is converted once for all R rows: at R = 6 a column costs
+// 6 integer/convert ops for 12 FMAs, against 10 for 8 in int4_block2_avx2. Accumulators: R x 2
+// vectors, t without scales per group as above, added into y (zeroed by the caller).
+template <int R, int kHalf>
+__attribute__((target("avx2,fma")))
+void int4_half_avx2(const uint8_t* w, const uint16_t* sz, const float* x, const float* xsums, float* y, int64_t N,
+                    int64_t K, int64_t group, int64_t n0, int64_t m0) {
+  const __m256i low4 = _mm256_set1_epi32(0xF);
+  const uint8_t* block = w + n0 * K / 2;
+  const float* xr = x + m0 * K;
+  const int64_t groups = K / group;
+  for (int64_t g0 = 0; g0 < K; g0 += group) {
+    __m256 t[R][2];
+    for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm256_setzero_ps();
+    for (int64_t k = g0; k < g0 + group; ++k) {
+      const uint8_t* col = block + k * 16;
+      const __m256i e0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(col)));
+      const __m256i e1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(col + 8)));
+      const __m256 q0 = _mm256_cvtepi32_ps(kHalf == 0 ? _mm256_and_si256(e0, low4) : _mm256_srli_epi32(e0, 4));
+      const __m256 q1 = _mm256_cvtepi32_ps(kHalf == 0 ? _mm256_and_si256(e1, low4) : _mm256_srli_epi32(e1, 4));
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_broadcast_ss(xr + r * K + k);
+        t[r][0] = _mm256_fmadd_ps(q0, a, t[r][0]);
+        t[r][1] = _mm256_fmadd_ps(q1, a, t[r][1]);
+      }
+    }
+    const int64_t gi = g0 / group;
+    const uint16_t* gsz = sz + (gi * N + n0) * 2;
+    for (int v = 0; v < 2; ++v) {
+      __m256 sc, z8;
+      int4_scales(gsz + 16 * (2 * kHalf + v), &sc, &z8);
+      for (int r = 0; r < R; ++r) {
+        float* out = y + (m0 + r) * N + n0 + 8 * (2 * kHalf + v);
+        const __m256 xs = _mm256_set1_ps(xsums[(m0 + r) * groups + gi]);
+        _mm256_storeu_ps(out, _mm256_fmadd_ps(z8, xs, _mm256_fmadd_ps(sc, t[r][v], _mm256_loadu_ps(out))));
+      }
+    }
+  }
+}
+
+template <int R>
+void int4_rows_avx2(const uint8_t* w, const uint16_t* sz, const float* x, const float* xsums, float* y, int64_t N,
+                    int64_t K, int64_t group, int64_t n0, int64_t m0) {
+  int4_half_avx2<R, 0>(w, sz, x, xsums, y, N, K, group, n0, m0);
+  int4_half_avx2<R, 1>(w, sz, x, xsums, y, N, K, group, n0, m0);
+}
+
+// Every row of x against block n0: passes of at most kInt4Rows rows, as even as they come (16 rows:
+// 6 + 5 + 5), since a pass converts each nibble once whatever its row count.
+constexpr int64_t kInt4Rows = 6;  // 12 accumulators, 2 weight vectors and a broadcast: 15 registers
+
+void int4_all_rows_avx2(const uint8_t* w, const uint16_t* sz, const float* x, const float* xsums, float* y,
+                        int64_t M, int64_t N, int64_t K, int64_t group, int64_t n0) {
+  const int64_t passes = (M + kInt4Rows - 1) / kInt4Rows;
+  for (int64_t i = 0, m = 0; i < passes; ++i) {
+    const int64_t rows = M / passes + (i < M % passes ? 1 : 0);
+    switch (rows) {
+      case 6: int4_rows_avx2<6>(w, sz, x, xsums, y, N, K, group, n0, m); break;
+      case 5: int4_rows_avx2<5>(w, sz, x, xsums, y, N, K, group, n0, m); break;
+      case 4: int4_rows_avx2<4>(w, sz, x, xsums, y, N, K, group, n0, m); break;
+      case 3: int4_rows_avx2<3>(w, sz, x, xsums, y, N, K, group, n0, m); break;
+      case 2: int4_block2_avx2(w, sz, x, xsums, y, N, K, group, n0, m); break;
+      default: int4_rows_avx2<1>(w, sz, x, xsums, y, N, K, group, n0, m); break;
+    }
+    m += rows;
+  }
+}
+
 #endif
 
 // linear_int4: torch's packed int4 weight-only GEMM (aten::_weight_int4pack_mm_for_cpu, fast with
 // bfloat16 activations and scales only) for activations of any float dtype, in x's dtype: the
 // casts and reshapes kiln/ops/quant.py's _linear_int4_cpu does, without its Python. Where torch
 // packed for AVX2 (its kernels' layout depends on the CPU capability it dispatches to) and N is
-// whole blocks of 32, every row count goes through int4_block_avx2 / int4_block2_avx2 in float32
-// instead: a SmolLM2 layer's four int4 linears, weights read from memory, 1.50x / 1.48x / 1.27x /
-// 1.21x torch's kernel at 1 / 2 / 16 / 64 rows on an AMD EPYC (benchmarks/cpu_int4.py --rows);
-// below kInt4MinWeights the fixed costs win.
+// whole blocks of 32, every row count goes through kiln's float32 kernels instead (one row:
+// int4_block_avx2; more: int4_all_rows_avx2): a SmolLM2 layer's four int4 linears, weights read
+// from memory, 1.50x / 1.48x torch's kernel at 1 / 2 rows and, in passes of up to 6 rows,
+// 1.45-1.60x / 1.43-1.63x at 16 / 32 rows on an AMD EPYC (pairs of rows gave 1.24-1.43x and
+// 1.24-1.28x; benchmarks/cpu_int4.py --rows); below kInt4MinWeights the fixed costs win.
 constexpr int64_t kInt4MinWeights = int64_t(1) << 17;
 
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales_zeros, int64_t group_size) {
@@ -489,10 +560,8 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       for (int64_t k = 0; k < K; ++k) xsums[m * groups + k / group_size] += xp[m * K + k];
     at::parallel_for(0, N / 32, 4, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
-        int64_t m = 0;
-        for (; m + 2 <= M; m += 2) int4_block2_avx2(wp, szp, xp, xsums.data(), yp, N, K, group_size, b * 32, m);
-        if (m < M)
-          int4_block_avx2(wp, szp, xp + m * K, xsums.data() + m * groups, yp + m * N, N, K, group_size, b * 32);
+        if (M == 1) int4_block_avx2(wp, szp, xp, xsums.data(), yp, N, K, group_size, b * 32);
+        else int4_all_rows_avx2(wp, szp, xp, xsums.data(), yp, M, N, K, group_size, b * 32);
       }
     });
     return y.to(x.scalar_type()).reshape(out_shape);

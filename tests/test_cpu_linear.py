@@ -228,12 +228,12 @@ def test_linear_int4_packed_op_matches_the_python_wrapper(shape):
 
 
 @needs_gemv
-@pytest.mark.parametrize("rows", [1, 2, 3, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 16])
 @pytest.mark.parametrize("n,k,group", [(512, 576, 32), (256, 1536, 128), (1024, 256, 64)])
 def test_linear_int4_packed_matches_float64(n, k, group, rows):
-    # A large enough weight takes kiln's float32 kernels on AVX2 (pairs of rows, an odd last row
-    # alone; torch's bf16 kernel elsewhere): both within their own rounding of the float64 product
-    # with the dequantized weight.
+    # A large enough weight takes kiln's float32 kernels on AVX2 (one row in registers; more in
+    # blocks of five rows and a remainder of 1-4; torch's bf16 kernel elsewhere): both within their
+    # own rounding of the float64 product with the dequantized weight.
     g = torch.Generator().manual_seed(n + k + group + rows)
     w, sz = quant.quantize_int4(torch.randn(n, k, generator=g), group)
     pw, psz = quant.pack_int4_cpu(w, sz, group)
