@@ -132,8 +132,8 @@ def interleaved(args) -> list[dict]:
                     outs = llm.generate(prompts[:bs], fixed_length(bench.output_len), use_tqdm=False)
                     tokens += sum(len(o.outputs[0].token_ids) for o in outs)
                 samples[mode][bs].append(tokens / (time.perf_counter() - t0))
-            print(f"round {r + 1}: {mode} " + " ".join(f"bs{bs} {samples[mode][bs][-1]:.1f}" for bs in bench.batch_sizes),
-                  flush=True)
+            last = " ".join(f"bs{bs} {samples[mode][bs][-1]:.1f}" for bs in bench.batch_sizes)
+            print(f"round {r + 1}: {mode} {last}", flush=True)
     return [{"mode": mode, **{f"output_tok_s_bs{bs}": round(statistics.median(v), 2) for bs, v in per_bs.items()},
              **{f"rounds_bs{bs}": [round(x, 1) for x in v] for bs, v in per_bs.items()}}
             for mode, per_bs in samples.items()]

@@ -83,7 +83,8 @@ at::Tensor attend_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
   }
   const AttentionContext& ctx = *current;
   const int64_t layer = layer_base + layer_idx;
-  TORCH_CHECK(layer >= 0 && layer < int64_t(ctx.kv_caches.size()), kiln::message("attend_paged: layer ", layer, " of ", ctx.kv_caches.size()));
+  TORCH_CHECK(layer >= 0 && layer < int64_t(ctx.kv_caches.size()),
+              kiln::message("attend_paged: layer ", layer, " of ", ctx.kv_caches.size()));
   at::Tensor cache = ctx.kv_caches[layer];
   if (cache.scalar_type() != dtype && cache.scalar_type() != at::kFloat8_e4m3fn) {
     return attend_paged_py(q, k, v, layer_idx, scale, sliding_window, logit_softcap);

@@ -452,10 +452,11 @@ void check_metadata(const Problem& p, int64_t num_tokens, int64_t num_reqs, int6
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int32_t q_len = p.query_start_loc[r + 1] - p.query_start_loc[r];
     const int32_t seq_len = p.seq_lens[r];
-    TORCH_CHECK(q_len >= 0 && q_len <= seq_len, kiln::message("request ", r, ": query length ", q_len, " vs seq_len ", seq_len));
+    TORCH_CHECK(q_len >= 0 && q_len <= seq_len,
+                kiln::message("request ", r, ": query length ", q_len, " vs seq_len ", seq_len));
     const int64_t used = (int64_t(seq_len) + p.block_size - 1) / p.block_size;
     TORCH_CHECK(used <= table_width, kiln::message("request ", r, ": seq_len ", seq_len, " needs ", used,
-                                             " blocks, table has ", table_width));
+                                                   " blocks, table has ", table_width));
     for (int64_t b = 0; b < used; ++b) {
       const int32_t id = p.block_tables[r * p.bt_stride + b];
       TORCH_CHECK(id >= 0 && id < num_blocks, kiln::message("request ", r, ": block id ", id, " out of range"));
@@ -463,7 +464,8 @@ void check_metadata(const Problem& p, int64_t num_tokens, int64_t num_reqs, int6
   }
   for (int64_t t = 0; t < num_tokens; ++t) {
     const int64_t slot = p.slot_mapping[t];
-    TORCH_CHECK(slot >= 0 && slot < num_blocks * p.block_size, kiln::message("token ", t, ": slot ", slot, " out of range"));
+    TORCH_CHECK(slot >= 0 && slot < num_blocks * p.block_size,
+                kiln::message("token ", t, ": slot ", slot, " out of range"));
   }
 }
 
@@ -488,7 +490,8 @@ void attend_paged_cpu_into(const at::Tensor& q_in, const at::Tensor& k_in, const
   TORCH_CHECK(kv_cache.stride(4) == 1, "kv_cache's last dim must be contiguous");
   const auto dtype = q_in.scalar_type();
   const bool cache_fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, kiln::message("attend_paged_cpu supports float32 and bfloat16, got ", dtype));
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              kiln::message("attend_paged_cpu supports float32 and bfloat16, got ", dtype));
   TORCH_CHECK(k_in.scalar_type() == dtype && v_in.scalar_type() == dtype && out.scalar_type() == dtype &&
                   (cache_fp8 || kv_cache.scalar_type() == dtype),
               "q, k, v and out must have one dtype, and kv_cache that dtype or float8_e4m3fn");
