@@ -105,11 +105,10 @@ def bench_mode(mode: str, args) -> dict:
 
 def interleaved(args) -> list[dict]:
     """``--rounds``: every mode's engine built first, then the bench's throughput rounds taking turns."""
-    import math
     import statistics
 
     from kiln.bench.sweep import BenchConfig
-    from kiln.bench.worker import fixed_length, make_prompts
+    from kiln.bench.worker import throughput_at, warm_up
 
     bench = BenchConfig(batch_sizes=tuple(args.batch_sizes), prompt_len=args.prompt_len, output_len=args.output_len,
                         num_requests=args.bench_requests)
@@ -118,20 +117,13 @@ def interleaved(args) -> list[dict]:
         t0 = time.perf_counter()
         llm = LLM(args.model, compile={"mode": mode})
         llm.engine.wait_for_build()
-        prompts = make_prompts(llm, max(bench.batch_sizes), bench.prompt_len, bench.seed)
-        llm.generate(prompts, fixed_length(min(4, bench.output_len)), use_tqdm=False)  # the bench's warm-up
-        engines[mode] = (llm, prompts)
+        engines[mode] = (llm, warm_up(llm, bench)[0])
         print(f"{mode}: built and warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
     samples = {mode: {bs: [] for bs in bench.batch_sizes} for mode in engines}
     for r in range(args.rounds):
         for mode, (llm, prompts) in engines.items():
             for bs in bench.batch_sizes:
-                rounds = max(1, math.ceil(bench.num_requests / bs))
-                t0, tokens = time.perf_counter(), 0
-                for _ in range(rounds):
-                    outs = llm.generate(prompts[:bs], fixed_length(bench.output_len), use_tqdm=False)
-                    tokens += sum(len(o.outputs[0].token_ids) for o in outs)
-                samples[mode][bs].append(tokens / (time.perf_counter() - t0))
+                samples[mode][bs].append(throughput_at(llm, prompts, bs, bench)[0])
             last = " ".join(f"bs{bs} {samples[mode][bs][-1]:.1f}" for bs in bench.batch_sizes)
             print(f"round {r + 1}: {mode} {last}", flush=True)
     return [{"mode": mode, **{f"output_tok_s_bs{bs}": round(statistics.median(v), 2) for bs, v in per_bs.items()},

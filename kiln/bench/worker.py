@@ -77,25 +77,37 @@ def percentiles(name: str, values_ms: list[float]) -> dict[str, float]:
     return {f"{name}_ms_p{p}": float(np.percentile(values_ms, p)) for p in (50, 90, 99)}
 
 
+def warm_up(llm, bench: BenchConfig) -> tuple[list[list[int]], float]:
+    """The throughput prompts, and the seconds of one short generate over all of them (lazy
+    compilation happens there, and their prefixes land in the cache as the timed rounds will find them)."""
+    prompts = make_prompts(llm, max(bench.batch_sizes), bench.prompt_len, bench.seed)
+    t0 = time.perf_counter()
+    llm.generate(prompts, fixed_length(min(4, bench.output_len)), use_tqdm=False)
+    return prompts, time.perf_counter() - t0
+
+
+def throughput_at(llm, prompts: list[list[int]], bs: int, bench: BenchConfig) -> tuple[float, float]:
+    """Output tokens and requests per second of rounds of ``bs`` concurrent requests, until at least
+    ``bench.num_requests`` have finished."""
+    rounds = max(1, math.ceil(bench.num_requests / bs))
+    num_tokens = 0
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        outs = llm.generate(prompts[:bs], fixed_length(bench.output_len), use_tqdm=False)
+        num_tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+    elapsed = time.perf_counter() - t0
+    return num_tokens / elapsed, rounds * bs / elapsed
+
+
 def measure_throughput(engine: EngineConfig, bench: BenchConfig) -> dict:
     from tqdm.auto import tqdm
 
     llm, startup_s = build_llm(engine)
     built = wait_for_build(llm)
-    prompts = make_prompts(llm, max(bench.batch_sizes), bench.prompt_len, bench.seed)
-    t0 = time.perf_counter()
-    llm.generate(prompts, fixed_length(min(4, bench.output_len)), use_tqdm=False)
-    metrics = {"startup_s": startup_s, **built, "warmup_s": time.perf_counter() - t0}
+    prompts, warmup_s = warm_up(llm, bench)
+    metrics = {"startup_s": startup_s, **built, "warmup_s": warmup_s}
     for bs in tqdm(bench.batch_sizes, desc="batch sizes", dynamic_ncols=True):
-        rounds = max(1, math.ceil(bench.num_requests / bs))
-        num_tokens = 0
-        t0 = time.perf_counter()
-        for _ in range(rounds):
-            outs = llm.generate(prompts[:bs], fixed_length(bench.output_len), use_tqdm=False)
-            num_tokens += sum(len(o.outputs[0].token_ids) for o in outs)
-        elapsed = time.perf_counter() - t0
-        metrics[f"output_tok_s_bs{bs}"] = num_tokens / elapsed
-        metrics[f"requests_s_bs{bs}"] = rounds * bs / elapsed
+        metrics[f"output_tok_s_bs{bs}"], metrics[f"requests_s_bs{bs}"] = throughput_at(llm, prompts, bs, bench)
     return {**metrics, **spec_metrics(llm)}
 
 
