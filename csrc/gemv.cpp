@@ -408,9 +408,9 @@ void int4_block_avx2(const uint8_t* w, const uint16_t* sz, const float* x, const
   }
   for (int v = 0; v < 4; ++v) _mm256_storeu_ps(y + n0 + 8 * v, acc[v]);
 }
-// Two rows of x at a time (more than one row): each nibble converted once for both, the group's
-// sums added into y (zeroed by the caller) instead of held in registers; an odd last row takes
-// int4_block_avx2.
+// Two rows of x against a whole 32-row block: each nibble converted once for both, the group's
+// sums added into y (zeroed by the caller) instead of held in registers. int4_all_rows_avx2's
+// passes of exactly two rows.
 __attribute__((target("avx2,fma")))
 void int4_block2_avx2(const uint8_t* w, const uint16_t* sz, const float* x, const float* xsums, float* y, int64_t N,
                       int64_t K, int64_t group, int64_t n0, int64_t m0) {
@@ -503,8 +503,9 @@ void int4_rows_avx2(const uint8_t* w, const uint16_t* sz, const float* x, const 
   int4_half_avx2<R, 1>(w, sz, x, xsums, y, N, K, group, n0, m0);
 }
 
-// Every row of x against block n0: passes of at most kInt4Rows rows, as even as they come (16 rows:
-// 6 + 5 + 5), since a pass converts each nibble once whatever its row count.
+// Every row of x (M >= 2) against block n0: passes of at most kInt4Rows rows, as even as they come
+// (16 rows: 6 + 5 + 5; never fewer than 2), since a pass converts each nibble once whatever its row
+// count. A pass of exactly 2 rows keeps int4_block2_avx2, faster there than two halves.
 constexpr int64_t kInt4Rows = 6;  // 12 accumulators, 2 weight vectors and a broadcast: 15 registers
 
 void int4_all_rows_avx2(const uint8_t* w, const uint16_t* sz, const float* x, const float* xsums, float* y,
@@ -517,8 +518,7 @@ void int4_all_rows_avx2(const uint8_t* w, const uint16_t* sz, const float* x, co
       case 5: int4_rows_avx2<5>(w, sz, x, xsums, y, N, K, group, n0, m); break;
       case 4: int4_rows_avx2<4>(w, sz, x, xsums, y, N, K, group, n0, m); break;
       case 3: int4_rows_avx2<3>(w, sz, x, xsums, y, N, K, group, n0, m); break;
-      case 2: int4_block2_avx2(w, sz, x, xsums, y, N, K, group, n0, m); break;
-      default: int4_rows_avx2<1>(w, sz, x, xsums, y, N, K, group, n0, m); break;
+      default: int4_block2_avx2(w, sz, x, xsums, y, N, K, group, n0, m); break;
     }
     m += rows;
   }
