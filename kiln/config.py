@@ -147,7 +147,9 @@ CUDAGRAPH_MODES = ("auto", "none", "piecewise", "full", "full_and_piecewise")
 CAPTURE_MODES = ("auto", "startup", "lazy")
 # When kiln's forward is built (captured and compiled, or loaded from the compile cache): before the
 # engine is ready ("startup"), or on a thread while the model serves eagerly, the steps switching to
-# the compiled forward once it is built ("background"; CPU only: CUDA graphs are captured over it).
+# the compiled forward once it is built ("background"; on CUDA with compile.capture=lazy, since CUDA
+# graphs are captured over the built forward between steps, and only on a warm start: a first start
+# measures the built forward's memory before sizing the KV cache, so it builds before serving).
 BUILD_MODES = ("auto", "startup", "background")
 
 
@@ -383,12 +385,13 @@ class EngineConfig:
 
     def resolved(self, device_type: str) -> "EngineConfig":
         """This config with every ``auto`` / ``None`` default decided for ``device_type``."""
-        compile, scheduler = resolve_for_device(self.compile, self.scheduler, device_type,
-                                                can_background=self.parallel.backend == "uni"
-                                                and self.speculative.method != "draft")
+        compile = self.compile
         if compile.capture == "auto":
             # Lazy capture runs between the engine's steps: only where the model runs in its process.
             compile = dataclasses.replace(compile, capture="lazy" if self.parallel.backend == "uni" else "startup")
+        compile, scheduler = resolve_for_device(compile, self.scheduler, device_type,
+                                                can_background=self.parallel.backend == "uni"
+                                                and self.speculative.method != "draft")
         return dataclasses.replace(self, compile=compile, scheduler=scheduler)
 
 
@@ -477,11 +480,15 @@ def resolve_for_device(compile: CompileConfig, scheduler: SchedulerConfig, devic
         compile = dataclasses.replace(compile, build="startup")
     if compile.split_every is None:
         compile = dataclasses.replace(compile, split_every=default_split_every(device_type))
-    if compile.build == "background" and (device_type == "cuda" or not can_background):
-        raise ValueError("compile.build=background needs the CPU, one process and no speculative draft (CUDA "
-                         "graphs are captured over the built forward; the ranks of parallel.backend mp or ray "
-                         "must switch at the same step; two captures must not run at once): "
-                         "set compile.build=startup")
+    if compile.build == "background" and not can_background:
+        raise ValueError("compile.build=background needs one process and no speculative draft (the ranks of "
+                         "parallel.backend mp or ray must switch at the same step; two captures must not run "
+                         "at once): set compile.build=startup")
+    if (compile.build == "background" and device_type == "cuda" and compile.cudagraph != "none"
+            and compile.capture != "lazy"):
+        raise ValueError(f"compile.build=background captures CUDA graphs between steps once kiln's forward is "
+                         f"built: set compile.capture=lazy (or compile.build=startup, or compile.cudagraph=none); "
+                         f"compile.capture={compile.capture}")
     if compile.build == "background" and compile.mode != "kiln":
         raise ValueError(f"compile.build=background builds kiln's forward; set compile.mode=kiln (or auto), "
                          f"or compile.build=startup (compile.mode={compile.mode})")

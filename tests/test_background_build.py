@@ -158,3 +158,87 @@ def test_the_cpu_default_serves_at_once_and_builds_kiln(eager_outputs, caplog):
     assert llm.engine.wait_for_build(timeout=600)
     _assert_like_eager(_generate(llm), eager_outputs)
     assert isinstance(llm.engine.executor.runner.compiled.forward, KilnForward)
+
+
+_EAGER_START = """
+import sys
+from kiln import LLM, SamplingParams
+from kiln.compiler import compiled_model
+HEAVY = ("torch._dynamo", "torch._inductor", "kiln.passes.manager", "sympy")
+eager = LLM(model="random:tiny", compile={"mode": "eager"})
+eager.generate([[5, 17, 3]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+print("EAGER", [m for m in HEAVY if m in sys.modules])
+with compiled_model._ONE_BUILD:  # the background build waits before importing anything of its own
+    llm = LLM(model="random:tiny", compile={"mode": "kiln", "build": "background"})
+    llm.generate([[5, 17, 3]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    print("BACKGROUND", [m for m in HEAVY if m in sys.modules])
+"""
+
+
+def test_a_start_that_serves_eagerly_leaves_dynamo_and_inductor_to_the_build():
+    """Importing Dynamo, Inductor and kiln's passes takes seconds (7-11 s on a GPU machine); a
+    background build imports them on its thread, so a start that serves eagerly meanwhile, or an
+    eager model, never waits for them: not in kiln's imports, nor in building the model on the
+    meta device (torch's Python references of meta ops import Dynamo, and sympy), nor in its first
+    steps."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _EAGER_START], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.startswith(("BACKGROUND", "EAGER")))
+    assert lines == {"BACKGROUND": "[]", "EAGER": "[]"}, proc.stdout
+
+
+@pytest.mark.gpu
+def test_a_warm_cuda_start_serves_eagerly_then_captures_graphs_over_kiln(tmp_path, caplog):
+    """compile.build=background on CUDA (the server's default): a first start builds before serving,
+    since the KV cache is sized after the built forward's measured memory; a warm start serves at
+    once, eagerly and without graphs, while the forward loads from the compile cache, then plans
+    every CUDA-graph size over the built forward and captures them between steps."""
+    import gc
+
+    from kiln.compiler import compiled_model
+
+    sizes = [1, 2, 4, 8, 16]
+    options = dict(model="random:tiny", device="cuda", dtype="float32", max_model_len=256,
+                   cache={"dir": str(tmp_path)},
+                   compile={"mode": "kiln", "build": "background", "capture": "lazy", "capture_sizes": sizes})
+    with caplog.at_level(logging.INFO):
+        first = LLM(**options)
+    assert "no memory profile of kiln's forward is cached yet" in caplog.text
+    assert not first.engine.executor.runner.compiled.building
+    want = _generate(first)
+    del first
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    with compiled_model._ONE_BUILD:  # the build waits, so the first steps surely run eagerly
+        llm = LLM(**options)
+        runner, compiled = llm.engine.executor.runner, llm.engine.executor.runner.compiled
+        assert compiled.building and compiled.forward is compiled.model
+        assert runner.has_pending_captures and compiled.num_pending_captures == 0
+        _assert_like_eager(_generate(llm), want)
+        assert llm.engine.capture_idle()  # nothing to capture yet: it waits a moment and says so
+        assert compiled.full_graphs is None and compiled.piecewise_graphs is None
+    assert llm.engine.wait_for_build(timeout=300)
+    while llm.engine.capture_idle():
+        pass
+    assert isinstance(compiled.forward, KilnForward) and compiled.forward.cache_hit
+    assert compiled.full_graphs.captured_sizes == sizes
+    assert compiled.piecewise_graphs.captured_sizes and not compiled.has_pending_captures
+    _assert_like_eager(_generate(llm), want)
+
+
+def test_the_eager_warm_up_writes_only_the_null_block():
+    """``CompiledModel.warm_up`` (before a background build on CUDA) runs a decode and a prefill of
+    null requests: their keys and values go to block 0, which the pool never hands out; every
+    other block keeps its contents."""
+    llm = LLM(model="random:tiny", compile=CompileConfig(mode="eager"), cache={"num_blocks": 16})
+    compiled = llm.engine.executor.runner.compiled
+    for cache in compiled.kv_caches:
+        cache.normal_()
+    before = [cache.clone() for cache in compiled.kv_caches]
+    compiled.warm_up()
+    for got, was in zip(compiled.kv_caches, before, strict=True):
+        assert torch.equal(got[:, 1:], was[:, 1:]) and not torch.equal(got[:, :1], was[:, :1])  # [K/V, block, ...]

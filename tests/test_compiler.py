@@ -110,13 +110,14 @@ def test_eager_steps_run_while_the_forward_is_captured_and_compiled(model, kiln_
     want = _run_schedule(model, model, steps)
     forward = build_forward(model, CompileConfig(mode="kiln"))
     assert isinstance(forward, KilnForward)
-    build = BackgroundBuild(forward, torch.device("cpu"))
+    build = BackgroundBuild(lambda: forward, torch.device("cpu"))
+    build.start()
     while True:  # eager steps on this thread, from the build's start and every half second until its end
         for got, w in zip(_run_schedule(model, model, steps), want, strict=True):
             torch.testing.assert_close(got, w, atol=0, rtol=0)
         if build.wait(0.5):
             break
-    assert build.error is None and build.seconds > 0
+    assert build.error is None and build.seconds > 0 and build.forward is forward
     assert forward.num_captures == 1
     _assert_same_logits(_run_schedule(forward, model, steps), want)
 
@@ -273,16 +274,16 @@ def test_dynamic_builds_make_no_padding_choice_on_num_tokens(model, monkeypatch)
     they are not aligned (on CUDA, torch 2.11: ``K > M`` guarded ``num_tokens < hidden`` for
     Qwen2-MoE's 60-expert router and 1-wide shared-expert gate, and the capture was refused).
     The dynamic build, whose calls skip guards, is compiled without it; static builds keep it."""
-    import kiln.compiler.piece as piece
+    import torch._inductor as inductor
 
     seen = []
-    real = piece.standalone_compile
+    real = inductor.standalone_compile
 
     def recording(gm, args, dynamic_shapes, options):
         seen.append((dynamic_shapes, options["config_patches"].get("shape_padding")))
         return real(gm, args, dynamic_shapes=dynamic_shapes, options=options)
 
-    monkeypatch.setattr(piece, "standalone_compile", recording)
+    monkeypatch.setattr(inductor, "standalone_compile", recording)  # kiln.compiler.piece imports it per build
     forward = build_forward(model, CompileConfig(mode="kiln", sizes=(1,)))  # the builds other tests made
     _run_schedule(forward, model, _schedule(ARCH.vocab_size)[:1])
     dynamic = {p for d, p in seen if d == "from_tracing_context"}

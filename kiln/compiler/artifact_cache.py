@@ -47,14 +47,17 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from kiln.compiler.saved_forward import GRAPH, PLAN, LoadedForward, read_forward
 from kiln.config import CompileConfig
 from kiln.ops.cpu_attention import extension_ops
-from kiln.passes.manager import PassManager
+
+if TYPE_CHECKING:  # the passes import Inductor: only a build imports them (kiln.compiler's rule)
+    from kiln.ops.registry import KernelSet
+    from kiln.passes.manager import PassManager
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +69,10 @@ FACTORS, MANIFEST = "factors.json", "manifest.json"
 
 
 # ---- the key ------------------------------------------------------------------------------------
-def key_factors(model: torch.nn.Module, model_name: str, config: CompileConfig, passes: PassManager,
-                capture_num_tokens: int) -> dict[str, Any]:
-    """Everything the compiled artifacts depend on, as JSON-able values."""
+def key_factors(model: torch.nn.Module, model_name: str, config: CompileConfig, passes: Optional[PassManager],
+                capture_num_tokens: int, kernels: Optional[KernelSet] = None) -> dict[str, Any]:
+    """Everything the compiled artifacts depend on, as JSON-able values. Without ``passes`` (not
+    built yet), the kernels they would write into the graph (``kernels``) stand for them."""
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     arch = getattr(model, "arch", None)
@@ -87,7 +91,8 @@ def key_factors(model: torch.nn.Module, model_name: str, config: CompileConfig, 
         "compile": {k: v for k, v in dataclasses.asdict(config).items()
                     if k not in ("debug_dump_dir", "capture", "max_startup_capture_size", "build")},
         "capture_num_tokens": capture_num_tokens,
-        "passes": {p.name: p.uuid() for p in passes.passes} | {"PassManager": passes.uuid()},
+        **({"passes": {p.name: p.uuid() for p in passes.passes} | {"PassManager": passes.uuid()}} if passes is not None
+           else {"kernels": kernels.describe() if kernels is not None else None}),
         "kiln_source": kiln_source_hash(),
         "torch": torch.__version__,
         "triton": _triton_version(),
@@ -107,6 +112,18 @@ def key_factors(model: torch.nn.Module, model_name: str, config: CompileConfig, 
 
 def cache_key(factors: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def forward_key(model: torch.nn.Module, model_name: str, config: CompileConfig, kernels: KernelSet,
+                capture_num_tokens: int) -> str:
+    """A key of kiln's compiled forward known before its passes are built (they import Inductor,
+    which a background build leaves to its thread): the compile key's factors with the kernels the
+    passes write into the graph in place of the passes' uuids, which are a function of those and of
+    kiln's source, hashed already. What is kept beside a compiled forward (its memory profile) is
+    filed under it."""
+    factors = key_factors(model, model_name, config, None, capture_num_tokens, kernels)
+    factors["attention_layers"] = json.loads(json.dumps(getattr(model, "attention_layers", ())))  # a pass input
+    return cache_key(factors)
 
 
 def kiln_source_hash() -> str:

@@ -32,16 +32,18 @@ import re
 import time
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.fx.experimental._config as fx_config
 from torch import nn
 
 from kiln.compiler.artifact_cache import CacheEntry
-from kiln.compiler.backend import KilnBackend
 from kiln.compiler.piece import CompiledPiece
 from kiln.compiler.saved_forward import SavedForward, record_cpp_binaries, write_forward
+
+if TYPE_CHECKING:  # imports the passes, and they Inductor: only kiln.compiler.forward's build does
+    from kiln.compiler.backend import KilnBackend
 
 logger = logging.getLogger(__name__)
 

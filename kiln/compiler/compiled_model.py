@@ -12,7 +12,9 @@ runtime then only writes steps into ``inputs`` and calls ``run``::
     set_verify_shape(VerifyShape)          ─> (speculative decoding) full graphs for k + 1 tokens a request
     bind_kv_caches(kv_caches, kv_scales)   ─> the caches (and FP8 scales) every forward context carries
     capture_graphs(max_size)               ─> full / piecewise CUDA graphs, as compile.cudagraph asks
-                                               (all sizes, or those up to max_size: compile.capture=lazy)
+                                               (all sizes, or those up to max_size: compile.capture=lazy;
+                                               none yet while a background build runs)
+    start_build()                          ─> (background) the build's thread starts
     capture_next()                         ─> (lazy) one more size, between steps, until none is pending
     per step:
       InputBatch writes the step into
@@ -22,8 +24,11 @@ runtime then only writes steps into ``inputs`` and calls ``run``::
                                                capture size, upload, forward context, forward or
                                                replay ─> ModelOutputs (hidden; logits for FULL)
 
-A background build (CPU only) captures and compiles, or loads from the compile cache, on a thread
-while steps run the model eagerly; the step after it is done switches to it. Capture reads the
+A background build captures and compiles, or loads from the compile cache, on a thread while
+steps run the model eagerly; the step after it is done switches to it (``start_build`` starts it,
+once the runner is ready). On CUDA, graphs wait for it: ``capture_graphs`` only plans, and the
+first ``capture_next`` after the switch makes the graph sets over the built forward, every size
+pending, for lazy capture between steps. Capture reads the
 model's shapes and never runs it, so the two do not touch each other's data. One thing is shared:
 FX symbolic tracing (``torch.fx.Tracer.trace``, which reading a saved graph runs) patches
 ``nn.Module.__call__`` for the whole process, so while a build runs, a trace and an eager forward
@@ -46,7 +51,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -61,7 +66,6 @@ from kiln.config import CompileConfig
 from kiln.forward_context import ForwardContext, forward_context
 from kiln.models.loader import Background
 from kiln.ops.registry import KernelSet
-from kiln.passes.manager import PassConfig
 
 logger = logging.getLogger(__name__)
 
@@ -135,15 +139,25 @@ class CompiledModel:
         self.max_model_len = max_model_len
         param = next(model.parameters(), None)
         self.device = param.device if param is not None else torch.device("cpu")
-        self.forward = build_forward(model, config, PassConfig(kernels=kernels), artifact_cache)
+
+        def make_forward():
+            pass_config = None
+            if config.mode == "kiln":  # the passes import Inductor: only kiln mode's build imports them
+                from kiln.passes.manager import PassConfig
+
+                pass_config = PassConfig(kernels=kernels)
+            return build_forward(model, config, pass_config, artifact_cache)
+
         self._building: Optional[BackgroundBuild] = None  # compile.build=background, until switched to
-        if config.build == "background" and isinstance(self.forward, KilnForward):
-            if getattr(model, "capture_scope", None) is not None:
-                logger.info("compile.build=background: this model runs attention differently while it is "
-                            "captured, so it is built now, before serving")
-            else:
-                self._building, self.forward = BackgroundBuild(self.forward, self.device), model
-        if self._building is None:
+        background = config.build == "background" and config.mode == "kiln"
+        if background and getattr(model, "capture_scope", None) is not None:
+            logger.info("compile.build=background: this model runs attention differently while it is "
+                        "captured, so it is built now, before serving")
+            background = False
+        if background:
+            self._building, self.forward = BackgroundBuild(make_forward, self.device), model
+        else:
+            self.forward = make_forward()
             with _ONE_BUILD:  # kiln: load the compiled forward from the cache, or compile it
                 build_now(self.forward, self.device)
         self.inputs = InputBuffers(limits, self.device)
@@ -156,6 +170,10 @@ class CompiledModel:
         self.piecewise_graphs: Optional[PiecewiseCUDAGraphs] = None  # any batch up to the largest size
         self._graph_pool: Optional[tuple] = None  # the one pool every graph is captured into
         self._any_pending = False  # planned sizes not captured yet (compile.capture=lazy)
+        # compile.build=background on CUDA: capture_graphs was called while building; its modes (None:
+        # the config's) wait until capture_next plans the graphs over the built forward
+        self._graphs_deferred = False
+        self._deferred_modes: Optional[set[GraphMode]] = None
         self._wanted: list[tuple[Any, int]] = []  # (graphs, size) a batch ran without, not captured yet
         logger.info("kernels on %s: %s", kernels.device_type,
                     ", ".join(f"{op} {name}" for op, name in kernels.describe().items()))
@@ -165,6 +183,31 @@ class CompiledModel:
     def building(self) -> bool:
         """Whether steps still run eagerly while kiln's forward is built (compile.build=background)."""
         return self._building is not None
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run the forward, its logits and argmax over null requests (one decode, one two-token
+        prefill; their K/V land in the null block), so the first launch of each kernel (Triton's JIT
+        cache lookups, a library's handles) happens before serving rather than in the first step.
+        The runner calls it before a background build on CUDA starts: the first eager step, sharing
+        the GIL with the build's imports, spent 7.5 s there on an H200 (Triton's source hash 3.4 s
+        of it), with Llama-3-8B."""
+        buf = self.inputs
+        for q in (1, 2):
+            buf.fill_null_requests(0, 0, 1, q)
+            buf.upload(q, 1)
+            meta = buf.metadata(q, 1, 1 if q == 1 else 0, [q], [q])
+            with self._forward_scope(ForwardContext(attn=meta, kv_caches=self.kv_caches)):
+                hidden = self.forward(buf.input_ids[:q], buf.positions[:q])
+                self.kernels.argmax.op(self.model.compute_logits(hidden))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def start_build(self) -> None:
+        """Start a background build now (``ModelRunner``, once ready); else the first ``run`` or
+        ``wait_for_build`` starts it. Nothing without one."""
+        if self._building is not None:
+            self._building.start()
 
     def wait_for_build(self, timeout: Optional[float] = None) -> bool:
         """Block until a background build ends (or ``timeout`` seconds pass); the next ``run`` then
@@ -210,14 +253,21 @@ class CompiledModel:
         graphs, all in one memory pool (graphs never run concurrently). ``max_size``: only sizes up
         to it (requests for full graphs, tokens for piece graphs) now; the others stay pending for
         ``capture_next``, and until then a batch runs on the next captured size up or without
-        graphs. Off the GPU this captures nothing, unless ``record`` emulates piecewise capture (tests)."""
-        has_pieces = isinstance(self.forward, KilnForward)
+        graphs. Off the GPU this captures nothing, unless ``record`` emulates piecewise capture (tests).
+        While kiln's forward is built in the background nothing is captured yet: every size is
+        pending, and ``capture_next`` plans the graphs over the built forward once steps run it."""
+        has_pieces = isinstance(self.forward, KilnForward) or self._building is not None
+        planned = modes
         if modes is None:
             modes = wanted_graph_modes(self.config.cudagraph, has_pieces) if self.device.type == "cuda" else set()
         if not modes:
             return
         if not self.kv_caches:
             raise RuntimeError("bind the KV caches before capturing CUDA graphs")
+        if self._building is not None and record is None:
+            self._graphs_deferred, self._deferred_modes, self._any_pending = True, planned, True
+            logger.info("CUDA graphs: captured between steps once kiln's forward is built")
+            return
         pool = self._graph_pool = torch.cuda.graph_pool_handle() if record is None else None
 
         def capture(graphs) -> None:
@@ -238,8 +288,13 @@ class CompiledModel:
 
     @property
     def num_pending_captures(self) -> int:
-        """Sizes (of any kind of graph) planned and not captured yet."""
+        """Sizes (of any kind of graph) planned and not captured yet; before graphs over a
+        background build's forward are planned, 0 (``has_pending_captures`` is still true)."""
         return sum(len(g.pending_sizes) for g in self._graph_sets())
+
+    @property
+    def has_pending_captures(self) -> bool:
+        return self._graphs_deferred or self.num_pending_captures > 0
 
     @property
     def has_wanted_captures(self) -> bool:
@@ -251,7 +306,18 @@ class CompiledModel:
         largest pending full-graph size, then verify graphs', then piece graphs' (largest first, as
         in one capture call, so a size reuses the larger one's memory). Only between steps, with
         none in flight: capture rewrites the input buffers and overwrites graph outputs in the pool.
-        Returns the size, or None when nothing is pending."""
+        Returns the size, or None when none was captured: nothing is pending, or graphs wait for a
+        background build (while it runs nothing happens; the call after it ends switches to the built
+        forward and plans the graphs, all of them pending)."""
+        if self._graphs_deferred:
+            self._switch_if_built()  # between steps: the same switch the next run() would make
+            if self._building is not None:
+                return None
+            self._graphs_deferred, modes = False, self._deferred_modes
+            if modes is not None and not isinstance(self.forward, KilnForward):  # the build failed
+                modes = modes - {GraphMode.PIECEWISE}
+            self.capture_graphs(modes=modes, max_size=0)
+            return None
         while self._wanted:
             graphs, size = self._wanted.pop(0)
             if size in graphs.pending_sizes:
@@ -268,7 +334,7 @@ class CompiledModel:
 
     def drop_pending_captures(self) -> None:
         """Capture no more sizes: the pending ones stay without graphs, and batches stop noting them."""
-        self._any_pending = False
+        self._any_pending = self._graphs_deferred = False
         self._wanted.clear()
 
     def _want_graph(self, num_tokens: int, num_reqs: int, num_decodes: int, mode: GraphMode, padded: int) -> None:
@@ -382,6 +448,7 @@ class CompiledModel:
         PIECEWISE: null token rows, attention still sees only the real ones), uploads it, and
         replays or runs the forward inside the step's forward context."""
         if self._building is not None:
+            self._building.start()
             self._switch_if_built()
         building = self._building is not None
         buf, n, num_reqs = self.inputs, inputs.num_tokens, inputs.num_reqs
@@ -448,37 +515,60 @@ def _traces_exclude_eager_forwards() -> Iterator[None]:
 
 
 class BackgroundBuild:
-    """``forward.build(device)`` on a thread (``kiln.models.loader.Background``; compile.build=background),
-    under inference mode, at a lower CPU priority than the steps (the C++ compiler processes it starts
-    inherit it). Not the lowest: on a busy machine the build still gets about a quarter of a core it shares."""
+    """``make_forward()`` and its ``build(device)`` on a thread (``kiln.models.loader.Background``;
+    compile.build=background), under inference mode, at a lower CPU priority than the steps (the C++
+    compiler processes it starts inherit it). Not the lowest: on a busy machine the build still gets
+    about a quarter of a core it shares. Making the forward imports kiln's passes, Inductor and
+    Dynamo, and the passes trace their patterns: all of it inside the trace lock.
+
+    The thread starts with ``start`` (the ``ModelRunner`` calls it once it is ready), not before:
+    those imports are seconds of Python holding the GIL, and while they ran beside the weight read
+    and the tokenizer (threads of their own, which need the GIL between reads), a warm start of
+    Llama-3-8B on an H200 was ready 5-7 s later than with the build after them
+    (benchmarks/results/startup-background-*)."""
 
     NICE = 5
 
-    def __init__(self, forward: KilnForward, device: torch.device) -> None:
-        self.forward = forward
+    def __init__(self, make_forward: Callable[[], KilnForward], device: torch.device) -> None:
+        self.forward: Optional[KilnForward] = None  # once built
         self.seconds = 0.0
+        self._make_forward, self._device = make_forward, device
+        self._task: Optional[Background] = None
+        self._start_lock = threading.Lock()
 
-        def build() -> None:
-            t0 = time.perf_counter()
-            try:
-                with contextlib.suppress(OSError, AttributeError):  # Linux: a thread's own priority
-                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.NICE)
-                with _ONE_BUILD, _traces_exclude_eager_forwards():
-                    build_now(forward, device)
-            finally:
-                self.seconds = time.perf_counter() - t0
+    def start(self) -> None:
+        """Start the build's thread (once; later calls do nothing)."""
+        with self._start_lock:
+            if self._task is None:
+                logger.info("compile.build=background: building kiln's forward on a thread; steps run eagerly "
+                            "until then")
+                self._task = Background(self._build, "kiln-build")
 
-        logger.info("compile.build=background: building kiln's forward on a thread; steps run eagerly until then")
-        self._task = Background(build, "kiln-build")
+    def _build(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            with contextlib.suppress(OSError, AttributeError):  # Linux: a thread's own priority
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.NICE)
+            if self._device.type == "cuda":  # the current device is per thread
+                torch.cuda.set_device(self._device)
+            with _ONE_BUILD, _traces_exclude_eager_forwards():
+                forward = self._make_forward()
+                build_now(forward, self._device)
+            self.forward = forward
+        finally:
+            self.seconds = time.perf_counter() - t0
 
     @property
     def done(self) -> bool:
-        return self._task.done
+        return self._task is not None and self._task.done
 
     @property
     def error(self) -> Optional[BaseException]:
         """What the build raised (reported by CompiledModel when it would switch)."""
-        return self._task.error
+        return self._task.error if self._task is not None else None
 
     def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait at most ``timeout`` seconds (None: until done) for the build, starting it if it
+        has not started; whether it has ended."""
+        self.start()
         return self._task.join(timeout)

@@ -8,24 +8,29 @@
   previous start stored it (``kiln.compiler.artifact_cache``).
 
 ``compile.cudagraph`` is GPU-only; on CPU it is ignored with a warning.
+
+kiln's passes and backend (and with them ``torch._inductor`` and ``torch._dynamo``, seconds of
+imports) are imported by ``build_kiln_forward`` alone, so a process that serves eagerly first
+(``compile.build=background``) leaves them to the build's thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import nn
 
-from kiln.compiler.artifact_cache import ArtifactCache, key_factors
-from kiln.compiler.backend import KilnBackend
+from kiln.compiler.artifact_cache import ArtifactCache, forward_key, key_factors
 from kiln.compiler.capture import CAPTURE_NUM_TOKENS, KilnForward
 from kiln.compiler.debug import DebugDump
 from kiln.config import CompileConfig, default_split_every
-from kiln.ops.registry import select_kernels
-from kiln.passes.manager import PassConfig, PassManager, build_passes
+from kiln.ops.registry import KernelSet, select_kernels
+
+if TYPE_CHECKING:
+    from kiln.passes.manager import PassConfig
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +60,10 @@ def build_forward(model: nn.Module, config: CompileConfig, pass_config: Optional
     if config.mode == "stock":
         return _stock_forward(model)
     if config.mode == "kiln":
-        pass_config = pass_config or PassConfig(kernels=select_kernels(device_type))
+        if pass_config is None:
+            from kiln.passes.manager import PassConfig
+
+            pass_config = PassConfig(kernels=select_kernels(device_type))
         return build_kiln_forward(model, config, pass_config, artifact_cache)
     if config.mode == "auto":
         raise ValueError("compile.mode=auto is decided per device: resolve the config first "
@@ -77,12 +85,25 @@ def _stock_forward(model: nn.Module) -> Forward:
     return stock
 
 
+def forward_profile_key(model: nn.Module, config: CompileConfig, kernels: KernelSet,
+                        artifact_cache: Optional[ArtifactCache]) -> Optional[str]:
+    """The key ``build_forward`` would file kiln's forward under, as far as what is kept beside it
+    goes (``artifact_cache.forward_key``), known without building it; None when nothing is cached
+    (another mode, no cache, or a debug dump, which always captures)."""
+    if config.mode != "kiln" or artifact_cache is None or config.debug_dump_dir:
+        return None
+    if config.split_every is None:
+        config = dataclasses.replace(config, split_every=default_split_every(_model_device_type(model)))
+    return forward_key(model, artifact_cache.model_name, config, kernels, CAPTURE_NUM_TOKENS)
+
+
 def build_kiln_forward(model: nn.Module, config: CompileConfig, pass_config: PassConfig,
                        artifact_cache: Optional[ArtifactCache] = None) -> KilnForward:
+    from kiln.compiler.backend import KilnBackend
+    from kiln.passes.manager import PassManager, build_passes
+
     if config.split_every is None:  # a config not resolved for the device (kiln.config.resolve_for_device)
-        param = next(model.parameters(), None)
-        device_type = param.device.type if param is not None else "cpu"
-        config = dataclasses.replace(config, split_every=default_split_every(device_type))
+        config = dataclasses.replace(config, split_every=default_split_every(_model_device_type(model)))
     dump = DebugDump(config.debug_dump_dir) if config.debug_dump_dir else None
     # A generic-path model's per-layer windows and soft-caps, for the attention pass.
     attention_layers = tuple(getattr(model, "attention_layers", ()))

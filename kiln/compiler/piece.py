@@ -26,15 +26,17 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
-import sympy
 import torch
-from torch._inductor import standalone_compile
 
 from kiln.ops.attention import set_layer_base
-from kiln.passes.manager import PassManager
 from kiln.progress import logs_above, progress_bar
+
+if TYPE_CHECKING:  # imported when a piece is compiled (seconds at start-up otherwise; kiln.compiler.forward)
+    import sympy
+
+    from kiln.passes.manager import PassManager
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +113,8 @@ class CompiledPiece:
 
 def _concrete(value: Any, symbol: sympy.Symbol, size: int) -> int:
     if isinstance(value, torch.SymInt):
+        import sympy
+
         expr = sympy.sympify(value.node.expr).xreplace({symbol: sympy.Integer(size)})
         if expr.free_symbols:
             raise ValueError(f"dimension {value} depends on more than num_tokens")
@@ -216,6 +220,8 @@ class PieceCompiler:
             self._bar.set_postfix_str(f"piece {key[:8]} {variant}")
         on_cpu = all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
         patches = {**self.patches, **(CPU_BUILD_PATCHES if on_cpu else {}), **(patches or {})}
+        from torch._inductor import standalone_compile
+
         artifact = standalone_compile(gm, args, dynamic_shapes=dynamic_shapes, options={"config_patches": patches})
         elapsed = time.perf_counter() - t0
         self.num_compiles += 1

@@ -23,7 +23,7 @@ Rules this module keeps:
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +76,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return torch.cat((x_rot * cos + x_rot.roll(rot // 2, dims=-1) * sin_signed, x_pass), dim=-1)
 
 
+def _rope_table(arch: ArchConfig, num_positions: int, theta: Optional[float] = None) -> torch.Tensor:
+    """``rope_cos_sin_table``, or on the meta device an empty table of its shape: ``reset_rope_cache``
+    fills it once the model is materialized, and computing it on meta runs torch's Python references,
+    whose wrappers import torch._dynamo (kiln.models.loader builds models there)."""
+    if torch.get_default_device().type == "meta":
+        return torch.empty(num_positions, 2 * (arch.rotary_dim // 2))
+    return rope_cos_sin_table(arch, num_positions, theta)
+
+
 class VocabParallelEmbedding(nn.Embedding):
     """This rank's rows of the embedding table (``vocab_range``); with one rank, ``nn.Embedding``.
 
@@ -84,7 +93,11 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def __init__(self, arch: ArchConfig, tp: TensorParallel = SINGLE) -> None:
         self.vocab_start, num_rows = vocab_range(arch, tp)
-        super().__init__(num_rows, arch.hidden_size)
+        # Built on the meta device (kiln.models.loader), nn.Embedding's normal_ init would run torch's
+        # Python reference of it, whose wrapper imports torch._dynamo: seconds of a start that serves
+        # eagerly while kiln's forward builds. An empty meta weight skips the init.
+        weight = torch.empty(num_rows, arch.hidden_size) if torch.get_default_device().type == "meta" else None
+        super().__init__(num_rows, arch.hidden_size, _weight=weight)
         self.tp_size = tp.size
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -227,9 +240,9 @@ class LlamaForCausalLM(nn.Module):
         self.head_q8: Q8Head | None = None  # a CPU one-row head (kiln.ops.cpu_linear.prepare_cpu_decode)
         # Not persistent: recomputed from ArchConfig, never loaded from a checkpoint.
         num_positions = arch.context_limit
-        self.register_buffer("cos_sin_cache", rope_cos_sin_table(arch, num_positions), persistent=False)
+        self.register_buffer("cos_sin_cache", _rope_table(arch, num_positions), persistent=False)
         if arch.local_rope_theta is not None:
-            self.register_buffer("cos_sin_cache_local", rope_cos_sin_table(arch, num_positions, arch.local_rope_theta),
+            self.register_buffer("cos_sin_cache_local", _rope_table(arch, num_positions, arch.local_rope_theta),
                                  persistent=False)
 
     def reset_rope_cache(self) -> None:

@@ -298,7 +298,9 @@ def build_empty_model(arch: ArchConfig, device: torch.device, dtype: torch.dtype
     """The model with uninitialized weights allocated once, on ``device`` in ``dtype``."""
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, tp)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    # to_empty's empty_like of a meta tensor runs torch's Python reference of it, which imports sympy
+    # (a second of a start on a GPU machine); the tensors are contiguous, so torch.empty is the same.
+    model = model.to(dtype=dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.reset_rope_cache()
     return model.eval().requires_grad_(False)
 

@@ -39,6 +39,8 @@ flight, returns its outputs without submitting another, and the next call captur
 before it submits. Never before the first step; a size a batch ran without (it would have
 replayed that graph were every size captured) at the next step boundary, the others in at most
 ``CAPTURE_SHARE`` of a busy engine's time; an idle server captures in its loop (``capture_idle``).
+While kiln's forward is built in the background (``compile.build=background`` on CUDA) every size
+waits for it: no capture is due, and the steps run the model eagerly without graphs.
 
 ``schedule`` needs only what ``update`` knows (token ids, eos, max_tokens), never the text.
 ``overlap=False`` (tests' reference) runs each step to the end instead: schedule, submit, wait,
@@ -99,6 +101,9 @@ logger = logging.getLogger(__name__)
 Prompt = Union[str, list[int], TokenizedPrompt]
 
 CAPTURE_SHARE = 0.1  # of a busy engine's wall time, at most, spent capturing sizes no batch asked for yet
+# An idle engine whose graphs wait for a background build waits this long for it per capture_idle call
+# (then takes new requests): a loop that calls it does not spin.
+BUILD_POLL_S = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,13 +314,16 @@ class LLMEngine:
         """Capture one pending CUDA-graph size now; for a caller whose engine is idle (no request
         unfinished, so no step in flight). Returns whether more are pending."""
         if self._captures_pending and not self.has_unfinished_requests():
+            if not self.wait_for_build(timeout=BUILD_POLL_S):  # graphs wait for kiln's forward
+                return True
             self._capture_held = False
             self._captures_pending = self.executor.capture_pending()
         return self._captures_pending
 
     def _capture_due(self) -> bool:
         return (self._captures_pending and self._num_steps_done > 0
-                and (self.executor.has_wanted_captures or time.perf_counter() >= self._next_capture_at))
+                and (self.executor.has_wanted_captures or time.perf_counter() >= self._next_capture_at)
+                and not self.building)  # graphs are captured over kiln's forward once it is built
 
     def _capture_between_steps(self) -> None:
         t0 = time.perf_counter()

@@ -11,11 +11,14 @@ sample, then the sampler.
 Start-up is a list of phases (``__init__``): choose the device and its ``KernelSet``; load the
 weights; build the ``CompiledModel`` (compile, or load compiled artifacts); on CUDA profile the
 largest step's activations; size and allocate the KV cache (``kiln.runtime.kv_sizing``); capture
-CUDA graphs over it; make the sampler. Each phase's time lands in ``startup_seconds``.
+CUDA graphs over it; make the sampler. With ``compile.build=background`` the build starts last, once
+all of that is done (on CUDA after a warm-up of the eager forward), and graphs are captured between
+steps once it ends. Each phase's time lands in ``startup_seconds``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import Future
@@ -24,9 +27,9 @@ from typing import Optional
 
 import torch
 
-from kiln.compiler import ArtifactCache, CompiledModel, InputLimits, VerifyShape
+from kiln.compiler import ArtifactCache, CompiledModel, InputLimits, VerifyShape, forward_profile_key
 from kiln.compiler.artifact_cache import use_kernel_caches
-from kiln.compiler.saved_forward import prefetch_source_keys
+from kiln.compiler.saved_forward import prefetch_source_keys, prefetch_triton_key
 from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, resolve_for_device
 from kiln.models.loader import LoadedModel, kv_cache_dtype, load_model, resolve_device, resolve_dtype
 from kiln.models.parallel import SINGLE, TensorParallel, local_num_kv_heads, min_over_ranks
@@ -100,10 +103,10 @@ class ModelRunner:
         # The engine resolved these already; a runner built on its own resolves its `auto`s the same way.
         compile_config, scheduler_config = resolve_for_device(compile_config, scheduler_config or SchedulerConfig(),
                                                               self.device.type)
-        self.compile_config = compile_config
         if self.device.type == "cuda":  # before anything JIT-compiles: kernels land in kiln's cache dir
             use_kernel_caches(cache_config.resolved_dir)
-            if compile_config.mode == "kiln":
+            prefetch_triton_key()  # what the first launch of a Triton kernel hashes, while the weights load
+            if compile_config.mode == "kiln" and compile_config.build != "background":  # (a build's thread does)
                 prefetch_source_keys()  # what loading compiled pieces hashes, while the weights load
         t0 = time.perf_counter()
         # A checkpoint's weights may still be read while the model compiles (a cold start).
@@ -113,19 +116,25 @@ class ModelRunner:
         self.model, self.arch = self.loaded.model, self.loaded.arch
         self.max_model_len = self.loaded.max_model_len
         sched = scheduler_config
+        self.kv_shape = KVShape(self.arch.num_layers, self.block_size, local_num_kv_heads(self.arch, tp),
+                                self.arch.head_dim, kv_cache_dtype(cache_config.dtype, self.dtype, self.device))
+        artifacts = ArtifactCache(cache_config.resolved_dir, self._artifact_name())
+        self._profile_key = forward_profile_key(self.model, compile_config, self.kernels, artifacts)
+        self._profile_artifacts = artifacts
+        self._verify = verify_shape(speculative, sched) if speculative.enabled else None
+        self._has_draft = speculative.method == "draft"
+        compile_config = self._decide_build(compile_config, cache_config, sched)
+        self.compile_config = compile_config
         limits = InputLimits(sched.max_num_batched_tokens, sched.max_num_seqs, -(-self.max_model_len // self.block_size))
-        self.compiled = CompiledModel(self.model, compile_config, self.kernels, limits, self.max_model_len,
-                                      ArtifactCache(cache_config.resolved_dir, self._artifact_name()))
+        self.compiled = CompiledModel(self.model, compile_config, self.kernels, limits, self.max_model_len, artifacts)
         t_wait = time.perf_counter()
         in_background = self.loaded.filling is not None
         load_seconds += self.loaded.wait_for_weights()
         wait_seconds = time.perf_counter() - t_wait
         self.input_batch = InputBatch(self.compiled.inputs, self.block_size)
-        self.kv_shape = KVShape(self.arch.num_layers, self.block_size, local_num_kv_heads(self.arch, tp),
-                                self.arch.head_dim, kv_cache_dtype(cache_config.dtype, self.dtype, self.device))
         self.proposer = self._make_proposer(speculative, model_config, cache_config, sched)
         if speculative.enabled:
-            self.compiled.set_verify_shape(verify_shape(speculative, sched))
+            self.compiled.set_verify_shape(self._verify)
         _check_verify_capture_sizes(speculative, sched, compile_config)
         activation_bytes, self.graph_estimate = 0, None
         t_profile = time.perf_counter()
@@ -151,7 +160,8 @@ class ModelRunner:
         if self.graph_estimate is not None:
             logger.info("CUDA graphs: %.2f GiB used, %.2f GiB was kept for them%s",
                         self.compiled.graph_memory_bytes / 2**30, self.graph_estimate.bytes() / 2**30,
-                        f"; {self.compiled.num_pending_captures} sizes are captured between steps"
+                        "; every size is captured between steps once kiln's forward is built" if self.compiled.building
+                        else f"; {self.compiled.num_pending_captures} sizes are captured between steps"
                         if self.has_pending_captures else "")
         self._lazy_capture_seconds = 0.0
         if isinstance(self.proposer, DraftProposer):
@@ -173,19 +183,30 @@ class ModelRunner:
                     "in %.2f GiB; CUDA graphs %.2f GiB", num_usable, self.block_size, num_usable * self.block_size,
                     self.num_blocks * self.kv_shape.bytes_per_block / 2**30,
                     self.compiled.graph_memory_bytes / 2**30)
+        warm_up_seconds = 0.0
+        if self.compiled.building and self.device.type == "cuda":  # else the first step pays, beside the build
+            t_warm = time.perf_counter()
+            self.compiled.warm_up()
+            warm_up_seconds = time.perf_counter() - t_warm
         self.startup_seconds = {"load_weights_s": load_seconds, "weights_wait_s": wait_seconds,
                                 **self.compiled.startup_seconds(),
                                 "profile_s": profile_seconds, "kv_alloc_s": kv_seconds,
-                                "tokenizer_wait_s": tokenizer_wait_seconds, "ready_s": time.perf_counter() - t_start}
-        overlap = f" (read while compiling; {wait_seconds:.2f} s not hidden)" if in_background else ""
+                                "tokenizer_wait_s": tokenizer_wait_seconds, "eager_warm_up_s": warm_up_seconds,
+                                "ready_s": time.perf_counter() - t_start}
+        self.compiled.start_build()  # compile.build=background: its imports would have slowed all of the above
+        s = self.startup_seconds
+        overlap = (f" (read on threads; {wait_seconds:.2f} s waited)" if in_background and self.compiled.building
+                   else f" (read while compiling; {wait_seconds:.2f} s not hidden)" if in_background else "")
         logger.info("start-up: load weights %.2f s%s, Dynamo %.2f s, Inductor %.2f s, compile cache load %.2f s, "
-                    "CUDA graphs %.2f s, memory profile %.2f s, KV allocation %.2f s, tokenizer wait %.2f s; "
-                    "ready in %.2f s", load_seconds, overlap, *list(self.startup_seconds.values())[2:])
+                    "CUDA graphs %.2f s, memory profile %.2f s, KV allocation %.2f s, tokenizer wait %.2f s%s; "
+                    "ready in %.2f s", load_seconds, overlap, s["dynamo_s"], s["inductor_s"], s["cache_load_s"],
+                    s["cudagraph_s"], s["profile_s"], s["kv_alloc_s"], s["tokenizer_wait_s"],
+                    f", eager warm-up {warm_up_seconds:.2f} s" if warm_up_seconds else "", s["ready_s"])
 
     # ---- lazy CUDA-graph capture (compile.capture=lazy) ------------------------------------------
     @property
     def has_pending_captures(self) -> bool:
-        return self.lazy_capture and self.compiled.num_pending_captures > 0
+        return self.lazy_capture and self.compiled.has_pending_captures
 
     @property
     def has_wanted_captures(self) -> bool:
@@ -199,6 +220,8 @@ class ModelRunner:
         run on the next captured size up, or without graphs) rather than fail a later step."""
         if not self.has_pending_captures:
             return False
+        if not self.compiled.wait_for_build(timeout=0):  # graphs are captured over the built forward
+            return True
         t0 = time.perf_counter()
         if self.device.type == "cuda":  # (tests emulate piece graphs on the CPU)
             torch.cuda.synchronize()
@@ -212,7 +235,7 @@ class ModelRunner:
         except torch.OutOfMemoryError as e:
             return self._stop_lazy_capture(f"a capture ran out of GPU memory ({e})")
         self._lazy_capture_seconds += time.perf_counter() - t0
-        if self.compiled.num_pending_captures == 0:
+        if not self.compiled.has_pending_captures:
             logger.info("CUDA graphs: every size captured (%.2f s between steps); %.2f GiB used",
                         self._lazy_capture_seconds, self.compiled.graph_memory_bytes / 2**30)
             return False
@@ -251,16 +274,32 @@ class ModelRunner:
 
     def _memory_profile_cache(self, sched: SchedulerConfig, want_graphs: bool
                               ) -> Optional[kv_sizing.MemoryProfileCache]:
-        """Where the profile of this forward and shape is kept: only for a forward from the compile
+        """Where the profile of this forward and shape is kept: only for kiln's forward with a compile
         cache (its key names the model, compile config and kiln's source), without a draft model."""
-        entry = getattr(self.compiled.forward, "cache", None)
-        if entry is None or isinstance(self.proposer, DraftProposer):
+        if self._profile_key is None or self._has_draft:
             return None
         return kv_sizing.MemoryProfileCache(
-            entry.cache, entry.key, max_num_batched_tokens=sched.max_num_batched_tokens,
+            self._profile_artifacts, self._profile_key, max_num_batched_tokens=sched.max_num_batched_tokens,
             max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len, kv_shape=repr(self.kv_shape),
-            graphs=want_graphs, verify=repr(self.compiled.verify_shape),
+            graphs=want_graphs, verify=repr(self._verify),
             total_memory=torch.cuda.get_device_properties(self.device).total_memory)
+
+    def _decide_build(self, compile_config: CompileConfig, cache_config: CacheConfig,
+                      sched: SchedulerConfig) -> CompileConfig:
+        """``compile.build=background`` on CUDA serves eagerly while kiln's forward loads only where
+        the start-up memory profile of that forward is cached (a warm start): the KV cache is sized
+        after the compiled forward's activations and its CUDA graphs, which a first start has to
+        measure with the built forward, so that one builds before serving."""
+        if compile_config.build != "background" or self.device.type != "cuda":
+            return compile_config
+        want_graphs = cache_config.num_blocks is None and cache_config.kv_cache_memory_gib is None
+        cache = self._memory_profile_cache(sched, want_graphs)
+        if cache is not None and cache.load() is not None:
+            return compile_config
+        logger.info("compile.build=background: no memory profile of kiln's forward is cached yet (a first "
+                    "start), so it is built now, before serving; later starts serve while it loads")
+        prefetch_source_keys()
+        return dataclasses.replace(compile_config, build="startup")
 
     def _make_kv_caches(self, cache_config: CacheConfig, activation_bytes: int) -> tuple[int, list[torch.Tensor]]:
         """Size the cache after the activations and the CUDA graphs, the same on every rank, and allocate it."""
