@@ -12,8 +12,10 @@ Every start is a fresh process building ``LLM(model, compile.mode=kiln)`` and ge
 
 Converted weights are shared by both (linked from the usual cache dir), so neither pays for a
 conversion. Each row has time to first token (interpreter start included), the engine's start-up
-breakdown (load weights, Dynamo, Inductor, compile cache load, CUDA graphs, KV allocation, ready)
-and the warm/cold ratio.
+breakdown (load weights, Dynamo, Inductor, compile cache load, CUDA graphs, KV allocation, ready),
+the time to the first token of kiln's compiled forward (``kiln_token_s``: later than the first
+token where that token was served eagerly while the forward was built in the background,
+``eager_first``) and the warm/cold ratio.
 
     python benchmarks/startup.py                                      # SmolLM2 on the CPU
     python benchmarks/startup.py --model random:llama3-8b --cudagraph piecewise   # on a GPU
@@ -51,7 +53,7 @@ from benchmarks.common import console_table, make_record, save_results  # noqa: 
 
 SHARED_KINDS = ("models", "tokenizers")  # converted once, linked into every start's cache dir
 PHASES = ("load_weights_s", "weights_wait_s", "dynamo_s", "inductor_s", "cache_load_s", "cudagraph_s", "profile_s", "kv_alloc_s",
-          "tokenizer_wait_s", "ready_s")
+          "tokenizer_wait_s", "eager_warm_up_s", "ready_s")
 
 
 
@@ -81,21 +83,30 @@ def child(opts: dict) -> None:
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)7.0f ms %(name)s: %(message)s")
 
     t_import = time.time()
+    build = {} if opts.get("build", "unset") == "unset" else {"build": opts["build"]}
     llm = LLM(model=opts["model"], compile={"mode": opts.get("mode", "kiln"), "cudagraph": opts["cudagraph"],
-                                           **capture_option(opts.get("capture", "lazy"))},
+                                           **capture_option(opts.get("capture", "lazy")), **build},
               cache={"dir": opts["cache_dir"]}, device=opts["device"],
               **({"max_model_len": opts["max_model_len"]} if opts.get("max_model_len") else {}))
     ready = time.time()
     out = llm.generate([[100, 200, 300, 400, 500, 600, 700, 800]], SamplingParams(max_tokens=1, temperature=0.0),
                        use_tqdm=False)
     first_token = time.time()
+    runner = llm.engine.executor.runner
+    eager_first = bool(getattr(runner.compiled, "building", False))  # compile.build=background: served eagerly
+    # The first token of kiln's forward: once a background build ends, the next step switches to it.
+    llm.engine.wait_for_build()
+    llm.generate([[100, 200, 300, 400, 500, 600, 700, 800]], SamplingParams(max_tokens=1, temperature=0.0),
+                 use_tqdm=False)
+    kiln_token = time.time()
     if sampler is not None:
         sampler.stop()
         Path(opts["sample_dir"], f"stacks-{opts['run']}.txt").write_text(sampler.report())
     batch = then_batch(llm, opts["then_batch"]) if opts.get("then_batch") and opts["run"].startswith("warm") else {}
-    runner = llm.engine.executor.runner
     print("RESULT " + json.dumps({**batch,
         "ready_wall": ready, "first_token_wall": first_token, "import_done_wall": t_import, **marks,
+        "kiln_token_wall": kiln_token, "eager_first": eager_first,
+        "background_cache_load_s": getattr(runner.compiled.forward, "cache_load_seconds", 0.0) if eager_first else 0.0,
         "token": out[0].outputs[0].token_ids[0],
         "cache_hit": bool(getattr(runner.compiled.forward, "cache_hit", False)), **runner.startup_seconds,
     }), flush=True)
@@ -157,6 +168,7 @@ def start(opts: dict, scratch: Path, run: str, machine: Optional[str] = None) ->
     result["kiln_import_s"] = result["import_done_wall"] - result.pop("cuda_wall")
     result["import_s"] = result.pop("import_done_wall") - t0
     result["ttft_s"] = result.pop("first_token_wall") - t0
+    result["kiln_token_s"] = result.pop("kiln_token_wall") - t0  # a token from kiln's forward (after a background build)
     result["process_to_ready_s"] = result.pop("ready_wall") - t0
     if os.environ.get("KILN_STARTUP_LOG_DIR"):  # every log line of the start, with its time
         Path(os.environ["KILN_STARTUP_LOG_DIR"], f"{run}.log").write_text(proc.stderr)
@@ -277,6 +289,9 @@ def main() -> None:
     parser.add_argument("--capture", default="lazy", choices=("startup", "lazy", "unset"),
                         help="compile.capture (lazy: what kiln serve does by default; LLM's default is startup; "
                              "unset: pass none, for trees older than the option)")
+    parser.add_argument("--build", default="unset", choices=("unset", "auto", "startup", "background"),
+                        help="compile.build (unset: pass none, the default; background: serve eagerly while a "
+                             "warm start loads kiln's forward)")
     parser.add_argument("--then-batch", default=None, metavar="N,T",
                         help="after the first token of a warm start: N requests of T tokens, twice (tok/s)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -300,7 +315,7 @@ def main() -> None:
         ensure_converted(args.model, source)
     try:
         opts = {"model": args.model, "cudagraph": args.cudagraph, "device": args.device, "mode": args.mode,
-                "capture": args.capture,
+                "capture": args.capture, "build": args.build,
                 "max_model_len": args.max_model_len, "cache_dir": str(prepared_cache_dir(scratch, source)),
                 "sample_dir": args.sample_stacks, "then_batch": args.then_batch}
         if checkpoint is not None:
@@ -320,9 +335,10 @@ def main() -> None:
 
 def report(args, cold: dict, warm: dict, restart: Optional[dict] = None) -> None:
     header = ["start", "ttft_s", "process_to_ready_s", "import_s", "interpreter_s", "torch_import_s", "cuda_init_s",
-              "kiln_import_s", *PHASES, "first_token_s"]
+              "kiln_import_s", *PHASES, "first_token_s", "kiln_token_s", "eager_first",
+              "background_cache_load_s"]
     starts = [("cold", cold), ("warm", warm)] + ([("restart", restart)] if restart else [])
-    rows = [[name, *(round(r.get(k, 0.0), 2) for k in header[1:])] for name, r in starts]
+    rows = [[name, *(round(float(r.get(k, 0.0)), 2) for k in header[1:])] for name, r in starts]
     ratio = warm["ttft_s"] / cold["ttft_s"]
     print(console_table(header, rows))
     print(f"warm / cold time to first token: {ratio:.2f}")
@@ -335,11 +351,12 @@ def report(args, cold: dict, warm: dict, restart: Optional[dict] = None) -> None
         return
     records = []
     for name, r in starts:
-        metrics = {k: round(r.get(k, 0.0), 3) for k in header[1:]}
+        metrics = {k: round(float(r.get(k, 0.0)), 3) for k in header[1:]}
         metrics["warm_over_cold_ttft"] = round(ratio, 3)
         model = f"checkpoint:{args.checkpoint}" if args.checkpoint else args.model
         config = {"system": f"{name}-{model.replace(':', '_')}", "start": name, "model": model,
-                  "compile.mode": args.mode, "compile.cudagraph": args.cudagraph, "compile.capture": args.capture}
+                  "compile.mode": args.mode, "compile.cudagraph": args.cudagraph, "compile.capture": args.capture,
+                  "compile.build": args.build}
         records.append(make_record("startup", model, config, metrics))
     if args.out:
         json_paths, table = save_results("startup", records, Path(args.out), config_keys=["start", "compile.cudagraph"])
