@@ -70,9 +70,9 @@ FACTORS, MANIFEST = "factors.json", "manifest.json"
 
 # ---- the key ------------------------------------------------------------------------------------
 def key_factors(model: torch.nn.Module, model_name: str, config: CompileConfig, passes: Optional[PassManager],
-                capture_num_tokens: int, kernels: Optional[KernelSet] = None) -> dict[str, Any]:
-    """Everything the compiled artifacts depend on, as JSON-able values. Without ``passes`` (not
-    built yet), the kernels they would write into the graph (``kernels``) stand for them."""
+                capture_num_tokens: int) -> dict[str, Any]:
+    """Everything the compiled artifacts depend on, as JSON-able values (without ``passes``: all but
+    the passes' uuids, for ``forward_key``)."""
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     arch = getattr(model, "arch", None)
@@ -91,8 +91,8 @@ def key_factors(model: torch.nn.Module, model_name: str, config: CompileConfig, 
         "compile": {k: v for k, v in dataclasses.asdict(config).items()
                     if k not in ("debug_dump_dir", "capture", "max_startup_capture_size", "build")},
         "capture_num_tokens": capture_num_tokens,
-        **({"passes": {p.name: p.uuid() for p in passes.passes} | {"PassManager": passes.uuid()}} if passes is not None
-           else {"kernels": kernels.describe() if kernels is not None else None}),
+        **({"passes": {p.name: p.uuid() for p in passes.passes} | {"PassManager": passes.uuid()}}
+           if passes is not None else {}),
         "kiln_source": kiln_source_hash(),
         "torch": torch.__version__,
         "triton": _triton_version(),
@@ -121,8 +121,9 @@ def forward_key(model: torch.nn.Module, model_name: str, config: CompileConfig, 
     passes write into the graph in place of the passes' uuids, which are a function of those and of
     kiln's source, hashed already. What is kept beside a compiled forward (its memory profile) is
     filed under it."""
-    factors = key_factors(model, model_name, config, None, capture_num_tokens, kernels)
-    factors["attention_layers"] = json.loads(json.dumps(getattr(model, "attention_layers", ())))  # a pass input
+    factors = key_factors(model, model_name, config, None, capture_num_tokens)
+    factors["kernels"] = kernels.describe()  # the passes' inputs
+    factors["attention_layers"] = json.loads(json.dumps(getattr(model, "attention_layers", ())))
     return cache_key(factors)
 
 

@@ -92,9 +92,15 @@ def forward_profile_key(model: nn.Module, config: CompileConfig, kernels: Kernel
     (another mode, no cache, or a debug dump, which always captures)."""
     if config.mode != "kiln" or artifact_cache is None or config.debug_dump_dir:
         return None
-    if config.split_every is None:
-        config = dataclasses.replace(config, split_every=default_split_every(_model_device_type(model)))
-    return forward_key(model, artifact_cache.model_name, config, kernels, CAPTURE_NUM_TOKENS)
+    return forward_key(model, artifact_cache.model_name, _with_split_every(config, model), kernels, CAPTURE_NUM_TOKENS)
+
+
+def _with_split_every(config: CompileConfig, model: nn.Module) -> CompileConfig:
+    """``config`` with ``split_every`` decided for the model's device where it was not resolved
+    (``kiln.config.resolve_for_device`` does it for an engine's config)."""
+    if config.split_every is not None:
+        return config
+    return dataclasses.replace(config, split_every=default_split_every(_model_device_type(model)))
 
 
 def build_kiln_forward(model: nn.Module, config: CompileConfig, pass_config: PassConfig,
@@ -102,8 +108,7 @@ def build_kiln_forward(model: nn.Module, config: CompileConfig, pass_config: Pas
     from kiln.compiler.backend import KilnBackend
     from kiln.passes.manager import PassManager, build_passes
 
-    if config.split_every is None:  # a config not resolved for the device (kiln.config.resolve_for_device)
-        config = dataclasses.replace(config, split_every=default_split_every(_model_device_type(model)))
+    config = _with_split_every(config, model)
     dump = DebugDump(config.debug_dump_dir) if config.debug_dump_dir else None
     # A generic-path model's per-layer windows and soft-caps, for the attention pass.
     attention_layers = tuple(getattr(model, "attention_layers", ()))
