@@ -148,8 +148,7 @@ CAPTURE_MODES = ("auto", "startup", "lazy")
 # When kiln's forward is built (captured and compiled, or loaded from the compile cache): before the
 # engine is ready ("startup"), or on a thread while the model serves eagerly, the steps switching to
 # the compiled forward once it is built ("background"; on CUDA with compile.capture=lazy, since CUDA
-# graphs are captured over the built forward between steps, and only on a warm start: a first start
-# measures the built forward's memory before sizing the KV cache, so it builds before serving).
+# graphs are captured over the built forward between steps).
 BUILD_MODES = ("auto", "startup", "background")
 
 
@@ -170,7 +169,7 @@ class CompileConfig:
     # others compiled inside the pieces. 1 (every call) is what piecewise CUDA graphs need. None:
     # decided per device (default_split_every).
     split_every: Optional[int] = None
-    build: str = "auto"  # BUILD_MODES; auto: background where compile.mode=auto chose kiln on the CPU, else startup
+    build: str = "auto"  # BUILD_MODES; auto: background where compile.mode=auto (CUDA: and capture=lazy), else startup
     debug_dump_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -419,6 +418,13 @@ CPU_COMPILE_MODE = "kiln"
 # builds once and groups of layers share a build), which the background build hides behind eager steps (README, "Defaults: fast with no options"). CUDA cuts at every call: piecewise
 # graphs capture the pieces between attention calls.
 CPU_SPLIT_EVERY = 10
+# CUDA_BUILD: where graphs are captured between steps (compile.capture=lazy, the server's default),
+# compile.mode=auto also builds kiln's forward in the background: the engine is ready once the weights
+# are placed, steps run eagerly, and a first start sizes the KV cache after the eager forward and a
+# guess of the graphs' memory (ModelRunner._profile_memory). From a Llama-3-8B checkpoint on an H200,
+# same call: first token 22.7 s cold and 9.6 s warm against 48.8 s and 19.5 s built before ready,
+# kiln's forward from 40.7 s and 15.2 s against 48.8 s and 19.5 s
+# (benchmarks/results/startup-background-default-NVIDIA_H200.md).
 DEVICE_DEFAULTS = {  # device type -> (mode, cudagraph, max_num_seqs, max_num_batched_tokens)
     "cuda": ("kiln", "full_and_piecewise", 512, 4096),
     "cpu": (CPU_COMPILE_MODE, "none", 128, 2048),
@@ -462,6 +468,9 @@ def resolve_for_device(compile: CompileConfig, scheduler: SchedulerConfig, devic
         mode = mode if can_background else "eager"
         if compile.build == "auto" and mode == "kiln":
             compile = dataclasses.replace(compile, build="background")
+    if (compile.mode == "auto" and device_type == "cuda" and compile.build == "auto" and can_background
+            and (compile.capture == "lazy" or compile.cudagraph == "none")):
+        compile = dataclasses.replace(compile, build="background")  # CUDA_BUILD
     scheduler = dataclasses.replace(
         scheduler,
         max_num_seqs=scheduler.max_num_seqs if scheduler.max_num_seqs is not None else seqs,

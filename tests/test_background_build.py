@@ -1,4 +1,4 @@
-"""compile.build=background (the CPU default): kiln's forward is built on a thread while the model
+"""compile.build=background (the default on the CPU, and for the server on CUDA): kiln's forward is built on a thread while the model
 serves eagerly, and the step after the build switches to it. (The build beside eager steps of the
 same model: tests/test_compiler.py.)"""
 
@@ -191,11 +191,11 @@ def test_a_start_that_serves_eagerly_leaves_dynamo_and_inductor_to_the_build():
 
 
 @pytest.mark.gpu
-def test_a_warm_cuda_start_serves_eagerly_then_captures_graphs_over_kiln(tmp_path, caplog):
-    """compile.build=background on CUDA (the server's default): a first start builds before serving,
-    since the KV cache is sized after the built forward's measured memory; a warm start serves at
-    once, eagerly and without graphs, while the forward loads from the compile cache, then plans
-    every CUDA-graph size over the built forward and captures them between steps."""
+def test_cuda_starts_serve_eagerly_then_capture_over_kiln_and_keep_the_graphs_memory(tmp_path, caplog):
+    """compile.build=background on CUDA. A first start sizes the KV cache after the eager forward
+    and a guess of the graphs' memory, and serves eagerly while kiln's forward compiles; once built,
+    every size is captured between steps, and what the graphs took is kept. A warm start reads that
+    profile, serves eagerly while the forward loads from the compile cache, then captures over it."""
     import gc
 
     from kiln.compiler import compiled_model
@@ -204,30 +204,69 @@ def test_a_warm_cuda_start_serves_eagerly_then_captures_graphs_over_kiln(tmp_pat
     options = dict(model="random:tiny", device="cuda", dtype="float32", max_model_len=256,
                    cache={"dir": str(tmp_path)},
                    compile={"mode": "kiln", "build": "background", "capture": "lazy", "capture_sizes": sizes})
-    with caplog.at_level(logging.INFO):
-        first = LLM(**options)
-    assert "no memory profile of kiln's forward is cached yet" in caplog.text
-    assert not first.engine.executor.runner.compiled.building
-    want = _generate(first)
-    del first
-    gc.collect()
-    torch.cuda.empty_cache()
-
-    with compiled_model._ONE_BUILD:  # the build waits, so the first steps surely run eagerly
-        llm = LLM(**options)
-        runner, compiled = llm.engine.executor.runner, llm.engine.executor.runner.compiled
-        assert compiled.building and compiled.forward is compiled.model
-        assert runner.has_pending_captures and compiled.num_pending_captures == 0
+    for start in ("first", "warm"):
+        caplog.clear()
+        with caplog.at_level(logging.INFO), compiled_model._ONE_BUILD:  # the build waits: steps surely run eagerly
+            llm = LLM(**options)
+            runner, compiled = llm.engine.executor.runner, llm.engine.executor.runner.compiled
+            assert compiled.building and compiled.forward is compiled.model
+            assert runner.has_pending_captures and compiled.num_pending_captures == 0
+            eager = _generate(llm)
+            assert llm.engine.capture_idle()  # nothing to capture yet: it waits a moment and says so
+            assert compiled.full_graphs is None and compiled.piecewise_graphs is None
+        profiles = list((tmp_path / "memory").glob("*.json"))
+        if start == "first":
+            assert "a guess" in caplog.text and not profiles
+            want = eager
+        else:
+            assert "memory profile from the cache" in caplog.text and "a guess" not in caplog.text
+            _assert_like_eager(eager, want)
+        assert llm.engine.wait_for_build(timeout=300)
+        while llm.engine.capture_idle():
+            pass
+        assert isinstance(compiled.forward, KilnForward) and compiled.forward.cache_hit == (start == "warm")
+        assert compiled.full_graphs.captured_sizes == sizes
+        assert compiled.piecewise_graphs.captured_sizes and not compiled.has_pending_captures
+        assert len(list((tmp_path / "memory").glob("*.json"))) == 1  # kept by the first start
         _assert_like_eager(_generate(llm), want)
-        assert llm.engine.capture_idle()  # nothing to capture yet: it waits a moment and says so
-        assert compiled.full_graphs is None and compiled.piecewise_graphs is None
-    assert llm.engine.wait_for_build(timeout=300)
-    while llm.engine.capture_idle():
-        pass
-    assert isinstance(compiled.forward, KilnForward) and compiled.forward.cache_hit
-    assert compiled.full_graphs.captured_sizes == sizes
-    assert compiled.piecewise_graphs.captured_sizes and not compiled.has_pending_captures
-    _assert_like_eager(_generate(llm), want)
+        del llm, runner, compiled
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_the_cuda_server_answers_while_kiln_builds_then_captures_when_idle(tmp_path):
+    """kiln serve's defaults on CUDA (compile.mode=auto, lazy capture): the engine answers eagerly
+    while kiln's forward builds; once built, the idle engine captures every size over it and keeps
+    the graphs' memory for the next start; it answers with the same tokens."""
+    import asyncio
+
+    from kiln.compiler import compiled_model
+    from kiln.config import CacheConfig, EngineConfig, ModelConfig
+    from kiln.runtime.async_engine import AsyncEngine
+
+    config = EngineConfig(model=ModelConfig("random:tiny", device="cuda", dtype="float32", max_model_len=256),
+                          cache=CacheConfig(dir=str(tmp_path)), compile=CompileConfig(capture_sizes=(1, 2, 4, 8)))
+    assert config.resolved("cuda").compile.build == "background"
+
+    async def tokens(engine, request_id: str) -> list[int]:
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        outs = [out async for out in engine.generate(request_id, PROMPTS[0], params)]
+        return list(outs[-1].outputs[0].token_ids)
+
+    with compiled_model._ONE_BUILD:  # the build waits: the first request surely runs eagerly
+        engine = AsyncEngine.from_config(config)
+        engine.wait_ready(timeout=300)
+        assert engine.stats()["compile_building"] == 1
+        eager = asyncio.run(tokens(engine, "eager"))
+    try:
+        deadline = time.monotonic() + 600
+        while engine.stats()["compile_building"] or not list((tmp_path / "memory").glob("*.json")):
+            assert time.monotonic() < deadline, "the build, or the idle engine's captures, did not end"
+            time.sleep(0.1)
+        assert len(eager) == 6 and asyncio.run(tokens(engine, "kiln")) == eager
+    finally:
+        engine.shutdown()
 
 
 def test_the_eager_warm_up_writes_only_the_null_block():

@@ -56,10 +56,15 @@ def test_cpu_defaults_build_kiln_in_the_background():
     assert resolve_for_device(compile, SchedulerConfig(), "cpu")[0] == compile
 
 
-def test_cuda_builds_at_startup_unless_asked_to_serve_eagerly_meanwhile():
-    # The default builds before serving (a background build measured no faster to kiln's speed on an
-    # H200); compile.build=background, with graphs captured between steps, is kept when asked for.
-    assert EngineConfig().resolved("cuda").compile.build == "startup"
+def test_cuda_serves_eagerly_while_kiln_builds_where_graphs_are_captured_between_steps():
+    # The server's default (lazy capture) serves while kiln's forward builds; graphs captured before
+    # the first step (LLM's default), several ranks, or a compile.mode set by hand build first.
+    assert EngineConfig().resolved("cuda").compile.build == "background"
+    assert EngineConfig(compile=CompileConfig(capture="startup")).resolved("cuda").compile.build == "startup"
+    assert EngineConfig(compile=CompileConfig(mode="kiln")).resolved("cuda").compile.build == "startup"
+    assert EngineConfig(parallel=ParallelConfig(backend="mp")).resolved("cuda").compile.build == "startup"
+    draft = SpeculativeConfig(method="draft", draft_model="random:tiny")
+    assert EngineConfig(speculative=draft).resolved("cuda").compile.build == "startup"
     explicit = EngineConfig(compile=CompileConfig(mode="kiln", build="background")).resolved("cuda").compile
     assert (explicit.build, explicit.capture) == ("background", "lazy")
     assert resolve_for_device(explicit, SchedulerConfig(), "cuda")[0] == explicit

@@ -48,6 +48,7 @@ import contextlib
 import gc
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -133,6 +134,12 @@ def dispatch(full: Optional[FullCUDAGraphs], piecewise: Optional[PiecewiseCUDAGr
 
 
 class CompiledModel:
+    # guess_graph_memory, after Llama-3-8B's profile on an H200 (bf16, 81 sizes up to 4096 tokens):
+    # the largest size's piece graphs took 3,308 MiB, 3.1 hidden states a token and piece, and each
+    # further size 4 MiB, 0.12 MiB a graph (33 pieces, one full graph).
+    GUESS_PIECE_OUTPUTS = 3.5  # hidden states a token and piece the largest size's graphs hold
+    GUESS_BYTES_PER_GRAPH = 2**18
+
     def __init__(self, model: nn.Module, config: CompileConfig, kernels: KernelSet, limits: InputLimits,
                  max_model_len: int, artifact_cache: Optional[ArtifactCache] = None) -> None:
         self.model, self.config, self.kernels = model, config, kernels
@@ -149,6 +156,7 @@ class CompiledModel:
             return build_forward(model, config, pass_config, artifact_cache)
 
         self._building: Optional[BackgroundBuild] = None  # compile.build=background, until switched to
+        self._build_held = False  # run() leaves a background build unstarted (hold_build)
         background = config.build == "background" and config.mode == "kiln"
         if background and getattr(model, "capture_scope", None) is not None:
             logger.info("compile.build=background: this model runs attention differently while it is "
@@ -208,6 +216,16 @@ class CompiledModel:
         ``wait_for_build`` starts it. Nothing without one."""
         if self._building is not None:
             self._building.start()
+
+    @contextlib.contextmanager
+    def hold_build(self) -> Iterator[None]:
+        """Steps run inside leave a background build unstarted (the runner's start-up profile: the
+        build's imports would slow the rest of the start)."""
+        self._build_held = True
+        try:
+            yield
+        finally:
+            self._build_held = False
 
     def wait_for_build(self, timeout: Optional[float] = None) -> bool:
         """Block until a background build ends (or ``timeout`` seconds pass); the next ``run`` then
@@ -418,6 +436,34 @@ class CompiledModel:
                     estimate.per_size_bytes / 2**20, estimate.bytes() / 2**30, len(sizes))
         return estimate
 
+    def guess_graph_memory(self, activation_bytes: int, max_num_tokens: int, num_pieces: int,
+                           hidden_bytes: int) -> Optional["GraphMemoryEstimate"]:
+        """What the CUDA graphs of kiln's forward will take, guessed while a background build has no
+        forward to profile yet (a first start). The largest size's working set: with piece graphs,
+        ``GUESS_PIECE_OUTPUTS`` hidden states (``hidden_bytes`` each) a token for each of
+        ``num_pieces`` pieces; else the step's peak activations scaled to its tokens. Per further
+        size, ``GUESS_BYTES_PER_GRAPH`` for each graph captured at it. The runner keeps what capture
+        then takes for the next start. None when no graphs are captured."""
+        if self.device.type != "cuda":
+            return None
+        modes = wanted_graph_modes(self.config.cudagraph, True)
+        sizes = self._graph_sizes(modes)
+        if not sizes:
+            return None
+        if GraphMode.PIECEWISE in modes:
+            working = int(self.GUESS_PIECE_OUTPUTS * num_pieces * sizes[-1] * hidden_bytes)
+        else:
+            working = activation_bytes * sizes[-1] // max(max_num_tokens, 1)
+        graphs_per_size = (num_pieces if GraphMode.PIECEWISE in modes else 0) + (GraphMode.FULL in modes)
+        num_verify = len(self._verify_graphs(sizes).sizes) if GraphMode.FULL in modes and self.verify_shape else 0
+        estimate = GraphMemoryEstimate(tuple(sizes), largest_bytes=working,
+                                       per_size_bytes=graphs_per_size * self.GUESS_BYTES_PER_GRAPH,
+                                       num_extra_graphs=num_verify)
+        logger.info("CUDA graphs: %.2f GiB kept for %d sizes, a guess (%d graphs a size) until kiln's forward "
+                    "is built; what they take is kept for the next start", estimate.bytes() / 2**30, len(sizes),
+                    graphs_per_size)
+        return estimate
+
     def _graph_sizes(self, modes: set[GraphMode]) -> list[int]:
         """Every size some graph of ``modes`` is captured at (the union of full and piecewise sizes)."""
         buf, sizes = self.inputs, set()
@@ -448,7 +494,8 @@ class CompiledModel:
         PIECEWISE: null token rows, attention still sees only the real ones), uploads it, and
         replays or runs the forward inside the step's forward context."""
         if self._building is not None:
-            self._building.start()
+            if not self._build_held:
+                self._building.start()
             self._switch_if_built()
         building = self._building is not None
         buf, n, num_reqs = self.inputs, inputs.num_tokens, inputs.num_reqs
@@ -528,6 +575,13 @@ class BackgroundBuild:
     (benchmarks/results/startup-background-*)."""
 
     NICE = 5
+    # On CUDA, while the build runs, a thread waiting for the GIL gets it after this long (Python's
+    # default is 5 ms). Each torch op of an eager step releases the GIL and must get it back from the
+    # build's Python: at 5 ms a wait, the first eager step of a warm Llama-3-8B start took 4.7 s on an
+    # H200, 2.0 s at 0.1 ms. Not on the CPU, whose steps hold the cores in long ops: on a 2-vCPU EPYC
+    # the eager steps beside the build ran no faster (16.2 against 16.4 tok/s) and SmolLM2's build
+    # had not ended after 150 s, against 90 s at 5 ms (benchmarks/background_build.py).
+    SWITCH_INTERVAL_S = 1e-4
 
     def __init__(self, make_forward: Callable[[], KilnForward], device: torch.device) -> None:
         self.forward: Optional[KilnForward] = None  # once built
@@ -546,6 +600,9 @@ class BackgroundBuild:
 
     def _build(self) -> None:
         t0 = time.perf_counter()
+        interval = sys.getswitchinterval()
+        if self._device.type == "cuda":
+            sys.setswitchinterval(min(interval, self.SWITCH_INTERVAL_S))
         try:
             with contextlib.suppress(OSError, AttributeError):  # Linux: a thread's own priority
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.NICE)
@@ -556,6 +613,7 @@ class BackgroundBuild:
                 build_now(forward, self._device)
             self.forward = forward
         finally:
+            sys.setswitchinterval(interval)
             self.seconds = time.perf_counter() - t0
 
     @property

@@ -18,7 +18,6 @@ steps once it ends. Each phase's time lands in ``startup_seconds``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from concurrent.futures import Future
@@ -123,7 +122,6 @@ class ModelRunner:
         self._profile_artifacts = artifacts
         self._verify = verify_shape(speculative, sched) if speculative.enabled else None
         self._has_draft = speculative.method == "draft"
-        compile_config = self._decide_build(compile_config, cache_config, sched)
         self.compile_config = compile_config
         limits = InputLimits(sched.max_num_batched_tokens, sched.max_num_seqs, -(-self.max_model_len // self.block_size))
         self.compiled = CompiledModel(self.model, compile_config, self.kernels, limits, self.max_model_len, artifacts)
@@ -137,6 +135,7 @@ class ModelRunner:
             self.compiled.set_verify_shape(self._verify)
         _check_verify_capture_sizes(speculative, sched, compile_config)
         activation_bytes, self.graph_estimate = 0, None
+        self._unmeasured_profile: Optional[tuple[kv_sizing.MemoryProfileCache, int]] = None
         t_profile = time.perf_counter()
         if self.device.type == "cuda":
             activation_bytes, self.graph_estimate = self._profile_memory(cache_config, sched)
@@ -238,11 +237,28 @@ class ModelRunner:
         if not self.compiled.has_pending_captures:
             logger.info("CUDA graphs: every size captured (%.2f s between steps); %.2f GiB used",
                         self._lazy_capture_seconds, self.compiled.graph_memory_bytes / 2**30)
+            self._keep_measured_profile()
             return False
         return True
 
+    def _keep_measured_profile(self) -> None:
+        """Once a first start's lazy capture ends, keep a memory profile for the next start: the
+        eager activations it was sized with, and the graphs' memory as measured, per size captured
+        (should capture have stopped at the guess, the largest sizes: an over-estimate of the rest)."""
+        if self._unmeasured_profile is None or self.graph_estimate is None:
+            return
+        cache, activation_bytes = self._unmeasured_profile
+        self._unmeasured_profile = None
+        sizes = self.graph_estimate.sizes
+        num_captured = max(1, len(sizes) - self.compiled.num_pending_captures)
+        per_size = self.compiled.graph_memory_bytes // num_captured
+        measured = kv_sizing.GraphMemoryEstimate(sizes, largest_bytes=per_size, per_size_bytes=per_size,
+                                                 num_extra_graphs=self.graph_estimate.num_extra_graphs)
+        cache.store(kv_sizing.MemoryProfile(activation_bytes, measured))
+
     def _stop_lazy_capture(self, reason: str) -> bool:
         logger.warning("CUDA graphs: %s; %d sizes stay without graphs", reason, self.compiled.num_pending_captures)
+        self._keep_measured_profile()
         self.lazy_capture = False
         self.compiled.drop_pending_captures()
         return False
@@ -250,7 +266,10 @@ class ModelRunner:
     def _profile_memory(self, cache_config: CacheConfig, sched: SchedulerConfig
                         ) -> tuple[int, Optional[kv_sizing.GraphMemoryEstimate]]:
         """Peak activation bytes of the largest step, and what the CUDA graphs will take (when the
-        KV cache is sized from the free memory): profiled, or read from a warm start's cache."""
+        KV cache is sized from the free memory): profiled, or read from a warm start's cache. A
+        first start that serves eagerly while kiln's forward is built profiles the eager forward's
+        activations and guesses the graphs; what capture then takes is kept for the next start
+        (``_keep_measured_profile``)."""
         want_graphs = cache_config.num_blocks is None and cache_config.kv_cache_memory_gib is None
         cache = self._memory_profile_cache(sched, want_graphs)
         cached = cache.load() if cache is not None else None
@@ -258,6 +277,20 @@ class ModelRunner:
             logger.info("memory profile from the cache: peak activations %.2f GiB, CUDA graphs %.2f GiB",
                         cached.activation_bytes / 2**30, cached.graphs.bytes() / 2**30 if cached.graphs else 0.0)
             return cached.activation_bytes, cached.graphs
+        if self.compiled.building:  # graphs wait for kiln's forward: should they outgrow the guess,
+            # lazy capture stops there (capture_pending); compile.build=startup measures before serving
+            logger.info("compile.build=background: no memory profile of kiln's forward is kept yet (a first "
+                        "start): the KV cache is sized after the eager forward and a guess of the CUDA "
+                        "graphs; what they take is kept for later starts")
+            with self.compiled.hold_build():  # the eager forward's peak stands for the built one's
+                activation_bytes = kv_sizing.profile_activation_bytes(
+                    self.compiled, self.kv_shape, self.max_model_len, sched.max_num_batched_tokens,
+                    sched.max_num_seqs)
+            graphs = (self.compiled.guess_graph_memory(activation_bytes, sched.max_num_batched_tokens,
+                                                       self.arch.num_layers + 1, self.arch.hidden_size
+                                                       * self.dtype.itemsize) if want_graphs else None)
+            self._unmeasured_profile = (cache, activation_bytes) if cache is not None else None
+            return activation_bytes, graphs
         activation_bytes = kv_sizing.profile_activation_bytes(
             self.compiled, self.kv_shape, self.max_model_len, sched.max_num_batched_tokens, sched.max_num_seqs)
         if isinstance(self.proposer, DraftProposer):  # runs before the target's forward, never beside it
@@ -283,23 +316,6 @@ class ModelRunner:
             max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len, kv_shape=repr(self.kv_shape),
             graphs=want_graphs, verify=repr(self._verify),
             total_memory=torch.cuda.get_device_properties(self.device).total_memory)
-
-    def _decide_build(self, compile_config: CompileConfig, cache_config: CacheConfig,
-                      sched: SchedulerConfig) -> CompileConfig:
-        """``compile.build=background`` on CUDA serves eagerly while kiln's forward loads only where
-        the start-up memory profile of that forward is cached (a warm start): the KV cache is sized
-        after the compiled forward's activations and its CUDA graphs, which a first start has to
-        measure with the built forward, so that one builds before serving."""
-        if compile_config.build != "background" or self.device.type != "cuda":
-            return compile_config
-        want_graphs = cache_config.num_blocks is None and cache_config.kv_cache_memory_gib is None
-        cache = self._memory_profile_cache(sched, want_graphs)
-        if cache is not None and cache.load() is not None:
-            return compile_config
-        logger.info("compile.build=background: no memory profile of kiln's forward is cached yet (a first "
-                    "start), so it is built now, before serving; later starts serve while it loads")
-        prefetch_source_keys()
-        return dataclasses.replace(compile_config, build="startup")
 
     def _make_kv_caches(self, cache_config: CacheConfig, activation_bytes: int) -> tuple[int, list[torch.Tensor]]:
         """Size the cache after the activations and the CUDA graphs, the same on every rank, and allocate it."""
