@@ -136,8 +136,11 @@ def dispatch(full: Optional[FullCUDAGraphs], piecewise: Optional[PiecewiseCUDAGr
 class CompiledModel:
     # guess_graph_memory, after Llama-3-8B's profile on an H200 (bf16, 81 sizes up to 4096 tokens):
     # the largest size's piece graphs took 3,308 MiB, 3.1 hidden states a token and piece, and each
-    # further size 4 MiB, 0.12 MiB a graph (33 pieces, one full graph).
-    GUESS_PIECE_OUTPUTS = 3.5  # hidden states a token and piece the largest size's graphs hold
+    # further size 4 MiB, 0.12 MiB a graph (33 pieces, one full graph). A guess short of what the
+    # graphs take leaves a first start without its smaller sizes; one beyond it, a little less KV
+    # cache. Measured on that H200, guess (at 3.5 hidden states) against use: Llama-3-8B 5.47 / 3.49
+    # GiB, Qwen2.5-0.5B 1.51 / 0.88, Qwen1.5-MoE-A2.7B 2.47 / 2.29; at 4.0 the MoE's is 2.71 GiB.
+    GUESS_PIECE_OUTPUTS = 4.0  # hidden states a token and piece the largest size's graphs hold
     GUESS_BYTES_PER_GRAPH = 2**18
 
     def __init__(self, model: nn.Module, config: CompileConfig, kernels: KernelSet, limits: InputLimits,
