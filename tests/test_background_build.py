@@ -281,3 +281,31 @@ def test_the_eager_warm_up_writes_only_the_null_block():
     compiled.warm_up()
     for got, was in zip(compiled.kv_caches, before, strict=True):
         assert torch.equal(got[:, 1:], was[:, 1:]) and not torch.equal(got[:, :1], was[:, :1])  # [K/V, block, ...]
+
+
+@pytest.mark.parametrize("num_pending", [0, 3])
+def test_a_first_start_keeps_what_its_graphs_took_for_the_next_start(tmp_path, num_pending):
+    """After a first background start (graphs' memory guessed), the runner keeps a profile of what
+    the captured graphs took: the eager activations it was sized with, and per size the measured
+    bytes of the sizes captured, for every size (an over-estimate of the ones left when capture
+    stopped at the guess). The next start's estimate covers what the graphs took."""
+    from types import SimpleNamespace
+
+    from kiln.compiler import ArtifactCache, GraphMemoryEstimate
+    from kiln.runtime import kv_sizing
+    from kiln.runtime.model_runner import ModelRunner
+
+    sizes = (1, 2, 4, 8, 16, 32, 64, 128)
+    used = 3 * 2**30
+    cache = kv_sizing.MemoryProfileCache(ArtifactCache(str(tmp_path), "m"), "key", max_num_seqs=128)
+    runner = ModelRunner.__new__(ModelRunner)
+    runner._unmeasured_profile = (cache, 600 * 2**20)
+    runner.graph_estimate = GraphMemoryEstimate(sizes, largest_bytes=2**30, per_size_bytes=2**20)  # the guess
+    runner.compiled = SimpleNamespace(graph_memory_bytes=used, num_pending_captures=num_pending)
+    runner._keep_measured_profile()
+    kept = cache.load()
+    assert kept is not None and kept.activation_bytes == 600 * 2**20 and kept.graphs.sizes == sizes
+    captured = len(sizes) - num_pending
+    assert kept.graphs.bytes() >= used * len(sizes) / captured
+    runner._keep_measured_profile()  # once only: a later call keeps nothing new
+    assert runner._unmeasured_profile is None
