@@ -105,10 +105,7 @@ def child(opts: dict) -> None:
     batch = then_batch(llm, opts["then_batch"]) if opts.get("then_batch") and opts["run"].startswith("warm") else {}
     drained = {}
     if eager_first and opts["run"] == "cold":  # as an idle server would: the graphs' memory is kept for the warm start
-        t0 = time.time()
-        while getattr(llm.engine, "capture_idle", lambda: False)():
-            pass
-        drained = {"cold_capture_drain_s": time.time() - t0}
+        drained = {"cold_capture_drain_s": capture_while_idle(llm)}
     print("RESULT " + json.dumps({**batch, **drained,
         "ready_wall": ready, "first_token_wall": first_token, "import_done_wall": t_import, **marks,
         "kiln_token_wall": kiln_token, "eager_first": eager_first,
@@ -116,6 +113,15 @@ def child(opts: dict) -> None:
         "token": out[0].outputs[0].token_ids[0],
         "cache_hit": bool(getattr(runner.compiled.forward, "cache_hit", False)), **runner.startup_seconds,
     }), flush=True)
+
+
+def capture_while_idle(llm) -> float:
+    """Capture every pending CUDA-graph size, as an idle server does (``capture_idle``, where the
+    engine has it); the seconds it took."""
+    t0 = time.time()
+    while getattr(llm.engine, "capture_idle", lambda: False)():
+        pass
+    return time.time() - t0
 
 
 def then_batch(llm, shape: str) -> dict:
@@ -134,10 +140,7 @@ def then_batch(llm, shape: str) -> dict:
         return n * max_tokens / (time.time() - t0), [list(o.outputs[0].token_ids) for o in outs]
 
     during, tokens = timed()
-    t0 = time.time()
-    while getattr(llm.engine, "capture_idle", lambda: False)():
-        pass
-    drain = time.time() - t0
+    drain = capture_while_idle(llm)
     after, tokens_after = timed()
     same = sum(a == b for a, b in zip(tokens, tokens_after)) / n
     return {"batch_first_tok_s": during, "capture_drain_s": drain, "batch_steady_tok_s": after,

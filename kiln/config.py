@@ -464,13 +464,14 @@ def resolve_for_device(compile: CompileConfig, scheduler: SchedulerConfig, devic
     speculative draft (two Dynamo captures must not run at once). Where it cannot,
     ``compile.mode=auto`` on the CPU is eager."""
     mode, cudagraph, seqs, tokens = DEVICE_DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
-    if compile.mode == "auto" and device_type != "cuda":
-        mode = mode if can_background else "eager"
-        if compile.build == "auto" and mode == "kiln":
+    if compile.mode == "auto":
+        if device_type != "cuda" and not can_background:
+            mode = "eager"
+        # CUDA_BUILD: graphs are captured over the built forward, so a start that captures before its
+        # first step builds first
+        graphs_first = device_type == "cuda" and compile.capture != "lazy" and compile.cudagraph != "none"
+        if compile.build == "auto" and mode == "kiln" and can_background and not graphs_first:
             compile = dataclasses.replace(compile, build="background")
-    if (compile.mode == "auto" and device_type == "cuda" and compile.build == "auto" and can_background
-            and (compile.capture == "lazy" or compile.cudagraph == "none")):
-        compile = dataclasses.replace(compile, build="background")  # CUDA_BUILD
     scheduler = dataclasses.replace(
         scheduler,
         max_num_seqs=scheduler.max_num_seqs if scheduler.max_num_seqs is not None else seqs,

@@ -159,7 +159,6 @@ class CompiledModel:
             return build_forward(model, config, pass_config, artifact_cache)
 
         self._building: Optional[BackgroundBuild] = None  # compile.build=background, until switched to
-        self._build_held = False  # run() leaves a background build unstarted (hold_build)
         background = config.build == "background" and config.mode == "kiln"
         if background and getattr(model, "capture_scope", None) is not None:
             logger.info("compile.build=background: this model runs attention differently while it is "
@@ -215,20 +214,11 @@ class CompiledModel:
             torch.cuda.synchronize()
 
     def start_build(self) -> None:
-        """Start a background build now (``ModelRunner``, once ready); else the first ``run`` or
-        ``wait_for_build`` starts it. Nothing without one."""
+        """Start a background build now (``ModelRunner``, once ready; steps before it, such as its
+        memory profile, run eagerly without starting it); else ``wait_for_build`` starts it. Nothing
+        without one."""
         if self._building is not None:
             self._building.start()
-
-    @contextlib.contextmanager
-    def hold_build(self) -> Iterator[None]:
-        """Steps run inside leave a background build unstarted (the runner's start-up profile: the
-        build's imports would slow the rest of the start)."""
-        self._build_held = True
-        try:
-            yield
-        finally:
-            self._build_held = False
 
     def wait_for_build(self, timeout: Optional[float] = None) -> bool:
         """Block until a background build ends (or ``timeout`` seconds pass); the next ``run`` then
@@ -497,8 +487,6 @@ class CompiledModel:
         PIECEWISE: null token rows, attention still sees only the real ones), uploads it, and
         replays or runs the forward inside the step's forward context."""
         if self._building is not None:
-            if not self._build_held:
-                self._building.start()
             self._switch_if_built()
         building = self._building is not None
         buf, n, num_reqs = self.inputs, inputs.num_tokens, inputs.num_reqs

@@ -277,27 +277,24 @@ class ModelRunner:
             logger.info("memory profile from the cache: peak activations %.2f GiB, CUDA graphs %.2f GiB",
                         cached.activation_bytes / 2**30, cached.graphs.bytes() / 2**30 if cached.graphs else 0.0)
             return cached.activation_bytes, cached.graphs
-        if self.compiled.building:  # graphs wait for kiln's forward: should they outgrow the guess,
-            # lazy capture stops there (capture_pending); compile.build=startup measures before serving
+        building = self.compiled.building  # a first start serving eagerly: no built forward to measure
+        if building:
             logger.info("compile.build=background: no memory profile of kiln's forward is kept yet (a first "
                         "start): the KV cache is sized after the eager forward and a guess of the CUDA "
                         "graphs; what they take is kept for later starts")
-            with self.compiled.hold_build():  # the eager forward's peak stands for the built one's
-                activation_bytes = kv_sizing.profile_activation_bytes(
-                    self.compiled, self.kv_shape, self.max_model_len, sched.max_num_batched_tokens,
-                    sched.max_num_seqs)
-            graphs = (self.compiled.guess_graph_memory(activation_bytes, sched.max_num_batched_tokens,
-                                                       self.arch.num_layers + 1, self.arch.hidden_size
-                                                       * self.dtype.itemsize) if want_graphs else None)
-            self._unmeasured_profile = (cache, activation_bytes) if cache is not None else None
-            return activation_bytes, graphs
-        activation_bytes = kv_sizing.profile_activation_bytes(
+        activation_bytes = kv_sizing.profile_activation_bytes(  # building: the eager forward's peak
             self.compiled, self.kv_shape, self.max_model_len, sched.max_num_batched_tokens, sched.max_num_seqs)
         if isinstance(self.proposer, DraftProposer):  # runs before the target's forward, never beside it
             draft = self.proposer
             activation_bytes = max(activation_bytes, kv_sizing.profile_activation_bytes(
                 draft.compiled, draft.kv_shape, self.max_model_len, draft.compiled.inputs.max_num_tokens,
                 sched.max_num_seqs))
+        if building:  # should the graphs outgrow the guess, lazy capture stops there (capture_pending)
+            graphs = (self.compiled.guess_graph_memory(activation_bytes, sched.max_num_batched_tokens,
+                                                       self.arch.num_layers + 1, self.arch.hidden_size
+                                                       * self.dtype.itemsize) if want_graphs else None)
+            self._unmeasured_profile = (cache, activation_bytes) if cache is not None else None
+            return activation_bytes, graphs
         graphs = None
         if want_graphs:
             graphs = self.compiled.profile_graph_memory(kv_sizing.allocate_kv_caches(self.kv_shape, 2, self.device))
