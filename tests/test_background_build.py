@@ -192,10 +192,12 @@ def test_a_start_that_serves_eagerly_leaves_dynamo_and_inductor_to_the_build():
 
 @pytest.mark.gpu
 def test_cuda_starts_serve_eagerly_then_capture_over_kiln_and_keep_the_graphs_memory(tmp_path, caplog):
-    """compile.build=background on CUDA. A first start sizes the KV cache after the eager forward
-    and a guess of the graphs' memory, and serves eagerly while kiln's forward compiles; once built,
-    every size is captured between steps, and what the graphs took is kept. A warm start reads that
-    profile, serves eagerly while the forward loads from the compile cache, then captures over it."""
+    """compile.build=background on CUDA. A first start starts the build as the weights load, sizes
+    the KV cache after the eager forward and a guess of the graphs' memory, and serves eagerly while
+    kiln's forward compiles; once built, the sizes up to max_startup_capture_size are captured
+    between steps, smallest first, then the rest, and what the graphs took is kept. A warm start
+    reads that profile, starts the build once ready, serves eagerly while the forward loads from
+    the compile cache, then captures over it."""
     import gc
 
     from kiln.compiler import compiled_model
@@ -215,6 +217,10 @@ def test_cuda_starts_serve_eagerly_then_capture_over_kiln_and_keep_the_graphs_me
             assert llm.engine.capture_idle()  # nothing to capture yet: it waits a moment and says so
             assert compiled.full_graphs is None and compiled.piecewise_graphs is None
         profiles = list((tmp_path / "memory").glob("*.json"))
+        messages = [r.getMessage() for r in caplog.records]
+        started = next(i for i, m in enumerate(messages) if "building kiln's forward on a thread" in m)
+        sized = next(i for i, m in enumerate(messages) if m.startswith("KV cache:"))
+        assert (started < sized) == (start == "first")  # a first start builds beside the weight read
         if start == "first":
             assert "a guess" in caplog.text and not profiles
             want = eager
@@ -222,6 +228,10 @@ def test_cuda_starts_serve_eagerly_then_capture_over_kiln_and_keep_the_graphs_me
             assert "memory profile from the cache" in caplog.text and "a guess" not in caplog.text
             _assert_like_eager(eager, want)
         assert llm.engine.wait_for_build(timeout=300)
+        assert llm.engine.capture_idle() and compiled.full_graphs.captured_sizes == []  # plans every size
+        for _ in range(4):  # then the sizes a capture before ready would take (up to 8), smallest first
+            assert llm.engine.capture_idle()
+        assert compiled.full_graphs.captured_sizes == [1, 2, 4, 8] and not compiled.piecewise_graphs.captured_sizes
         while llm.engine.capture_idle():
             pass
         assert isinstance(compiled.forward, KilnForward) and compiled.forward.cache_hit == (start == "warm")
@@ -309,3 +319,40 @@ def test_a_first_start_keeps_what_its_graphs_took_for_the_next_start(tmp_path, n
     assert kept.graphs.bytes() >= used * len(sizes) / captured
     runner._keep_measured_profile()  # once only: a later call keeps nothing new
     assert runner._unmeasured_profile is None
+
+
+def test_eager_calls_wait_for_an_fx_trace_on_the_build_thread():
+    """While a background build runs, an FX trace on its thread (the passes' patterns, reading a
+    saved graph) patches ``nn.Module.__call__`` for the whole process: the eager warm-up and the
+    logits wait for the trace to end rather than being traced into it."""
+    import threading
+
+    from kiln.compiler import compiled_model
+
+    with compiled_model._ONE_BUILD:  # the build waits: the model is still served eagerly
+        llm = LLM(model="random:tiny", compile=BACKGROUND)
+        compiled = llm.engine.executor.runner.compiled
+        assert compiled.building
+        tracing, release, order = threading.Event(), threading.Event(), []
+
+        class WaitsInTrace(torch.nn.Module):
+            def forward(self, x):
+                tracing.set()
+                release.wait(timeout=60)
+                return x + 1
+
+        def let_the_trace_end() -> None:
+            order.append("trace released")
+            release.set()
+
+        with compiled_model._traces_exclude_eager_forwards():
+            tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(WaitsInTrace(),))
+            tracer.start()
+            assert tracing.wait(timeout=60)
+            threading.Timer(0.2, let_the_trace_end).start()
+            compiled.warm_up()  # would be traced into the trace (and fail) without waiting
+            order.append("warm-up done")
+            logits = compiled.compute_logits(torch.zeros(2, llm.engine.executor.runner.arch.hidden_size))
+            tracer.join(timeout=60)
+    assert order == ["trace released", "warm-up done"] and logits.shape[0] == 2
+    assert llm.engine.wait_for_build(timeout=300)

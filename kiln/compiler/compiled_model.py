@@ -23,18 +23,19 @@ runtime then only writes steps into ``inputs`` and calls ``run``::
                                                dispatch (FULL | PIECEWISE | NONE), padding to the
                                                capture size, upload, forward context, forward or
                                                replay ─> ModelOutputs (hidden; logits for FULL)
+      compute_logits(hidden)               ─> the sampled rows' logits, where the step had none
 
 A background build captures and compiles, or loads from the compile cache, on a thread while
-steps run the model eagerly; the step after it is done switches to it (``start_build`` starts it,
-once the runner is ready). On CUDA, graphs wait for it: ``capture_graphs`` only plans, and the
-first ``capture_next`` after the switch makes the graph sets over the built forward, every size
-pending, for lazy capture between steps. Capture reads the
-model's shapes and never runs it, so the two do not touch each other's data. One thing is shared:
-FX symbolic tracing (``torch.fx.Tracer.trace``, which reading a saved graph runs) patches
-``nn.Module.__call__`` for the whole process, so while a build runs, a trace and an eager forward
-exclude each other (``_EAGER_OR_TRACE``), and builds in one process run one at a time
-(``_ONE_BUILD``: Dynamo captures must not overlap). A model that changes how it runs while captured
-(``capture_scope``) is built before start-up instead.
+steps run the model eagerly; the step after it is done switches to it (``start_build`` starts it:
+the runner calls it as the weights load on a first CUDA start, else once ready). On CUDA, graphs
+wait for it: ``capture_graphs`` only plans, and the first ``capture_next`` after the switch makes
+the graph sets over the built forward, every size pending, for lazy capture between steps. Capture
+reads the model's shapes and never runs it, so the two do not touch each other's data. One thing is
+shared: FX symbolic tracing (``torch.fx.Tracer.trace``, which reading a saved graph runs) patches
+``nn.Module.__call__`` for the whole process, so while a build runs, a trace and any call into the
+model's modules (``run``, ``compute_logits``, ``warm_up``) exclude each other (``_EAGER_OR_TRACE``),
+and builds in one process run one at a time (``_ONE_BUILD``: Dynamo captures must not overlap). A
+model that changes how it runs while captured (``capture_scope``) is built before start-up instead.
 
 Rules kept here: the runtime never touches graphs, pieces or kernel choices, and no process-global
 state is written (but for the trace lock above, while a background build runs): the kernels travel in the KernelSet (to the passes, the split, the forward
@@ -185,6 +186,7 @@ class CompiledModel:
         self._graphs_deferred = False
         self._deferred_modes: Optional[set[GraphMode]] = None
         self._wanted: list[tuple[Any, int]] = []  # (graphs, size) a batch ran without, not captured yet
+        self._small_first: list[tuple[Any, int]] = []  # (graphs, size) captured next, once a build ends
         logger.info("kernels on %s: %s", kernels.device_type,
                     ", ".join(f"{op} {name}" for op, name in kernels.describe().items()))
 
@@ -207,16 +209,16 @@ class CompiledModel:
             buf.fill_null_requests(0, 0, 1, q)
             buf.upload(q, 1)
             meta = buf.metadata(q, 1, 1 if q == 1 else 0, [q], [q])
-            with self._forward_scope(ForwardContext(attn=meta, kv_caches=self.kv_caches)):
+            with self._forward_scope(ForwardContext(attn=meta, kv_caches=self.kv_caches)), self._eager_calls():
                 hidden = self.forward(buf.input_ids[:q], buf.positions[:q])
                 self.kernels.argmax.op(self.model.compute_logits(hidden))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
     def start_build(self) -> None:
-        """Start a background build now (``ModelRunner``, once ready; steps before it, such as its
-        memory profile, run eagerly without starting it); else ``wait_for_build`` starts it. Nothing
-        without one."""
+        """Start a background build now (the ``ModelRunner``: as the weights load on a first CUDA
+        start, else once ready; the eager steps before it, such as its memory profile, do not start
+        it); else ``wait_for_build`` starts it. Nothing without one."""
         if self._building is not None:
             self._building.start()
 
@@ -313,7 +315,8 @@ class CompiledModel:
         return bool(self._wanted)
 
     def capture_next(self) -> Optional[int]:
-        """Capture one pending size: first one a batch asked for (``has_wanted_captures``), else the
+        """Capture one pending size: first one a batch asked for (``has_wanted_captures``), then (once
+        a background build ends) those up to ``max_startup_capture_size``, smallest first, else the
         largest pending full-graph size, then verify graphs', then piece graphs' (largest first, as
         in one capture call, so a size reuses the larger one's memory). Only between steps, with
         none in flight: capture rewrites the input buffers and overwrites graph outputs in the pool.
@@ -328,25 +331,34 @@ class CompiledModel:
             if modes is not None and not isinstance(self.forward, KilnForward):  # the build failed
                 modes = modes - {GraphMode.PIECEWISE}
             self.capture_graphs(modes=modes, max_size=0)
+            # First the sizes a start that captures before ready takes (compile.max_startup_capture_size:
+            # the first requests' decodes), smallest first; then the rest, largest first.
+            small = self.config.max_startup_capture_size
+            self._small_first = [(g, s) for g in self._graph_sets() for s in sorted(g.pending_sizes) if s <= small]
             return None
-        while self._wanted:
-            graphs, size = self._wanted.pop(0)
-            if size in graphs.pending_sizes:
-                break
-        else:
-            graphs = next((g for g in self._graph_sets() if g.pending_sizes), None)
-            if graphs is None:
-                self._any_pending = False
-                return None
-            size = graphs.pending_sizes[-1]
+        nxt = self._next_capture()
+        if nxt is None:
+            self._any_pending = False
+            return None
+        graphs, size = nxt
         graphs.capture(self._capture_scope, self.kv_caches, self._graph_pool, log=False, sizes=[size])
         self._any_pending = self.num_pending_captures > 0
         return size
+
+    def _next_capture(self) -> Optional[tuple[Any, int]]:
+        for queue in (self._wanted, self._small_first):
+            while queue:
+                graphs, size = queue.pop(0)
+                if size in graphs.pending_sizes:
+                    return graphs, size
+        graphs = next((g for g in self._graph_sets() if g.pending_sizes), None)
+        return (graphs, graphs.pending_sizes[-1]) if graphs is not None else None
 
     def drop_pending_captures(self) -> None:
         """Capture no more sizes: the pending ones stay without graphs, and batches stop noting them."""
         self._any_pending = self._graphs_deferred = False
         self._wanted.clear()
+        self._small_first.clear()
 
     def _want_graph(self, num_tokens: int, num_reqs: int, num_decodes: int, mode: GraphMode, padded: int) -> None:
         """Lazy capture, after dispatch: note the size this batch would replay were every planned size
@@ -488,7 +500,6 @@ class CompiledModel:
         replays or runs the forward inside the step's forward context."""
         if self._building is not None:
             self._switch_if_built()
-        building = self._building is not None
         buf, n, num_reqs = self.inputs, inputs.num_tokens, inputs.num_reqs
         q = inputs.uniform_query_len
         mode, padded = dispatch(self.full_graphs, self.piecewise_graphs, n, num_reqs, inputs.num_decodes,
@@ -512,9 +523,22 @@ class CompiledModel:
         ctx = ForwardContext(attn=meta, kv_caches=self.kv_caches)
         if self._calibrate_kv_scales and inputs.num_decodes < num_reqs:  # real prompt tokens, never a capture's
             ctx.calibrate_kv_scales, self._calibrate_kv_scales = True, False
-        with self._forward_scope(ctx), graphs, (_EAGER_OR_TRACE if building else contextlib.nullcontext()):
+        with self._forward_scope(ctx), graphs, self._eager_calls():
             hidden = self.forward(buf.input_ids[:padded], buf.positions[:padded])  # [padded, hidden]
         return ModelOutputs(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's ``compute_logits`` (``[N, hidden] -> [N, vocab]`` float32), for the rows of a
+        step that ran without a full graph (a full graph computes them inside). The runtime calls this
+        one, not the model's: see ``_eager_calls``."""
+        with self._eager_calls():
+            return self.model.compute_logits(hidden)
+
+    def _eager_calls(self) -> contextlib.AbstractContextManager:
+        """Held around every call into the model's modules while a background build runs: an FX trace
+        on the build's thread patches ``nn.Module.__call__`` for the whole process, and would take in
+        an eager forward or logits head on another thread (``_EAGER_OR_TRACE``)."""
+        return _EAGER_OR_TRACE if self._building is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _forward_scope(self, ctx: ForwardContext) -> Iterator[None]:
@@ -559,11 +583,12 @@ class BackgroundBuild:
     about a quarter of a core it shares. Making the forward imports kiln's passes, Inductor and
     Dynamo, and the passes trace their patterns: all of it inside the trace lock.
 
-    The thread starts with ``start`` (the ``ModelRunner`` calls it once it is ready), not before:
-    those imports are seconds of Python holding the GIL, and while they ran beside the weight read
-    and the tokenizer (threads of their own, which need the GIL between reads), a warm start of
-    Llama-3-8B on an H200 was ready 5-7 s later than with the build after them
-    (benchmarks/results/startup-background-*)."""
+    The thread starts with ``start``. The ``ModelRunner`` calls it once ready on a warm start: the
+    build's imports and cache load are seconds of Python holding the GIL, and beside the weight read
+    and the eager warm-up (which need the GIL between reads and ops) a warm start of Llama-3-8B on an
+    H200 was ready at 15.2 s instead of 8.1 s. On a first CUDA start (no memory profile kept) it calls
+    it as the weights start loading: compiling takes tens of seconds, and kiln's forward ran 10.9-13.4 s
+    sooner, the first token 0.8-3.4 s later (benchmarks/results/startup-build-early-*)."""
 
     NICE = 5
     # On CUDA, while the build runs, a thread waiting for the GIL gets it after this long (Python's

@@ -157,7 +157,7 @@ def profile_activation_bytes(compiled: CompiledModel, shape: KVShape, max_model_
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         hidden = compiled.run(inputs).hidden
-        logits = compiled.model.compute_logits(hidden[:max_num_reqs])
+        logits = compiled.compute_logits(hidden[:max_num_reqs])
         logits.softmax(-1)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(device) - base

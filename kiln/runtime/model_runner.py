@@ -12,8 +12,9 @@ Start-up is a list of phases (``__init__``): choose the device and its ``KernelS
 weights; build the ``CompiledModel`` (compile, or load compiled artifacts); on CUDA profile the
 largest step's activations; size and allocate the KV cache (``kiln.runtime.kv_sizing``); capture
 CUDA graphs over it; make the sampler. With ``compile.build=background`` the build starts last, once
-all of that is done (on CUDA after a warm-up of the eager forward), and graphs are captured between
-steps once it ends. Each phase's time lands in ``startup_seconds``.
+all of that is done (on CUDA after a warm-up of the eager forward), except on a first CUDA start (no
+memory profile kept), where it starts as the weights start loading; graphs are captured between steps
+once it ends. Each phase's time lands in ``startup_seconds``.
 """
 
 from __future__ import annotations
@@ -125,6 +126,14 @@ class ModelRunner:
         self.compile_config = compile_config
         limits = InputLimits(sched.max_num_batched_tokens, sched.max_num_seqs, -(-self.max_model_len // self.block_size))
         self.compiled = CompiledModel(self.model, compile_config, self.kernels, limits, self.max_model_len, artifacts)
+        want_graphs = cache_config.num_blocks is None and cache_config.kv_cache_memory_gib is None
+        profile_cache = self._memory_profile_cache(sched, want_graphs) if self.device.type == "cuda" else None
+        kept_profile = profile_cache.load() if profile_cache is not None else None
+        if self.device.type == "cuda" and kept_profile is None:
+            # compile.build=background on a first start: the build compiles for tens of seconds, so it
+            # starts beside the weight read. A warm start's build loads from the compile cache in seconds
+            # of Python that would slow the read and the warm-up more than that gains: after ready.
+            self.compiled.start_build()
         t_wait = time.perf_counter()
         in_background = self.loaded.filling is not None
         load_seconds += self.loaded.wait_for_weights()
@@ -138,7 +147,8 @@ class ModelRunner:
         self._unmeasured_profile: Optional[tuple[kv_sizing.MemoryProfileCache, int]] = None
         t_profile = time.perf_counter()
         if self.device.type == "cuda":
-            activation_bytes, self.graph_estimate = self._profile_memory(cache_config, sched)
+            activation_bytes, self.graph_estimate = self._profile_memory(sched, want_graphs, profile_cache,
+                                                                         kept_profile)
         t_kv = time.perf_counter()
         profile_seconds = t_kv - t_profile
         self.num_blocks, self.kv_caches = self._make_kv_caches(cache_config, activation_bytes)
@@ -192,7 +202,7 @@ class ModelRunner:
                                 "profile_s": profile_seconds, "kv_alloc_s": kv_seconds,
                                 "tokenizer_wait_s": tokenizer_wait_seconds, "eager_warm_up_s": warm_up_seconds,
                                 "ready_s": time.perf_counter() - t_start}
-        self.compiled.start_build()  # compile.build=background: its imports would have slowed all of the above
+        self.compiled.start_build()  # (a warm start's, else started already): it would have slowed the above
         s = self.startup_seconds
         overlap = (f" (read on threads; {wait_seconds:.2f} s waited)" if in_background and self.compiled.building
                    else f" (read while compiling; {wait_seconds:.2f} s not hidden)" if in_background else "")
@@ -263,16 +273,15 @@ class ModelRunner:
         self.compiled.drop_pending_captures()
         return False
 
-    def _profile_memory(self, cache_config: CacheConfig, sched: SchedulerConfig
+    def _profile_memory(self, sched: SchedulerConfig, want_graphs: bool,
+                        cache: Optional[kv_sizing.MemoryProfileCache], cached: Optional[kv_sizing.MemoryProfile]
                         ) -> tuple[int, Optional[kv_sizing.GraphMemoryEstimate]]:
         """Peak activation bytes of the largest step, and what the CUDA graphs will take (when the
         KV cache is sized from the free memory): profiled, or read from a warm start's cache. A
         first start that serves eagerly while kiln's forward is built profiles the eager forward's
         activations and guesses the graphs; what capture then takes is kept for the next start
-        (``_keep_measured_profile``)."""
-        want_graphs = cache_config.num_blocks is None and cache_config.kv_cache_memory_gib is None
-        cache = self._memory_profile_cache(sched, want_graphs)
-        cached = cache.load() if cache is not None else None
+        (``_keep_measured_profile``). ``cache``: where the profile is kept (None: not kept), and
+        ``cached`` what it holds, if anything."""
         if cached is not None:
             logger.info("memory profile from the cache: peak activations %.2f GiB, CUDA graphs %.2f GiB",
                         cached.activation_bytes / 2**30, cached.graphs.bytes() / 2**30 if cached.graphs else 0.0)
@@ -376,7 +385,7 @@ class ModelRunner:
             logits, greedy_ids = out.logits[rows], out.greedy_ids[rows]
         else:
             # Every rank: under tensor parallelism the logits are gathered over the group.
-            logits = self.model.compute_logits(out.hidden[rows])  # [num_sampled, vocab] float32
+            logits = self.compiled.compute_logits(out.hidden[rows])  # [num_sampled, vocab] float32
         if self.tp.rank != 0:  # rank 0 alone samples
             return LaunchedStep()
         requests = [s.request for s in sched.scheduled if s.samples]  # one per sample row, or 1 + drafts rows
@@ -465,7 +474,7 @@ class ModelRunner:
             # Row q predicts token q + 1; only prompt tokens after the first are scored.
             end = min(start + n, req.num_prompt_tokens - 1)
             if num_top is not None and hidden is not None and start < end:
-                logprobs = self.model.compute_logits(hidden[row:row + end - start]).float().log_softmax(-1)
+                logprobs = self.compiled.compute_logits(hidden[row:row + end - start]).float().log_softmax(-1)
                 found[req.request_id] = _prompt_entries(logprobs, req.prompt_token_ids, start, num_top)
             row += n
         return found if self.tp.rank == 0 else {}
