@@ -202,7 +202,7 @@ class ModelRunner:
                                 "profile_s": profile_seconds, "kv_alloc_s": kv_seconds,
                                 "tokenizer_wait_s": tokenizer_wait_seconds, "eager_warm_up_s": warm_up_seconds,
                                 "ready_s": time.perf_counter() - t_start}
-        self.compiled.start_build()  # (a warm start's, else started already): it would have slowed the above
+        self.compiled.start_build()  # a warm start's build (a first start's began with the weight read)
         s = self.startup_seconds
         overlap = (f" (read on threads; {wait_seconds:.2f} s waited)" if in_background and self.compiled.building
                    else f" (read while compiling; {wait_seconds:.2f} s not hidden)" if in_background else "")
