@@ -123,9 +123,9 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if args.out:
-        cpu = platform.processor() or "cpu"
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+        from kiln.bench.report import cpu_model
+
+        cpu = cpu_model()
         name = "amd-epyc" if "EPYC" in cpu else "intel-xeon" if "Xeon" in cpu else "cpu"
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
