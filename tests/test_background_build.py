@@ -356,3 +356,43 @@ def test_eager_calls_wait_for_an_fx_trace_on_the_build_thread():
             tracer.join(timeout=60)
     assert order == ["trace released", "warm-up done"] and logits.shape[0] == 2
     assert llm.engine.wait_for_build(timeout=300)
+
+
+def test_the_step_gate_parks_the_builds_python_while_a_step_runs():
+    """The StepGate of a CUDA build: a thread under its hook makes (almost) no Python calls while a
+    step runs, but for its passes after each longest park, and runs freely between steps."""
+    import threading
+
+    from kiln.compiler.compiled_model import StepGate
+
+    gate, calls, stop = StepGate(), [0], threading.Event()
+
+    def one_call() -> None:
+        calls[0] += 1
+
+    def build() -> None:
+        import sys
+
+        sys.setprofile(gate.hook)
+        while not stop.is_set():
+            one_call()
+        sys.setprofile(None)
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    time.sleep(0.05)
+    before = calls[0]
+    time.sleep(0.2)
+    free = calls[0] - before
+    with gate.step():
+        time.sleep(0.05)  # the build reaches its next call and parks
+        before = calls[0]
+        time.sleep(0.2)
+        parked = calls[0] - before
+    time.sleep(0.05)
+    after = calls[0]
+    time.sleep(0.2)
+    freed = calls[0] - after
+    stop.set()
+    thread.join(timeout=10)
+    assert free > 1000 and freed > 1000 and parked < free / 3, (free, parked, freed)
