@@ -158,3 +158,81 @@ def test_background_load_reraises_what_went_wrong(tmp_path):
                         background=True)
     with pytest.raises(ValueError, match="checkpoint lacks 1 weight.*model.norm.weight"):
         loaded.wait_for_weights()
+
+
+def test_quick_gil_handoff_holds_the_short_interval_until_its_last_user_leaves():
+    """The weight read and a background build overlap on a first CUDA start: whichever ends first
+    must not give the other Python's 5 ms interval back."""
+    import sys
+
+    from kiln.models.loader import QUICK_SWITCH_INTERVAL_S, quick_gil_handoff
+
+    before = sys.getswitchinterval()
+    assert before > QUICK_SWITCH_INTERVAL_S
+    first, second = quick_gil_handoff(), quick_gil_handoff()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert sys.getswitchinterval() == pytest.approx(QUICK_SWITCH_INTERVAL_S)
+    second.__exit__(None, None, None)
+    assert sys.getswitchinterval() == pytest.approx(before)
+
+
+def test_read_ahead_yields_the_source_in_order_and_holds_at_most_its_budget_ahead():
+    from kiln.models.weight_reader import read_ahead
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    tensors = [(f"t{i}", torch.randn(int(torch.randint(1, 64, (), generator=gen)), generator=gen)) for i in range(40)]
+    drawn = []
+
+    def source():
+        for name, t in tensors:
+            drawn.append(name)
+            yield name, t
+
+    budget = 3 * 64 * 4  # three of the largest tensors
+    ahead = read_ahead(source(), budget, torch.device("cpu"))
+    import time
+
+    time.sleep(0.2)  # the thread reads ahead as far as the budget lets it
+    held = sum(t.numel() * 4 for _, t in tensors[:len(drawn) - 1])
+    assert 1 <= len(drawn) < len(tensors) and held <= budget, (len(drawn), held)
+    got = list(ahead)
+    assert [n for n, _ in got] == [n for n, _ in tensors]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, tensors))
+    ahead.close()
+
+
+def test_read_ahead_hands_an_error_over_after_the_tensors_before_it_and_close_stops_the_source():
+    from kiln.models.weight_reader import read_ahead
+
+    closed = []
+
+    def failing():
+        try:
+            for i in range(3):
+                yield f"t{i}", torch.full((4,), float(i))
+            raise OSError("the file is shorter than its header says")
+        finally:
+            closed.append("failing")
+
+    ahead = read_ahead(failing(), 1 << 20, torch.device("cpu"))
+    names = []
+    with pytest.raises(OSError, match="shorter"):
+        for name, _ in ahead:
+            names.append(name)
+    assert names == ["t0", "t1", "t2"] and closed == ["failing"]
+
+    def endless():
+        try:
+            i = 0
+            while True:
+                yield f"t{i}", torch.zeros(16)
+                i += 1
+        finally:
+            closed.append("endless")
+
+    ahead = read_ahead(endless(), 64, torch.device("cpu"))  # one tensor ahead, then it waits
+    assert next(ahead)[0] == "t0"
+    ahead.close()  # a consumer that stops early (a weight that does not fit)
+    assert closed == ["failing", "endless"] and list(ahead) == []

@@ -66,7 +66,7 @@ from kiln.compiler.inputs import InputBuffers, InputLimits, ModelInputs, VerifyS
 from kiln.compiler.piecewise import GraphRecorder, PiecewiseCUDAGraphs
 from kiln.config import CompileConfig
 from kiln.forward_context import ForwardContext, forward_context
-from kiln.models.loader import Background
+from kiln.models.loader import Background, quick_gil_handoff
 from kiln.ops.registry import KernelSet
 
 logger = logging.getLogger(__name__)
@@ -640,13 +640,12 @@ class BackgroundBuild:
     sooner, the first token 0.8-3.4 s later (benchmarks/results/startup-build-early-*)."""
 
     NICE = 5
-    # On CUDA, while the build runs, a thread waiting for the GIL gets it after this long (Python's
-    # default is 5 ms). Each torch op of an eager step releases the GIL and must get it back from the
-    # build's Python: at 5 ms a wait, the first eager step of a warm Llama-3-8B start took 4.7 s on an
-    # H200, 2.0 s at 0.1 ms. Not on the CPU, whose steps hold the cores in long ops: on a 2-vCPU EPYC
-    # the eager steps beside the build ran no faster (16.2 against 16.4 tok/s) and SmolLM2's build
-    # had not ended after 150 s, against 90 s at 5 ms (benchmarks/background_build.py).
-    SWITCH_INTERVAL_S = 1e-4
+    # On CUDA the build runs under quick_gil_handoff (a thread waiting for the GIL gets it after 0.1
+    # ms, not Python's 5 ms). Each torch op of an eager step releases the GIL and must get it back from
+    # the build's Python: at 5 ms a wait, the first eager step of a warm Llama-3-8B start took 4.7 s on
+    # an H200, 2.0 s at 0.1 ms (before StepGate). Not on the CPU, whose steps hold the cores in long
+    # ops: on a 2-vCPU EPYC the eager steps beside the build ran no faster (16.2 against 16.4 tok/s)
+    # and SmolLM2's build had not ended after 150 s, against 90 s at 5 ms (benchmarks/background_build.py).
 
     def __init__(self, make_forward: Callable[[], KilnForward], device: torch.device) -> None:
         self.forward: Optional[KilnForward] = None  # once built
@@ -667,23 +666,21 @@ class BackgroundBuild:
 
     def _build(self) -> None:
         t0 = time.perf_counter()
-        interval = sys.getswitchinterval()
-        if self._device.type == "cuda":
-            sys.setswitchinterval(min(interval, self.SWITCH_INTERVAL_S))
+        cuda = self._device.type == "cuda"
         try:
             with contextlib.suppress(OSError, AttributeError):  # Linux: a thread's own priority
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.NICE)
-            if self._device.type == "cuda":  # the current device is per thread
+            if cuda:  # the current device is per thread
                 torch.cuda.set_device(self._device)
             if self.gate is not None:
                 sys.setprofile(self.gate.hook)  # this thread's only
-            with _ONE_BUILD, _traces_exclude_eager_forwards():
+            with quick_gil_handoff() if cuda else contextlib.nullcontext(), _ONE_BUILD, \
+                    _traces_exclude_eager_forwards():
                 forward = self._make_forward()
                 build_now(forward, self._device)
             self.forward = forward
         finally:
             sys.setprofile(None)
-            sys.setswitchinterval(interval)
             self.seconds = time.perf_counter() - t0
 
     @property

@@ -22,14 +22,16 @@ ValueError that says what to change.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
@@ -43,7 +45,7 @@ from kiln.models.int4_checkpoint import dequantize_int4_checkpoint
 from kiln.models.quantize import (apply_quantization, checkpoint_int4_format, checkpoint_quantization,
                                   collect_kv_scales, dequantize_fp8_checkpoint, resolve_quantization)
 from kiln.models.registry import REGISTERED_MODELS, TOKENIZER_DIR_ENV, TOKENIZER_DONOR
-from kiln.models.weight_reader import iter_files_to_device
+from kiln.models.weight_reader import iter_files_to_device, read_ahead
 from kiln.ops.registry import KernelSet, select_kernels
 from kiln.progress import progress_bar
 
@@ -79,6 +81,34 @@ class LoadedModel:
         seconds = self.filling.wait()
         self.filling = None
         return seconds
+
+
+# A thread that waits for the GIL gets it after this long while ``quick_gil_handoff`` is held
+# (Python's default is 5 ms). See its users: WeightFill and kiln.compiler.compiled_model.BackgroundBuild.
+QUICK_SWITCH_INTERVAL_S = 1e-4
+_handoff_lock = threading.Lock()
+_handoff_users = 0
+_handoff_saved = 0.005
+
+
+@contextlib.contextmanager
+def quick_gil_handoff() -> Iterator[None]:
+    """While any thread holds this, the GIL changes hands after ``QUICK_SWITCH_INTERVAL_S``: for
+    threads that wait on the GPU, the disk or each other between short stretches of Python, beside
+    another thread's long ones. The last to leave restores the interval found by the first."""
+    global _handoff_users, _handoff_saved
+    with _handoff_lock:
+        if _handoff_users == 0:
+            _handoff_saved = sys.getswitchinterval()
+            sys.setswitchinterval(min(_handoff_saved, QUICK_SWITCH_INTERVAL_S))
+        _handoff_users += 1
+    try:
+        yield
+    finally:
+        with _handoff_lock:
+            _handoff_users -= 1
+            if _handoff_users == 0:
+                sys.setswitchinterval(_handoff_saved)
 
 
 class Background:
@@ -125,7 +155,10 @@ class Background:
 class WeightFill:
     """``model.load_weights(weights)`` on a thread of its own. The model's tensors are allocated
     (empty) before it starts and only their contents change, so the compiler can trace and compile
-    the model meanwhile: compiling reads shapes, dtypes and addresses, never values."""
+    the model meanwhile: compiling reads shapes, dtypes and addresses, never values. The reader's
+    threads take the GIL back after each chunk read and copied while the main thread runs Python
+    (imports, building the model's runtime), so the GIL changes hands quickly meanwhile
+    (``quick_gil_handoff``)."""
 
     def __init__(self, fill: Callable[[], None], device: torch.device) -> None:
         self._error: Optional[BaseException] = None
@@ -135,8 +168,10 @@ class WeightFill:
             t0 = time.perf_counter()
             try:
                 torch.cuda.set_device(device)  # the current device is per thread
-                fill()
-                torch.cuda.synchronize()  # the copies have landed before anyone is told so
+                with quick_gil_handoff():
+                    fill()
+                    torch.cuda.synchronize()  # the copies have landed before anyone is told so
+                torch.cuda.empty_cache()  # the read's own tensors: the KV cache is sized after what is in use
             except BaseException as e:  # re-raised by wait(), on the caller's thread
                 self._error = e
             self.seconds = time.perf_counter() - t0
@@ -193,7 +228,8 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     ``background``: where the weights only fill tensors already allocated (a checkpoint of kiln's
     own model family on CUDA, not quantized at load), return while a thread still reads them
     (``LoadedModel.filling``); the caller compiles meanwhile and calls ``wait_for_weights`` before
-    the first forward. Also with ``background``, the tokenizer of a checkpoint directory is built
+    the first forward; the read starts before the model is built (``read_ahead``). Also with
+    ``background``, the tokenizer of a checkpoint directory is built
     on a thread (``LoadedModel.tokenizing``); ``wait_for_tokenizer`` hands it over."""
     kernels = kernels or select_kernels(torch.device(device).type)
     spec = model_config.model
@@ -232,11 +268,21 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
         tokenizing, tokenizer = Background(lambda: _load_tokenizer(hf_dir), "kiln-load-tokenizer"), None
     else:
         tokenizer = _load_tokenizer(hf_dir)
-    model = build_empty_model(arch, device, dtype, tp)
     scheme = resolve_quantization(model_config.quantization, hf_dir, gguf_path)
-    kv_scales: dict[int, list[float]] = {}
-    weights = collect_kv_scales(iter_safetensors(hf_dir, device), kv_scales)
     checkpoint_scheme = checkpoint_quantization(hf_dir)
+    fill = background and scheme == "none" and checkpoint_scheme == "none" and torch.device(device).type == "cuda"
+    source = iter_safetensors(hf_dir, device)
+    if fill:  # the read starts now, while the model is built
+        source = read_ahead(source, _read_ahead_bytes(hf_dir, device), _cuda_device(device))
+    try:
+        with quick_gil_handoff() if fill else contextlib.nullcontext():  # the read's threads beside it
+            model = build_empty_model(arch, device, dtype, tp)
+    except BaseException:
+        if fill:
+            source.close()
+        raise
+    kv_scales: dict[int, list[float]] = {}
+    weights = collect_kv_scales(source, kv_scales)
     int4_projections = None
     if checkpoint_scheme == "fp8":  # any scheme: FP8 tensors load dequantized first
         weights = dequantize_fp8_checkpoint(weights, dtype)
@@ -244,16 +290,24 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
         int4_projections = {} if scheme == "int4" else None
         weights = dequantize_int4_checkpoint(weights, checkpoint_int4_format(hf_dir), dtype, int4_projections)
     weights = progress_bar(weights, desc=f"loading {name}", total=_num_tensors(hf_dir), unit="tensor")
-    if background and scheme == "none" and checkpoint_scheme == "none" and torch.device(device).type == "cuda":
+    if fill:
         model.quantization = "none"
         return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len,
-                           WeightFill(lambda: model.load_weights(weights), next(model.parameters()).device),
+                           WeightFill(lambda: _load_then_close(model, weights, source),
+                                      next(model.parameters()).device),
                            kv_scales=kv_scales, tokenizing=tokenizing)
     model.load_weights(weights)
     apply_quantization(model, scheme, kernels, gguf_path if tp.size == 1 else None, int4_projections,
                        model_config.int4_group_size)
     _prepare_decode(model, device, gguf_path if tp.size == 1 else None)
     return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len, kv_scales=kv_scales, tokenizing=tokenizing)
+
+
+def _load_then_close(model, weights: Iterable[tuple[str, torch.Tensor]], source: read_ahead) -> None:
+    try:
+        model.load_weights(weights)
+    finally:  # also when a tensor does not fit: the read's thread stops and its tensors go
+        source.close()
 
 
 def _prepare_decode(model, device, gguf_path: Optional[str] = None) -> None:
@@ -339,6 +393,13 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+# A start from a checkpoint on CUDA reads up to this much ahead of the model's construction (about a
+# second of reading from the page cache; see read_ahead). Beside the whole checkpoint, this much of
+# the GPU's free memory is left alone.
+READ_AHEAD_MAX_BYTES = 8 << 30
+READ_AHEAD_MARGIN_BYTES = 2 << 30
+
+
 def iter_safetensors(hf_dir: str, device: Union[str, torch.device] = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor on ``device``) for every tensor of the checkpoint. On CUDA the files are read
     by several threads through pinned buffers straight into GPU memory (``weight_reader``): no CPU
@@ -348,14 +409,25 @@ def iter_safetensors(hf_dir: str, device: Union[str, torch.device] = "cpu") -> I
     device = torch.device(device)
     paths = [os.path.join(hf_dir, fname) for fname in _safetensors_files(hf_dir)]
     if device.type == "cuda":
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        yield from iter_files_to_device(paths, device)
+        yield from iter_files_to_device(paths, _cuda_device(device))
         return
     for path in paths:
         with safe_open(path, framework="pt", device="cpu") as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
+
+
+def _cuda_device(device: Union[str, torch.device]) -> torch.device:
+    device = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
+
+
+def _read_ahead_bytes(hf_dir: str, device: Union[str, torch.device]) -> int:
+    """How much of a checkpoint may be read into GPU memory before the model it fills exists: up to
+    ``READ_AHEAD_MAX_BYTES``, within what is free beside the whole checkpoint and a margin."""
+    free, _ = torch.cuda.mem_get_info(_cuda_device(device))
+    checkpoint = sum(os.path.getsize(os.path.join(hf_dir, f)) for f in _safetensors_files(hf_dir))
+    return max(0, min(READ_AHEAD_MAX_BYTES, free - checkpoint - READ_AHEAD_MARGIN_BYTES))
 
 
 def _safetensors_files(hf_dir: str) -> list[str]:

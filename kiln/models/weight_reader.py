@@ -155,3 +155,72 @@ def iter_files_to_device(paths: list[str], device: torch.device) -> Iterator[tup
             yield from iter_file_to_device(path, device, pool, buffers)
     if on_gpu:
         torch.cuda.current_stream(device).synchronize()  # the pinned buffers are freed after this
+
+
+
+class read_ahead:
+    """``tensors`` drawn by a thread of its own from the call on, at most ``max_bytes`` of them held
+    ahead of the consumer (one tensor at least): a start reads the checkpoint while the main thread
+    still builds the model the tensors are copied into. An error reaches the consumer after the
+    tensors drawn before it. The consumer calls ``close()`` when done, also after an error of its
+    own: it stops the thread and drops the tensors it holds."""
+
+    def __init__(self, tensors: Iterator[tuple[str, torch.Tensor]], max_bytes: int, device: torch.device) -> None:
+        import threading
+
+        self._tensors, self._max_bytes, self._device = tensors, max_bytes, device
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[str, torch.Tensor]] = deque()
+        self._bytes = 0
+        self._done = self._stop = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._produce, name="kiln-read-ahead", daemon=True)
+        self._thread.start()
+
+    def _produce(self) -> None:
+        try:
+            if self._device.type == "cuda":
+                torch.cuda.set_device(self._device)  # the current device is per thread
+            for name, tensor in self._tensors:
+                size = tensor.numel() * tensor.element_size()
+                with self._cond:
+                    self._cond.wait_for(lambda: self._stop or not self._queue
+                                        or self._bytes + size <= self._max_bytes)
+                    if self._stop:
+                        return
+                    self._queue.append((name, tensor))
+                    self._bytes += size
+                    self._cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self._error = e
+        finally:
+            close = getattr(self._tensors, "close", None)
+            if close is not None:
+                close()  # a generator's own cleanup (its reads in flight), on this thread
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    def __iter__(self) -> "read_ahead":
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        with self._cond:
+            self._cond.wait_for(lambda: self._queue or self._done)
+            if not self._queue:
+                self._thread.join()
+                if self._error is not None:
+                    error, self._error = self._error, None
+                    raise error
+                raise StopIteration
+            name, tensor = self._queue.popleft()
+            self._bytes -= tensor.numel() * tensor.element_size()
+            self._cond.notify_all()
+        return name, tensor
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._queue.clear()
+            self._cond.notify_all()
+        self._thread.join()
