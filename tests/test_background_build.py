@@ -396,3 +396,99 @@ def test_the_step_gate_parks_the_builds_python_while_a_step_runs():
     stop.set()
     thread.join(timeout=10)
     assert free > 1000 and freed > 1000 and parked < free / 3, (free, parked, freed)
+
+
+def test_check_cancelled_raises_only_on_the_cancelled_builds_thread():
+    import threading
+
+    from kiln.compiler.cancel import BuildCancelled, cancellable, check_cancelled
+
+    cancel = threading.Event()
+    check_cancelled()  # no build on this thread: nothing
+    with cancellable(cancel):
+        check_cancelled()  # not cancelled yet
+        cancel.set()
+        other = []
+        thread = threading.Thread(target=lambda: other.append(check_cancelled()))
+        thread.start()
+        thread.join()
+        assert other == [None]  # another thread is not the build's
+        with pytest.raises(BuildCancelled):
+            check_cancelled()
+    check_cancelled()  # the build's scope has ended
+
+
+def test_a_cancelled_build_stops_at_its_next_safe_point_and_lets_the_next_build_run():
+    """A start-up that fails after its build began (``ModelRunner`` calls ``cancel_build``): the
+    build's thread raises ``BuildCancelled`` at its next safe point and lets go of the one-build lock."""
+    import threading
+
+    from kiln.compiler import compiled_model
+    from kiln.compiler.cancel import BuildCancelled
+
+    making, proceed, built = threading.Event(), threading.Event(), []
+
+    def make_forward():
+        making.set()
+        proceed.wait(30)
+        return torch.nn.Identity()
+
+    def build_now(forward, device):
+        built.append(forward)
+
+    original_build_now = compiled_model.build_now
+    compiled_model.build_now = build_now
+    try:
+        build = BackgroundBuild(make_forward, torch.device("cpu"))
+        build.start()
+        assert making.wait(30)
+        assert not build.cancel(timeout=0.2)  # it is inside make_forward, which is not a safe point
+        proceed.set()
+        assert build.wait(30)
+    finally:
+        compiled_model.build_now = original_build_now
+    assert isinstance(build.error, BuildCancelled) and build.forward is None and built == []
+    assert compiled_model._ONE_BUILD.acquire(timeout=5)
+    compiled_model._ONE_BUILD.release()
+
+
+def test_a_start_that_fails_after_its_build_began_stops_the_build(monkeypatch):
+    """As a first CUDA start does, the build starts before the KV cache is sized; that fails. The
+    runner cancels the build, which stops at its next safe point before the error reaches the
+    caller, letting go of the one-build lock."""
+    from kiln.compiler import compiled_model
+    from kiln.compiler.cancel import BuildCancelled
+    from kiln.runtime import model_runner
+
+    started = []
+
+    def start_then_fail(self, *args, **kwargs):
+        self.compiled.start_build()
+        started.append(self.compiled._building)
+        raise ValueError("the KV cache budget holds fewer than 2 blocks")
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_make_kv_caches", start_then_fail)
+    with pytest.raises(ValueError, match="fewer than 2 blocks"):
+        LLM(model="random:tiny", compile=BACKGROUND)
+    (build,) = started
+    assert build.done and isinstance(build.error, BuildCancelled) and build.forward is None
+    assert compiled_model._ONE_BUILD.acquire(timeout=1)
+    compiled_model._ONE_BUILD.release()
+
+
+@pytest.mark.gpu
+def test_a_first_cuda_start_that_fails_stops_its_build(tmp_path):
+    """A first CUDA start begins its build with the weight read; when the start then fails (here
+    a KV cache budget of no blocks), the build stops and the next start in the process builds."""
+    from kiln.compiler import compiled_model
+
+    options = dict(model="random:tiny", device="cuda", dtype="float32", max_model_len=256,
+                   compile={"mode": "kiln", "build": "background", "capture": "lazy", "capture_sizes": [1, 2, 4]})
+    with pytest.raises(ValueError, match="fewer than 2 blocks"):
+        LLM(**options, cache={"dir": str(tmp_path), "kv_cache_memory_gib": 1e-6})
+    assert compiled_model._ONE_BUILD.acquire(timeout=5), "the failed start's build still holds the lock"
+    compiled_model._ONE_BUILD.release()
+    llm = LLM(**options, cache={"dir": str(tmp_path)})
+    assert llm.engine.wait_for_build(timeout=300)
+    _generate(llm)
+    assert isinstance(llm.engine.executor.runner.compiled.forward, KilnForward)

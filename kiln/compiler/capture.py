@@ -39,6 +39,7 @@ import torch.fx.experimental._config as fx_config
 from torch import nn
 
 from kiln.compiler.artifact_cache import CacheEntry
+from kiln.compiler.cancel import check_cancelled
 from kiln.compiler.piece import CompiledPiece
 from kiln.compiler.saved_forward import SavedForward, record_cpp_binaries, write_forward
 
@@ -200,6 +201,7 @@ class KilnForward:
             raise RuntimeError("compile.mode=kiln builds inference graphs: call it under torch.inference_mode()")
         if self.cache is not None and self._load():
             return
+        check_cancelled()
         logger.info("kiln: capturing and compiling the model (compile.mode=kiln)%s",
                     "; later starts load it from the compile cache" if self.cache is not None else "")
         with record_cpp_binaries() as cpp_binaries:

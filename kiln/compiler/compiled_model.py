@@ -59,6 +59,7 @@ import torch
 from torch import nn
 
 from kiln.compiler.artifact_cache import ArtifactCache
+from kiln.compiler.cancel import cancellable, check_cancelled
 from kiln.compiler.capture import KilnForward
 from kiln.compiler.cudagraph import FullCUDAGraphs, GraphMode, piecewise_capture_sizes, wanted_graph_modes
 from kiln.compiler.forward import build_forward, build_now, compile_seconds
@@ -70,6 +71,10 @@ from kiln.models.loader import Background, quick_gil_handoff
 from kiln.ops.registry import KernelSet
 
 logger = logging.getLogger(__name__)
+
+# How long a failed start-up waits for its background build to stop (``cancel_build``): the longest
+# stretch between two of its safe points, an FX or Dynamo trace of the model, takes seconds.
+CANCEL_WAIT_S = 30.0
 
 
 @dataclass
@@ -221,6 +226,14 @@ class CompiledModel:
         it); else ``wait_for_build`` starts it. Nothing without one."""
         if self._building is not None:
             self._building.start()
+
+    def cancel_build(self, timeout: float = CANCEL_WAIT_S) -> None:
+        """A start-up that failed after ``start_build``: stop the build and wait (at most ``timeout``
+        seconds) for its thread to let go of the model and of the one-build lock."""
+        building, self._building = self._building, None
+        if building is not None and not building.cancel(timeout):
+            logger.warning("compile.build=background: the build of kiln's forward had not stopped %.0f s after "
+                           "start-up failed; it ends on its own", timeout)
 
     def wait_for_build(self, timeout: Optional[float] = None) -> bool:
         """Block until a background build ends (or ``timeout`` seconds pass); the next ``run`` then
@@ -575,6 +588,7 @@ def _traces_exclude_eager_forwards() -> Iterator[None]:
     original = torch.fx.Tracer.trace
 
     def trace(self, *args, **kwargs):
+        check_cancelled()
         with _EAGER_OR_TRACE:
             return original(self, *args, **kwargs)
 
@@ -653,6 +667,7 @@ class BackgroundBuild:
         self._make_forward, self._device = make_forward, device
         self._task: Optional[Background] = None
         self._start_lock = threading.Lock()
+        self._cancel = threading.Event()
         # CUDA only: on the CPU the steps hold the cores in long ops, and a parked build would mostly wait.
         self.gate = StepGate() if device.type == "cuda" and os.environ.get("KILN_BUILD_GATE") != "0" else None
 
@@ -674,14 +689,24 @@ class BackgroundBuild:
                 torch.cuda.set_device(self._device)
             if self.gate is not None:
                 sys.setprofile(self.gate.hook)  # this thread's only
-            with quick_gil_handoff() if cuda else contextlib.nullcontext(), _ONE_BUILD, \
+            with cancellable(self._cancel), quick_gil_handoff() if cuda else contextlib.nullcontext(), _ONE_BUILD, \
                     _traces_exclude_eager_forwards():
+                check_cancelled()
                 forward = self._make_forward()
+                check_cancelled()
                 build_now(forward, self._device)
             self.forward = forward
         finally:
             sys.setprofile(None)
             self.seconds = time.perf_counter() - t0
+
+    def cancel(self, timeout: float) -> bool:
+        """Stop the build at its next safe point (``kiln.compiler.cancel``) and wait at most
+        ``timeout`` seconds for its thread to end; whether it has (or never started)."""
+        self._cancel.set()
+        if self.gate is not None:
+            self.gate.idle.set()  # a build parked by a step that will not end
+        return self._task is None or self._task.join(timeout)
 
     @property
     def done(self) -> bool:

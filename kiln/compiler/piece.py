@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
+from kiln.compiler.cancel import check_cancelled
 from kiln.ops.attention import set_layer_base
 from kiln.progress import logs_above, progress_bar
 
@@ -222,6 +223,7 @@ class PieceCompiler:
         patches = {**self.patches, **(CPU_BUILD_PATCHES if on_cpu else {}), **(patches or {})}
         from torch._inductor import standalone_compile
 
+        check_cancelled()
         artifact = standalone_compile(gm, args, dynamic_shapes=dynamic_shapes, options={"config_patches": patches})
         elapsed = time.perf_counter() - t0
         self.num_compiles += 1

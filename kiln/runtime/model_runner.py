@@ -94,6 +94,17 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, compile_config: CompileConfig,
                  scheduler_config: Optional[SchedulerConfig] = None, tp: TensorParallel = SINGLE,
                  speculative: SpeculativeConfig = SpeculativeConfig()):
+        try:
+            self._start(model_config, cache_config, compile_config, scheduler_config, tp, speculative)
+        except BaseException:
+            # A first CUDA start's build began with the weight read: stop it rather than leave its
+            # thread holding the model and the one-build lock (an LLM(...) retried in this process).
+            if getattr(self, "compiled", None) is not None:
+                self.compiled.cancel_build()
+            raise
+
+    def _start(self, model_config: ModelConfig, cache_config: CacheConfig, compile_config: CompileConfig,
+               scheduler_config: Optional[SchedulerConfig], tp: TensorParallel, speculative: SpeculativeConfig):
         t_start = time.perf_counter()
         self.tp = tp  # under tensor parallelism: this rank's shard; rank 0 alone samples
         self.device = resolve_device(model_config.device)
