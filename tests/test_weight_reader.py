@@ -179,7 +179,7 @@ def test_quick_gil_handoff_holds_the_short_interval_until_its_last_user_leaves()
 
 
 def test_read_ahead_yields_the_source_in_order_and_holds_at_most_its_budget_ahead():
-    from kiln.models.weight_reader import read_ahead
+    from kiln.models.weight_reader import ReadAhead
 
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
     tensors = [(f"t{i}", torch.randn(int(torch.randint(1, 64, (), generator=gen)), generator=gen)) for i in range(40)]
@@ -191,7 +191,7 @@ def test_read_ahead_yields_the_source_in_order_and_holds_at_most_its_budget_ahea
             yield name, t
 
     budget = 3 * 64 * 4  # three of the largest tensors
-    ahead = read_ahead(source(), budget, torch.device("cpu"))
+    ahead = ReadAhead(source(), budget, torch.device("cpu"))
     import time
 
     time.sleep(0.2)  # the thread reads ahead as far as the budget lets it
@@ -204,7 +204,7 @@ def test_read_ahead_yields_the_source_in_order_and_holds_at_most_its_budget_ahea
 
 
 def test_read_ahead_hands_an_error_over_after_the_tensors_before_it_and_close_stops_the_source():
-    from kiln.models.weight_reader import read_ahead
+    from kiln.models.weight_reader import ReadAhead
 
     closed = []
 
@@ -216,7 +216,7 @@ def test_read_ahead_hands_an_error_over_after_the_tensors_before_it_and_close_st
         finally:
             closed.append("failing")
 
-    ahead = read_ahead(failing(), 1 << 20, torch.device("cpu"))
+    ahead = ReadAhead(failing(), 1 << 20, torch.device("cpu"))
     names = []
     with pytest.raises(OSError, match="shorter"):
         for name, _ in ahead:
@@ -232,7 +232,7 @@ def test_read_ahead_hands_an_error_over_after_the_tensors_before_it_and_close_st
         finally:
             closed.append("endless")
 
-    ahead = read_ahead(endless(), 64, torch.device("cpu"))  # one tensor ahead, then it waits
+    ahead = ReadAhead(endless(), 64, torch.device("cpu"))  # one tensor ahead, then it waits
     assert next(ahead)[0] == "t0"
     ahead.close()  # a consumer that stops early (a weight that does not fit)
     assert closed == ["failing", "endless"] and list(ahead) == []

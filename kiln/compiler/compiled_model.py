@@ -654,12 +654,6 @@ class BackgroundBuild:
     sooner, the first token 0.8-3.4 s later (benchmarks/results/startup-build-early-*)."""
 
     NICE = 5
-    # On CUDA the build runs under quick_gil_handoff (a thread waiting for the GIL gets it after 0.1
-    # ms, not Python's 5 ms). Each torch op of an eager step releases the GIL and must get it back from
-    # the build's Python: at 5 ms a wait, the first eager step of a warm Llama-3-8B start took 4.7 s on
-    # an H200, 2.0 s at 0.1 ms (before StepGate). Not on the CPU, whose steps hold the cores in long
-    # ops: on a 2-vCPU EPYC the eager steps beside the build ran no faster (16.2 against 16.4 tok/s)
-    # and SmolLM2's build had not ended after 150 s, against 90 s at 5 ms (benchmarks/background_build.py).
 
     def __init__(self, make_forward: Callable[[], KilnForward], device: torch.device) -> None:
         self.forward: Optional[KilnForward] = None  # once built
@@ -689,8 +683,15 @@ class BackgroundBuild:
                 torch.cuda.set_device(self._device)
             if self.gate is not None:
                 sys.setprofile(self.gate.hook)  # this thread's only
-            with cancellable(self._cancel), quick_gil_handoff() if cuda else contextlib.nullcontext(), _ONE_BUILD, \
-                    _traces_exclude_eager_forwards():
+            # On CUDA, quick_gil_handoff: a thread waiting for the GIL gets it after 0.1 ms, not 5 ms.
+            # Each torch op of an eager step releases the GIL and must get it back from the build's
+            # Python: at 5 ms a wait, the first eager step of a warm Llama-3-8B start took 4.7 s on an
+            # H200, 2.0 s at 0.1 ms (before StepGate). Not on the CPU, whose steps hold the cores in
+            # long ops: on a 2-vCPU EPYC the eager steps beside the build ran no faster (16.2 against
+            # 16.4 tok/s) and SmolLM2's build had not ended after 150 s, against 90 s at 5 ms
+            # (benchmarks/background_build.py).
+            handoff = quick_gil_handoff() if cuda else contextlib.nullcontext()
+            with cancellable(self._cancel), handoff, _ONE_BUILD, _traces_exclude_eager_forwards():
                 check_cancelled()
                 forward = self._make_forward()
                 check_cancelled()

@@ -45,7 +45,7 @@ from kiln.models.int4_checkpoint import dequantize_int4_checkpoint
 from kiln.models.quantize import (apply_quantization, checkpoint_int4_format, checkpoint_quantization,
                                   collect_kv_scales, dequantize_fp8_checkpoint, resolve_quantization)
 from kiln.models.registry import REGISTERED_MODELS, TOKENIZER_DIR_ENV, TOKENIZER_DONOR
-from kiln.models.weight_reader import iter_files_to_device, read_ahead
+from kiln.models.weight_reader import ReadAhead, iter_files_to_device
 from kiln.ops.registry import KernelSet, select_kernels
 from kiln.progress import progress_bar
 
@@ -228,7 +228,7 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     ``background``: where the weights only fill tensors already allocated (a checkpoint of kiln's
     own model family on CUDA, not quantized at load), return while a thread still reads them
     (``LoadedModel.filling``); the caller compiles meanwhile and calls ``wait_for_weights`` before
-    the first forward; the read starts before the model is built (``read_ahead``). Also with
+    the first forward; the read starts before the model is built (``ReadAhead``). Also with
     ``background``, the tokenizer of a checkpoint directory is built
     on a thread (``LoadedModel.tokenizing``); ``wait_for_tokenizer`` hands it over."""
     kernels = kernels or select_kernels(torch.device(device).type)
@@ -273,7 +273,7 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     fill = background and scheme == "none" and checkpoint_scheme == "none" and torch.device(device).type == "cuda"
     source = iter_safetensors(hf_dir, device)
     if fill:  # the read starts now, while the model is built
-        source = read_ahead(source, _read_ahead_bytes(hf_dir, device), _cuda_device(device))
+        source = ReadAhead(source, _read_ahead_bytes(hf_dir, device), _cuda_device(device))
     try:
         with quick_gil_handoff() if fill else contextlib.nullcontext():  # the read's threads beside it
             model = build_empty_model(arch, device, dtype, tp)
@@ -303,7 +303,7 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len, kv_scales=kv_scales, tokenizing=tokenizing)
 
 
-def _load_then_close(model, weights: Iterable[tuple[str, torch.Tensor]], source: read_ahead) -> None:
+def _load_then_close(model, weights: Iterable[tuple[str, torch.Tensor]], source: ReadAhead) -> None:
     try:
         model.load_weights(weights)
     finally:  # also when a tensor does not fit: the read's thread stops and its tensors go
@@ -394,7 +394,7 @@ def _tensor_seed(seed: int, name: str) -> int:
 
 
 # A start from a checkpoint on CUDA reads up to this much ahead of the model's construction (about a
-# second of reading from the page cache; see read_ahead). Beside the whole checkpoint, this much of
+# second of reading from the page cache; see ReadAhead). Beside the whole checkpoint, this much of
 # the GPU's free memory is left alone.
 READ_AHEAD_MAX_BYTES = 8 << 30
 READ_AHEAD_MARGIN_BYTES = 2 << 30

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -157,8 +158,7 @@ def iter_files_to_device(paths: list[str], device: torch.device) -> Iterator[tup
         torch.cuda.current_stream(device).synchronize()  # the pinned buffers are freed after this
 
 
-
-class read_ahead:
+class ReadAhead:
     """``tensors`` drawn by a thread of its own from the call on, at most ``max_bytes`` of them held
     ahead of the consumer (one tensor at least): a start reads the checkpoint while the main thread
     still builds the model the tensors are copied into. An error reaches the consumer after the
@@ -166,8 +166,6 @@ class read_ahead:
     own: it stops the thread and drops the tensors it holds."""
 
     def __init__(self, tensors: Iterator[tuple[str, torch.Tensor]], max_bytes: int, device: torch.device) -> None:
-        import threading
-
         self._tensors, self._max_bytes, self._device = tensors, max_bytes, device
         self._cond = threading.Condition()
         self._queue: deque[tuple[str, torch.Tensor]] = deque()
@@ -201,7 +199,7 @@ class read_ahead:
                 self._done = True
                 self._cond.notify_all()
 
-    def __iter__(self) -> "read_ahead":
+    def __iter__(self) -> "ReadAhead":
         return self
 
     def __next__(self) -> tuple[str, torch.Tensor]:
