@@ -20,6 +20,8 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
+import mmap
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -54,7 +56,21 @@ def allocate_kv_caches(shape: KVShape, num_blocks: int, device: torch.device) ->
     # Zeros, not empty: padded decode reads multiply masked (zero) weights by cache values, and
     # garbage NaNs would poison them.
     dims = (2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+    if torch.device(device).type == "cpu":
+        return [_lazy_zeros(dims, shape.dtype) for _ in range(shape.num_layers)]
     return [torch.zeros(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+
+
+def _lazy_zeros(dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros in an anonymous memory mapping: the OS hands each page out zeroed when
+    it is first touched, so a start does not fault in and clear the whole cache up front
+    (``torch.zeros`` of SmolLM2's 1 GiB cache took 1.27 s of a 4.0 s start on a 2-vCPU EPYC). The
+    tensor keeps the mapping alive."""
+    count = math.prod(dims)
+    if count == 0:
+        return torch.zeros(dims, dtype=dtype)
+    buffer = mmap.mmap(-1, count * torch.empty((), dtype=dtype).element_size())
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(dims)
 
 
 def allocate_kv_scales(shape: KVShape, checkpoint_scales: dict[int, list[float]],
