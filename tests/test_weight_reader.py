@@ -236,3 +236,36 @@ def test_read_ahead_hands_an_error_over_after_the_tensors_before_it_and_close_st
     assert next(ahead)[0] == "t0"
     ahead.close()  # a consumer that stops early (a weight that does not fit)
     assert closed == ["failing", "endless"] and list(ahead) == []
+
+
+def test_tokenizers_loaded_on_several_threads_at_once_all_load():
+    """A start's tokenizer is built on a thread; a start that failed can leave that thread importing
+    transformers while a retried start builds its own. In a fresh interpreter (transformers not yet
+    imported) four threads build the embedded model's tokenizer at once: without the loader's lock
+    some failed with "cannot import name 'PreTrainedTokenizerFast'"."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import os, threading
+from kiln.models.loader import _load_tokenizer, _tokenizer_dir
+path = _tokenizer_dir(os.environ["KILN_CACHE_DIR"])
+errors = []
+def load():
+    try:
+        assert _load_tokenizer(path).encode("hello")
+    except Exception as e:
+        errors.append(repr(e))
+threads = [threading.Thread(target=load) for _ in range(3)]
+for t in threads:
+    t.start()
+load()
+for t in threads:
+    t.join()
+print("ERRORS", errors)
+"""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert "ERRORS []" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -524,17 +524,25 @@ def _generic_fast_tokenizer(path: str) -> bool:
             and config.get("model_type") in _GENERIC_TOKENIZER_MODEL_TYPES and "auto_map" not in config)
 
 
+# transformers replaces its module in sys.modules with a lazy one while it imports, and a second
+# thread importing from it meanwhile is not made to wait: it fails with "cannot import name
+# 'PreTrainedTokenizerFast'". The tokenizer's thread of a start that failed can still be importing
+# when the start is retried, so tokenizers are made one at a time.
+_TOKENIZER_LOCK = threading.Lock()
+
+
 def _load_tokenizer(path: str) -> Any:
     _check_tokenizer_files(path)
-    if _generic_fast_tokenizer(path):
-        # The class AutoTokenizer would pick, without importing AutoTokenizer: that imports every model
-        # family's modeling code (and scikit-learn where it is installed), seconds of a start-up.
-        from transformers import PreTrainedTokenizerFast
+    with _TOKENIZER_LOCK:
+        if _generic_fast_tokenizer(path):
+            # The class AutoTokenizer would pick, without importing AutoTokenizer: that imports every
+            # model family's modeling code (and scikit-learn where it is installed), seconds of a start-up.
+            from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    from transformers import AutoTokenizer
+            return PreTrainedTokenizerFast.from_pretrained(path)
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
 
 
 def stop_token_ids(hf_dir: str, arch: ArchConfig) -> tuple[int, ...]:
