@@ -241,7 +241,7 @@ def test_read_ahead_hands_an_error_over_after_the_tensors_before_it_and_close_st
 def test_tokenizers_loaded_on_several_threads_at_once_all_load():
     """A start's tokenizer is built on a thread; a start that failed can leave that thread importing
     transformers while a retried start builds its own. In a fresh interpreter (transformers not yet
-    imported) four threads build the embedded model's tokenizer at once: without the loader's lock
+    imported) four threads build the embedded model's tokenizer at once: without import_transformers
     some failed with "cannot import name 'PreTrainedTokenizerFast'"."""
     import os
     import subprocess

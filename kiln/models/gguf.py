@@ -86,6 +86,9 @@ def convert_gguf_tokenizer(gguf_path: str, cache_dir: str, name: str) -> str:
     if os.path.isdir(dest):
         return dest
     with _staging(dest) as tmp:
+        from kiln.models.hf_generic import import_transformers
+
+        import_transformers()
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))

@@ -41,6 +41,7 @@ Rules kept here:
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
@@ -53,6 +54,19 @@ IMPLS = ("auto", "native", "transformers")
 ATTENTION_NAME = "kiln"  # the attention implementation registered in transformers' AttentionInterface
 CAPTURE_ATTENTION = "kiln_sdpa"  # what compile.mode=kiln captures (transformers' SDPA), for the attention pass
 ATTENTION_LAYER_KINDS = ("full_attention", "sliding_attention")
+
+
+# Held while transformers is first imported. Meanwhile transformers puts a lazy module of itself in
+# sys.modules, and another thread's ``from transformers import X`` fails ("cannot import name")
+# instead of waiting. A start builds its tokenizer on a thread, and that thread can still be
+# importing when a start that failed is retried.
+_TRANSFORMERS_IMPORT = threading.Lock()
+
+
+def import_transformers() -> None:
+    """Import transformers, one thread at a time; every kiln path into transformers calls it first."""
+    with _TRANSFORMERS_IMPORT:
+        import transformers  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -190,6 +204,7 @@ def capture_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
 def register_attention() -> None:
     """Make ``attn_implementation="kiln"`` (and ``"kiln_sdpa"``, the capture's, with transformers'
     SDPA masks) known to transformers (idempotent)."""
+    import_transformers()
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -285,6 +300,7 @@ def _parameters_on_meta() -> Iterator[None]:
 def build_hf_model(config: Any, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """The transformers model of ``config`` with uninitialized parameters allocated once on
     ``device`` in ``dtype``, buffers as transformers computes them, tied weights tied."""
+    import_transformers()
     from transformers import AutoModelForCausalLM
 
     register_attention()
@@ -495,6 +511,7 @@ def _probe_attention_layers(model: HFGenericForCausalLM) -> None:
 
 def hf_config_from_dict(d: dict[str, Any]) -> Any:
     """A transformers config object from a ``config.json`` dict."""
+    import_transformers()
     from transformers import AutoConfig
 
     d = dict(d)

@@ -38,7 +38,7 @@ import torch
 from kiln.config import ModelConfig
 from kiln.models.arch import FAMILIES, PRESETS, ArchConfig
 from kiln.models.gguf import convert_gguf, convert_gguf_tokenizer
-from kiln.models.hf_generic import HFGenericForCausalLM, build_generic, hf_config_from_dict
+from kiln.models.hf_generic import HFGenericForCausalLM, build_generic, hf_config_from_dict, import_transformers
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.parallel import SINGLE, TensorParallel
 from kiln.models.int4_checkpoint import dequantize_int4_checkpoint
@@ -524,25 +524,18 @@ def _generic_fast_tokenizer(path: str) -> bool:
             and config.get("model_type") in _GENERIC_TOKENIZER_MODEL_TYPES and "auto_map" not in config)
 
 
-# transformers replaces its module in sys.modules with a lazy one while it imports, and a second
-# thread importing from it meanwhile is not made to wait: it fails with "cannot import name
-# 'PreTrainedTokenizerFast'". The tokenizer's thread of a start that failed can still be importing
-# when the start is retried, so tokenizers are made one at a time.
-_TOKENIZER_LOCK = threading.Lock()
-
-
 def _load_tokenizer(path: str) -> Any:
     _check_tokenizer_files(path)
-    with _TOKENIZER_LOCK:
-        if _generic_fast_tokenizer(path):
-            # The class AutoTokenizer would pick, without importing AutoTokenizer: that imports every
-            # model family's modeling code (and scikit-learn where it is installed), seconds of a start-up.
-            from transformers import PreTrainedTokenizerFast
+    import_transformers()  # on a thread of its own at start-up, maybe beside another
+    if _generic_fast_tokenizer(path):
+        # The class AutoTokenizer would pick, without importing AutoTokenizer: that imports every model
+        # family's modeling code (and scikit-learn where it is installed), seconds of a start-up.
+        from transformers import PreTrainedTokenizerFast
 
-            return PreTrainedTokenizerFast.from_pretrained(path)
-        from transformers import AutoTokenizer
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
 
 
 def stop_token_ids(hf_dir: str, arch: ArchConfig) -> tuple[int, ...]:
