@@ -130,7 +130,11 @@ class ModelRunner:
         self.kv_shape = KVShape(self.arch.num_layers, self.block_size, local_num_kv_heads(self.arch, tp),
                                 self.arch.head_dim, kv_cache_dtype(cache_config.dtype, self.dtype, self.device))
         artifacts = ArtifactCache(cache_config.resolved_dir, self._artifact_name())
-        self._profile_key = forward_profile_key(self.model, compile_config, self.kernels, artifacts)
+        # The memory profile is kept on CUDA only: hashing the model and kiln's source for its key took
+        # 0.3-0.4 s of a CPU start in a stack sample, and a restart of SmolLM2 was ready 0.17 s sooner
+        # without it (benchmarks/startup_cpu_ab.py); the build's thread, off the start's path, has its own.
+        self._profile_key = (forward_profile_key(self.model, compile_config, self.kernels, artifacts)
+                             if self.device.type == "cuda" else None)
         self._profile_artifacts = artifacts
         self._verify = verify_shape(speculative, sched) if speculative.enabled else None
         self._has_draft = speculative.method == "draft"
