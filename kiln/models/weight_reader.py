@@ -180,7 +180,7 @@ class ReadAhead:
             if self._device.type == "cuda":
                 torch.cuda.set_device(self._device)  # the current device is per thread
             for name, tensor in self._tensors:
-                size = tensor.numel() * tensor.element_size()
+                size = tensor.nbytes
                 with self._cond:
                     self._cond.wait_for(lambda: self._stop or not self._queue
                                         or self._bytes + size <= self._max_bytes)
@@ -212,7 +212,7 @@ class ReadAhead:
                     raise error
                 raise StopIteration
             name, tensor = self._queue.popleft()
-            self._bytes -= tensor.numel() * tensor.element_size()
+            self._bytes -= tensor.nbytes
             self._cond.notify_all()
         return name, tensor
 

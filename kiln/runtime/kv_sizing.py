@@ -64,12 +64,12 @@ def allocate_kv_caches(shape: KVShape, num_blocks: int, device: torch.device) ->
 def _lazy_zeros(dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros in an anonymous memory mapping: the OS hands each page out zeroed when
     it is first touched, so a start does not fault in and clear the whole cache up front
-    (``torch.zeros`` of SmolLM2's 1 GiB cache took 1.27 s of a 4.0 s start on a 2-vCPU EPYC). The
-    tensor keeps the mapping alive."""
+    (``torch.zeros`` of SmolLM2's 1 GiB cache took 0.36-1.05 s of every CPU restart on a 2-vCPU EPYC,
+    benchmarks/results/startup_cpu_ab-amd-epyc.md). The tensor keeps the mapping alive."""
     count = math.prod(dims)
     if count == 0:
         return torch.zeros(dims, dtype=dtype)
-    buffer = mmap.mmap(-1, count * torch.empty((), dtype=dtype).element_size())
+    buffer = mmap.mmap(-1, count * dtype.itemsize)
     return torch.frombuffer(buffer, dtype=dtype, count=count).view(dims)
 
 
