@@ -195,6 +195,12 @@ class ModelRunner:
         self._read_back: list[Optional[torch.Tensor]] = [None, None]
         self._read_back_done = [torch.cuda.Event(), torch.cuda.Event()] if self.device.type == "cuda" else []
         self._read_back_turn = 0
+        warm_up_seconds = 0.0
+        if self.compiled.building and self.device.type == "cuda":  # else the first step pays, beside the build
+            # (before the tokenizer wait: the tokenizer's thread goes on meanwhile)
+            t_warm = time.perf_counter()
+            self.compiled.warm_up()
+            warm_up_seconds = time.perf_counter() - t_warm
         t_tokenizer = time.perf_counter()
         self.tokenizer = self.loaded.wait_for_tokenizer()  # built on a thread meanwhile (a checkpoint's)
         tokenizer_wait_seconds = time.perf_counter() - t_tokenizer
@@ -207,11 +213,6 @@ class ModelRunner:
                     "in %.2f GiB; CUDA graphs %.2f GiB", num_usable, self.block_size, num_usable * self.block_size,
                     self.num_blocks * self.kv_shape.bytes_per_block / 2**30,
                     self.compiled.graph_memory_bytes / 2**30)
-        warm_up_seconds = 0.0
-        if self.compiled.building and self.device.type == "cuda":  # else the first step pays, beside the build
-            t_warm = time.perf_counter()
-            self.compiled.warm_up()
-            warm_up_seconds = time.perf_counter() - t_warm
         self.startup_seconds = {"load_weights_s": load_seconds, "weights_wait_s": wait_seconds,
                                 **self.compiled.startup_seconds(),
                                 "profile_s": profile_seconds, "kv_alloc_s": kv_seconds,
