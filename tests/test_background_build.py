@@ -293,6 +293,23 @@ def test_the_eager_warm_up_writes_only_the_null_block():
         assert torch.equal(got[:, 1:], was[:, 1:]) and not torch.equal(got[:, :1], was[:, :1])  # [K/V, block, ...]
 
 
+def test_a_warm_up_over_caches_of_its_own_leaves_the_bound_ones_alone():
+    """The runner's warm-up while the weights still land writes a scratch cache: the bound caches
+    keep every block, the null block too, and the scratch cache's null block is written."""
+    from kiln.runtime import kv_sizing
+
+    llm = LLM(model="random:tiny", compile=CompileConfig(mode="eager"), cache={"num_blocks": 16})
+    runner = llm.engine.executor.runner
+    compiled = runner.compiled
+    for cache in compiled.kv_caches:
+        cache.normal_()
+    before = [cache.clone() for cache in compiled.kv_caches]
+    scratch = kv_sizing.allocate_kv_caches(runner.kv_shape, 4, runner.device)
+    compiled.warm_up(scratch, kv_sizing.allocate_kv_scales(runner.kv_shape, {}, runner.device))
+    assert all(torch.equal(got, was) for got, was in zip(compiled.kv_caches, before, strict=True))
+    assert all(cache[:, :1].abs().sum() > 0 and not cache[:, 1:].any() for cache in scratch)
+
+
 @pytest.mark.parametrize("num_pending", [0, 3])
 def test_a_first_start_keeps_what_its_graphs_took_for_the_next_start(tmp_path, num_pending):
     """After a first background start (graphs' memory guessed), the runner keeps a profile of what

@@ -202,19 +202,24 @@ class CompiledModel:
         return self._building is not None
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
+    def warm_up(self, kv_caches: Optional[list[torch.Tensor]] = None,
+                kv_scales: Optional[list[torch.Tensor]] = None) -> None:
         """Run the forward, its logits and argmax over null requests (one decode, one two-token
         prefill; their K/V land in the null block), so the first launch of each kernel (Triton's JIT
         cache lookups, a library's handles) happens before serving rather than in the first step.
         The runner calls it before a background build on CUDA starts: the first eager step, sharing
         the GIL with the build's imports, spent 7.5 s there on an H200 (Triton's source hash 3.4 s
-        of it), with Llama-3-8B."""
+        of it), with Llama-3-8B. ``kv_caches`` (and an FP8 cache's ``kv_scales``): caches of its own
+        in place of the bound ones, for a warm-up before those exist, while the weights still land
+        (no value it computes is kept, and its garbage K/V stay out of the bound cache)."""
+        if kv_caches is None:
+            kv_caches, kv_scales = self.kv_caches, self.kv_scales
         buf = self.inputs
         for q in (1, 2):
             buf.fill_null_requests(0, 0, 1, q)
             buf.upload(q, 1)
             meta = buf.metadata(q, 1, 1 if q == 1 else 0, [q], [q])
-            with self._forward_scope(ForwardContext(attn=meta, kv_caches=self.kv_caches)), self._eager_calls():
+            with self._forward_scope(ForwardContext(attn=meta, kv_caches=kv_caches), kv_scales), self._eager_calls():
                 hidden = self.forward(buf.input_ids[:q], buf.positions[:q])
                 self.kernels.argmax.op(self.model.compute_logits(hidden))
         if self.device.type == "cuda":
@@ -563,9 +568,9 @@ class CompiledModel:
         return stack
 
     @contextlib.contextmanager
-    def _forward_scope(self, ctx: ForwardContext) -> Iterator[None]:
+    def _forward_scope(self, ctx: ForwardContext, kv_scales: Optional[list[torch.Tensor]] = None) -> Iterator[None]:
         ctx.attention_impl = self.kernels.attention.impl
-        ctx.kv_scales = self.kv_scales
+        ctx.kv_scales = self.kv_scales if kv_scales is None else kv_scales
         with forward_context(ctx), self.kernels.attention.forward_scope(ctx):
             yield
 

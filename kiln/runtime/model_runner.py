@@ -47,6 +47,11 @@ from kiln.runtime.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+# Blocks of the scratch KV cache that an eager warm-up before the weights have landed writes its
+# null requests' K/V to (block 0 only): more than 1, so that no kernel is specialised on a
+# one-block cache that no step has.
+WARM_UP_BLOCKS = 16
+
 
 # (prompt position, {token id: logprob}) for the prompt's own token there and the top-N
 PromptLogprobs = list[tuple[int, dict[int, float]]]
@@ -149,10 +154,21 @@ class ModelRunner:
             # starts beside the weight read. A warm start's build loads from the compile cache in seconds
             # of Python that would slow the read and the warm-up more than that gains: after ready.
             self.compiled.start_build()
-        t_wait = time.perf_counter()
         in_background = self.loaded.filling is not None
+        # The eager warm-up before a background build (the first launch of each kernel) reads no
+        # weight's value: while they still land, it runs over a scratch cache of its own (the real
+        # one is sized once the read's memory is free again).
+        warm_up_seconds, warmed_early = 0.0, in_background and self.compiled.building and self.device.type == "cuda"
+        if warmed_early:
+            t_warm = time.perf_counter()
+            self.compiled.warm_up(kv_sizing.allocate_kv_caches(self.kv_shape, WARM_UP_BLOCKS, self.device),
+                                  kv_sizing.allocate_kv_scales(self.kv_shape, {}, self.device))
+            warm_up_seconds = time.perf_counter() - t_warm
+        t_wait = time.perf_counter()
         load_seconds += self.loaded.wait_for_weights()
         wait_seconds = time.perf_counter() - t_wait
+        if warmed_early:
+            torch.cuda.empty_cache()  # the scratch cache: the KV cache is sized after what is in use
         self.input_batch = InputBatch(self.compiled.inputs, self.block_size)
         self.proposer = self._make_proposer(speculative, model_config, cache_config, sched)
         if speculative.enabled:
@@ -195,8 +211,7 @@ class ModelRunner:
         self._read_back: list[Optional[torch.Tensor]] = [None, None]
         self._read_back_done = [torch.cuda.Event(), torch.cuda.Event()] if self.device.type == "cuda" else []
         self._read_back_turn = 0
-        warm_up_seconds = 0.0
-        if self.compiled.building and self.device.type == "cuda":  # else the first step pays, beside the build
+        if self.compiled.building and self.device.type == "cuda" and not warmed_early:  # else the first step pays
             # (before the tokenizer wait: the tokenizer's thread goes on meanwhile)
             t_warm = time.perf_counter()
             self.compiled.warm_up()
