@@ -269,3 +269,45 @@ print("ERRORS", errors)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert "ERRORS []" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+def test_a_failed_start_stops_its_weight_fill_and_the_read_behind_it():
+    """``LoadedModel.cancel_fill`` (a start-up that failed while the weights were read): the fill
+    stops at its next tensor, the read-ahead's source is closed, nothing more is drawn, and what
+    the fill raised is not re-raised on the caller's thread."""
+    import threading
+    import time
+
+    from kiln.models.loader import LoadedModel, WeightFill, _load_then_close
+    from kiln.models.weight_reader import ReadAhead
+
+    drawn, closed, copied = [], [], []
+    first = threading.Event()
+
+    def endless():
+        try:
+            i = 0
+            while True:
+                drawn.append(i)
+                yield f"t{i}", torch.full((4,), float(i))
+                i += 1
+                time.sleep(0.005)
+        finally:
+            closed.append(True)
+
+    class Model:
+        def load_weights(self, weights):
+            for name, tensor in weights:
+                copied.append(name)
+                first.set()
+
+    source = ReadAhead(endless(), 64, torch.device("cpu"))
+    loaded = LoadedModel(Model(), None, None, "m", None, 16, filling=WeightFill(
+        lambda fill: _load_then_close(Model(), fill.tensors(source), source), torch.device("cpu")))
+    assert first.wait(5)
+    loaded.cancel_fill(timeout=5)
+    assert loaded.filling is None and closed == [True]
+    num_drawn, num_copied = len(drawn), len(copied)
+    time.sleep(0.05)
+    assert len(drawn) == num_drawn and len(copied) == num_copied >= 1
+    assert loaded.wait_for_weights() == 0.0  # nothing in flight any more

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import sys
 import threading
@@ -49,8 +50,12 @@ from kiln.models.weight_reader import ReadAhead, iter_files_to_device
 from kiln.ops.registry import KernelSet, select_kernels
 from kiln.progress import progress_bar
 
+logger = logging.getLogger(__name__)
+
 RANDOM_PREFIX = "random:"
 RANDOM_INIT_STD = 0.02
+# How long a failed start-up waits for its weight read to stop (it stops at the next tensor).
+FILL_CANCEL_WAIT_S = 30.0
 
 
 @dataclass
@@ -81,6 +86,13 @@ class LoadedModel:
         seconds = self.filling.wait()
         self.filling = None
         return seconds
+
+    def cancel_fill(self, timeout: float = FILL_CANCEL_WAIT_S) -> None:
+        """A start-up that failed before ``wait_for_weights``: stop the read rather than let it fill
+        (and hold) GPU memory for seconds more, beside a retry in the same process."""
+        filling, self.filling = self.filling, None
+        if filling is not None and not filling.cancel(timeout):
+            logger.warning("the weight read of a failed start had not stopped %.0f s after it was asked to", timeout)
 
 
 # A thread that waits for the GIL gets it after this long while ``quick_gil_handoff`` is held
@@ -160,18 +172,23 @@ class WeightFill:
     (imports, building the model's runtime), so the GIL changes hands quickly meanwhile
     (``quick_gil_handoff``)."""
 
-    def __init__(self, fill: Callable[[], None], device: torch.device) -> None:
+    def __init__(self, fill: Callable[["WeightFill"], None], device: torch.device) -> None:
         self._error: Optional[BaseException] = None
+        self._cancelled = threading.Event()
         self.seconds = 0.0
+        on_gpu = device.type == "cuda"
 
         def run() -> None:
             t0 = time.perf_counter()
             try:
-                torch.cuda.set_device(device)  # the current device is per thread
+                if on_gpu:
+                    torch.cuda.set_device(device)  # the current device is per thread
                 with quick_gil_handoff():
-                    fill()
-                    torch.cuda.synchronize()  # the copies have landed before anyone is told so
-                torch.cuda.empty_cache()  # the read's own tensors: the KV cache is sized after what is in use
+                    fill(self)
+                    if on_gpu:
+                        torch.cuda.synchronize()  # the copies have landed before anyone is told so
+                if on_gpu:
+                    torch.cuda.empty_cache()  # the read's own tensors: the KV cache is sized after what is in use
             except BaseException as e:  # re-raised by wait(), on the caller's thread
                 self._error = e
             self.seconds = time.perf_counter() - t0
@@ -184,6 +201,24 @@ class WeightFill:
         if self._error is not None:
             raise self._error
         return self.seconds
+
+    def tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``weights``, ending with ``FillCancelled`` at the first tensor after ``cancel``."""
+        for item in weights:
+            if self._cancelled.is_set():
+                raise FillCancelled("the start-up this weight read belongs to failed")
+            yield item
+
+    def cancel(self, timeout: float) -> bool:
+        """A start-up that failed while the weights were read: stop at the next tensor, close the
+        read and wait at most ``timeout`` seconds for the thread to end; whether it has."""
+        self._cancelled.set()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+class FillCancelled(Exception):
+    """Ends the weight read of a start-up that failed (``WeightFill.cancel``)."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -293,7 +328,7 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     if fill:
         model.quantization = "none"
         return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len,
-                           WeightFill(lambda: _load_then_close(model, weights, source),
+                           WeightFill(lambda fill: _load_then_close(model, fill.tensors(weights), source),
                                       next(model.parameters()).device),
                            kv_scales=kv_scales, tokenizing=tokenizing)
     model.load_weights(weights)

@@ -102,8 +102,11 @@ class ModelRunner:
         try:
             self._start(model_config, cache_config, compile_config, scheduler_config, tp, speculative)
         except BaseException:
-            # A first CUDA start's build began with the weight read: stop it rather than leave its
-            # thread holding the model and the one-build lock (an LLM(...) retried in this process).
+            # A first CUDA start's build began with the weight read: stop both rather than leave
+            # their threads holding the model, GPU memory and the one-build lock (an LLM(...)
+            # retried in this process).
+            if getattr(self, "loaded", None) is not None:
+                self.loaded.cancel_fill()
             if getattr(self, "compiled", None) is not None:
                 self.compiled.cancel_build()
             raise
