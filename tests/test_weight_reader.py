@@ -311,3 +311,39 @@ def test_a_failed_start_stops_its_weight_fill_and_the_read_behind_it():
     time.sleep(0.05)
     assert len(drawn) == num_drawn and len(copied) == num_copied >= 1
     assert loaded.wait_for_weights() == 0.0  # nothing in flight any more
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_start_that_fails_during_the_read_leaves_no_reading_thread(tmp_path, monkeypatch):
+    """A CUDA start from a checkpoint (a slow read: 0.2 s a tensor) that fails before it waits for
+    the weights: the fill and read-ahead threads end with it, not once the whole checkpoint is read."""
+    import threading
+    import time
+
+    from kiln import LLM
+    from kiln.models import loader
+    from kiln.runtime import model_runner
+
+    ckpt = _checkpoint(tmp_path)
+    real = loader.iter_safetensors
+    read = []
+
+    def slow(hf_dir, device="cpu"):
+        for item in real(hf_dir, device):
+            time.sleep(0.2)
+            read.append(item[0])
+            yield item
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("a failure while the weights are read")
+
+    monkeypatch.setattr(loader, "iter_safetensors", slow)
+    monkeypatch.setattr(model_runner, "forward_profile_key", fail)
+    with pytest.raises(RuntimeError, match="while the weights are read"):
+        LLM(model=str(ckpt), device="cuda", cache={"dir": str(tmp_path / "cache")},
+            compile={"mode": "kiln", "build": "background", "capture": "lazy"})
+    readers = [t.name for t in threading.enumerate() if t.name in ("kiln-load-weights", "kiln-read-ahead")]
+    num_read = len(read)
+    time.sleep(0.5)
+    assert not readers and len(read) == num_read < sum(1 for _ in real(str(ckpt))), (readers, num_read)
