@@ -258,6 +258,64 @@ def test_gguf_conversion_matches_transformers_loader(smollm2_dir):
         assert torch.equal(tensor, torch.as_tensor(ref["tensors"][name]).float()), name
 
 
+def _gguf_of_architecture(path, architecture: str) -> str:
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("num_cpus", [1, 2])
+def test_weights_conversion_reports_what_went_wrong_in_either_process(tmp_path, monkeypatch, num_cpus):
+    """The weights convert in a child process beside the tokenizer (in this one with one CPU): a GGUF
+    kiln cannot convert is a ValueError naming the reason either way; a child that fails otherwise
+    (the file vanished) is a RuntimeError naming the file and its exit code."""
+    from kiln.models import gguf
+
+    monkeypatch.setattr(gguf, "_num_cpus", lambda: num_cpus)
+    for i, (path, error, match) in enumerate([
+            (_gguf_of_architecture(tmp_path / "gpt2.gguf", "gpt2"), ValueError, "GGUF architecture 'gpt2' is not supported"),
+            (str(tmp_path / "gone.gguf"), RuntimeError if num_cpus > 1 else FileNotFoundError,
+             r"gone\.gguf failed in a child process \(exit code 1" if num_cpus > 1 else "gone.gguf")]):
+        out = tmp_path / f"out{i}"
+        out.mkdir()
+        conversion = gguf.WeightsConversion(path, str(out), "m")
+        with pytest.raises(error, match=match):
+            conversion.wait()
+        conversion.stop()
+
+
+def test_a_failed_conversion_stops_its_child_and_leaves_no_directory(tmp_path, monkeypatch):
+    """When this process's part (the tokenizer) fails, the weights' child is killed, and neither a
+    model directory nor a staging directory is left in the cache."""
+    from kiln.models import gguf
+
+    monkeypatch.setattr(gguf, "_num_cpus", lambda: 2)
+    children = []
+    real = gguf.WeightsConversion.__init__
+
+    def record(self, *args):
+        real(self, *args)
+        children.append(self._proc)
+
+    def fail(*args):
+        raise ValueError("no chat template")
+
+    monkeypatch.setattr(gguf.WeightsConversion, "__init__", record)
+    monkeypatch.setattr(gguf, "convert_gguf_tokenizer", fail)
+    path = _gguf_of_architecture(tmp_path / "m.gguf", "llama")
+    with pytest.raises(ValueError, match="no chat template"):
+        convert_gguf(path, str(tmp_path / "cache"), "m")
+    assert len(children) == 1 and children[0].poll() is not None
+    assert os.listdir(tmp_path / "cache" / "models") == []
+
+
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir, cache_dir):
     return load_model(ModelConfig(model=SMOLLM2), cache_dir, CPU, torch.float32)

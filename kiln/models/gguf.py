@@ -12,6 +12,9 @@ Rules kept here:
 - Weights are dequantized to float32 (exact for Q4/Q8 blocks) and given Hugging Face names and row
   order: llama.cpp's converter permutes the rows of q/k projections of ``llama`` models to its own
   rotary layout, and that permutation is undone here exactly as transformers' GGUF loader does.
+- A model's weights are converted in a child process while this one converts its tokenizer
+  (``WeightsConversion``): both are seconds of single-threaded Python, and the tokenizer's import of
+  transformers is then done for the start that loads it.
 - Bump CONVERTER_VERSION whenever the output changes, so stale conversions are not reused.
 """
 
@@ -23,8 +26,10 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -59,21 +64,80 @@ def convert_gguf(gguf_path: str, cache_dir: str, name: str) -> str:
     if os.path.isdir(dest):
         return dest
     logger.info("kiln: converting %s from GGUF into %s (first start only; later starts reuse it)", name, dest)
-    tokenizer_dir = convert_gguf_tokenizer(gguf_path, cache_dir, name)
     with _staging(dest) as tmp:
-        from gguf import GGUFReader
-        from safetensors.torch import save_file
-
-        reader = GGUFReader(gguf_path)
-        arch = arch_from_gguf(reader)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump({**arch.to_hf_config(), "torch_dtype": "float32"}, f, indent=2)
-        tensors = progress_bar(iter_hf_tensors(reader, arch), desc=f"converting {name}", total=len(reader.tensors),
-                               unit="tensor")
-        save_file(dict(tensors), os.path.join(tmp, "model.safetensors"), {"format": "pt"})
+        weights = WeightsConversion(gguf_path, tmp, name)
+        try:
+            tokenizer_dir = convert_gguf_tokenizer(gguf_path, cache_dir, name)  # meanwhile, in this process
+            weights.wait()
+        finally:
+            weights.stop()
         for fname in os.listdir(tokenizer_dir):
             shutil.copy(os.path.join(tokenizer_dir, fname), tmp)
     return dest
+
+
+def write_weights(gguf_path: str, out_dir: str, name: str) -> None:
+    """config.json and model.safetensors (float32, Hugging Face names) of the GGUF, into ``out_dir``."""
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+
+    reader = GGUFReader(gguf_path)
+    arch = arch_from_gguf(reader)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump({**arch.to_hf_config(), "torch_dtype": "float32"}, f, indent=2)
+    tensors = progress_bar(iter_hf_tensors(reader, arch), desc=f"converting {name}", total=len(reader.tensors),
+                           unit="tensor")
+    save_file(dict(tensors), os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
+
+
+# A ValueError in the child (a GGUF kiln cannot convert) exits with this code, its message written
+# to this file in the output directory; any other failure leaves its traceback on the child's stderr.
+_CHILD_VALUE_ERROR = 3
+_CHILD_ERROR_FILE = ".conversion-error"
+_CHILD = f"""
+import os, sys
+try:
+    from kiln.models.gguf import write_weights
+    write_weights(*sys.argv[1:4])
+except ValueError as e:
+    with open(os.path.join(sys.argv[2], {_CHILD_ERROR_FILE!r}), "w") as f:
+        f.write(str(e))
+    sys.exit({_CHILD_VALUE_ERROR})
+"""
+
+
+class WeightsConversion:
+    """``write_weights`` in a child process, beside the tokenizer's conversion in this one: each is
+    seconds of single-threaded Python (the gguf reader walks the vocabulary element by element, once
+    for each), which one process would run one after the other. With one CPU, ``wait()`` converts in
+    this process instead. ``wait()`` raises what went wrong in the child (a ValueError as such);
+    ``stop()`` ends a child the caller no longer waits for."""
+
+    def __init__(self, gguf_path: str, out_dir: str, name: str) -> None:
+        self._args = (gguf_path, out_dir, name)
+        self._proc: Optional[subprocess.Popen] = None
+        if _num_cpus() < 2:
+            return
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+        self._proc = subprocess.Popen([sys.executable, "-c", _CHILD, *self._args], env=env, stdin=subprocess.DEVNULL)
+
+    def wait(self) -> None:
+        if self._proc is None:
+            return write_weights(*self._args)
+        code = self._proc.wait()
+        error_file = os.path.join(self._args[1], _CHILD_ERROR_FILE)
+        if code == _CHILD_VALUE_ERROR and os.path.isfile(error_file):
+            with open(error_file) as f:
+                raise ValueError(f.read())
+        if code != 0:
+            raise RuntimeError(f"converting the weights of {self._args[0]} failed in a child process (exit code "
+                               f"{code}; its error is above)")
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
 
 
 def convert_gguf_tokenizer(gguf_path: str, cache_dir: str, name: str) -> str:
@@ -96,6 +160,13 @@ def convert_gguf_tokenizer(gguf_path: str, cache_dir: str, name: str) -> str:
             raise ValueError(f"{gguf_path} has no chat template; kiln needs one for chat requests")
         tokenizer.save_pretrained(tmp)
     return dest
+
+
+def _num_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 @contextlib.contextmanager
