@@ -291,6 +291,19 @@ def test_weights_conversion_reports_what_went_wrong_in_either_process(tmp_path, 
         conversion.stop()
 
 
+def test_weights_convert_in_this_process_when_no_child_can_start(tmp_path, monkeypatch):
+    """A Python whose executable cannot be started again (an embedded interpreter): the weights
+    convert in this process, and a GGUF it cannot convert is still the same ValueError."""
+    from kiln.models import gguf
+
+    monkeypatch.setattr(gguf, "_num_cpus", lambda: 2)
+    monkeypatch.setattr(gguf.sys, "executable", str(tmp_path / "no-such-python"))
+    conversion = gguf.WeightsConversion(_gguf_of_architecture(tmp_path / "gpt2.gguf", "gpt2"), str(tmp_path), "m")
+    assert conversion._proc is None
+    with pytest.raises(ValueError, match="GGUF architecture 'gpt2' is not supported"):
+        conversion.wait()
+
+
 def test_a_failed_conversion_stops_its_child_and_leaves_no_directory(tmp_path, monkeypatch):
     """When this process's part (the tokenizer) fails, the weights' child is killed, and neither a
     model directory nor a staging directory is left in the cache."""

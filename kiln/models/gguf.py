@@ -116,11 +116,16 @@ class WeightsConversion:
     def __init__(self, gguf_path: str, out_dir: str, name: str) -> None:
         self._args = (gguf_path, out_dir, name)
         self._proc: Optional[subprocess.Popen] = None
-        if _num_cpus() < 2:
+        if _num_cpus() < 2 or not sys.executable:
             return
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
-        self._proc = subprocess.Popen([sys.executable, "-c", _CHILD, *self._args], env=env, stdin=subprocess.DEVNULL)
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-c", _CHILD, *self._args], env=env,
+                                          stdin=subprocess.DEVNULL)
+        except OSError as e:  # no process to be had: convert here, one after the other
+            logger.warning("converting %s's weights in this process: a child process could not start (%s)",
+                           name, e)
 
     def wait(self) -> None:
         if self._proc is None:
