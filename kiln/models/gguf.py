@@ -109,8 +109,9 @@ except ValueError as e:
 class WeightsConversion:
     """``write_weights`` in a child process, beside the tokenizer's conversion in this one: each is
     seconds of single-threaded Python (the gguf reader walks the vocabulary element by element, once
-    for each), which one process would run one after the other. With one CPU, ``wait()`` converts in
-    this process instead. ``wait()`` raises what went wrong in the child (a ValueError as such);
+    for each), which one process would run one after the other. With one CPU, or where no child
+    process can start, ``wait()`` converts in this process instead. ``wait()`` raises what went wrong
+    in the child (a ValueError as such);
     ``stop()`` ends a child the caller no longer waits for."""
 
     def __init__(self, gguf_path: str, out_dir: str, name: str) -> None:
