@@ -2,9 +2,9 @@
 per reader configuration, against ``safetensors.safe_open(device="cuda")`` in the same run.
 
 A warm start reads its checkpoint from the page cache; that read is the floor of the start's
-weight phase. This writes a checkpoint shaped like Llama-3-8B (bf16, 32 layers, 4 shards, about
-15 GiB; contents uninitialised) to ``--dir``, reads it once so every page is cached, then times
-``iter_files_to_device`` over all shards for each configuration (reader threads, chunk MiB,
+weight phase. This writes a random Llama-3-8B checkpoint (bf16, 4 shards, 15 GiB; the one
+``benchmarks/startup.py --checkpoint llama3-8b`` writes) to ``--dir``, reads it once so every page
+is cached, then times ``iter_files_to_device`` over all shards for each configuration (reader threads, chunk MiB,
 pinned buffers), the pinned buffers' allocation included. Each configuration is timed quiet and
 beside a thread that runs Python without pause with the GIL's switch interval at 0.1 ms, as a
 start's main thread does while it builds the model the read fills (``quick_gil_handoff``).
@@ -26,36 +26,15 @@ from pathlib import Path
 
 import torch
 
-# Llama-3-8B's tensors (name, shape): bf16.
-HIDDEN, INTER, KV, VOCAB, LAYERS = 4096, 14336, 1024, 128256, 32
 
+def checkpoint_shards(directory: Path) -> list[str]:
+    """The shards of a random Llama-3-8B checkpoint in ``directory`` (``benchmarks/startup.py``'s,
+    written there unless an earlier run did)."""
+    from benchmarks.startup import write_checkpoint
 
-def _tensors() -> list[tuple[str, tuple[int, ...]]]:
-    out = [("model.embed_tokens.weight", (VOCAB, HIDDEN))]
-    for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        out += [(p + "self_attn.q_proj.weight", (HIDDEN, HIDDEN)), (p + "self_attn.k_proj.weight", (KV, HIDDEN)),
-                (p + "self_attn.v_proj.weight", (KV, HIDDEN)), (p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
-                (p + "mlp.gate_proj.weight", (INTER, HIDDEN)), (p + "mlp.up_proj.weight", (INTER, HIDDEN)),
-                (p + "mlp.down_proj.weight", (HIDDEN, INTER)), (p + "input_layernorm.weight", (HIDDEN,)),
-                (p + "post_attention_layernorm.weight", (HIDDEN,))]
-    return out + [("model.norm.weight", (HIDDEN,)), ("lm_head.weight", (VOCAB, HIDDEN))]
-
-
-def write_checkpoint(directory: Path, shards: int) -> list[str]:
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = _tensors()
-    per = -(-len(tensors) // shards)
-    paths = []
-    for s in range(shards):
-        path = directory / f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        paths.append(str(path))
-        if not path.exists():
-            save_file({n: torch.empty(shape, dtype=torch.bfloat16) for n, shape in tensors[s * per:(s + 1) * per]},
-                      str(path))
-    return paths
+    if not (directory / "model.safetensors.index.json").exists():
+        write_checkpoint("llama3-8b", directory)
+    return sorted(str(p) for p in directory.glob("*.safetensors"))
 
 
 def cache_pages(paths: list[str]) -> float:
@@ -106,8 +85,7 @@ def main() -> None:
     from kiln.models.loader import quick_gil_handoff
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", default="/tmp/kiln-weight-read")
-    ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--dir", default="/tmp/ckpt", help="the checkpoint's directory (reused if written before)")
     ap.add_argument("--configs", default="8:16:16,16:16:32,8:32:16,16:32:32,8:64:8,16:64:16,32:16:64",
                     help="threads:chunk MiB:buffers, comma-separated; the first is the baseline")
     ap.add_argument("--reps", type=int, default=3)
@@ -119,8 +97,8 @@ def main() -> None:
     torch.cuda.init()
     torch.empty(1, device=device)
     t0 = time.perf_counter()
-    paths = write_checkpoint(Path(args.dir), args.shards)
-    print(f"checkpoint: {len(paths)} shards written in {time.perf_counter() - t0:.1f} s; "
+    paths = checkpoint_shards(Path(args.dir))
+    print(f"checkpoint: {len(paths)} shards ready in {time.perf_counter() - t0:.1f} s; "
           f"page cache filled in {cache_pages(paths):.1f} s", flush=True)
     configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
     rows = []

@@ -111,8 +111,7 @@ class WeightsConversion:
     seconds of single-threaded Python (the gguf reader walks the vocabulary element by element, once
     for each), which one process would run one after the other. With one CPU, or where no child
     process can start, ``wait()`` converts in this process instead. ``wait()`` raises what went wrong
-    in the child (a ValueError as such);
-    ``stop()`` ends a child the caller no longer waits for."""
+    in the child (a ValueError as such); ``stop()`` ends a child the caller no longer waits for."""
 
     def __init__(self, gguf_path: str, out_dir: str, name: str) -> None:
         self._args = (gguf_path, out_dir, name)

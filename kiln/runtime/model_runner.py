@@ -161,12 +161,8 @@ class ModelRunner:
         # The eager warm-up before a background build (the first launch of each kernel) reads no
         # weight's value: while they still land, it runs over a scratch cache of its own (the real
         # one is sized once the read's memory is free again).
-        warm_up_seconds, warmed_early = 0.0, in_background and self.compiled.building and self.device.type == "cuda"
-        if warmed_early:
-            t_warm = time.perf_counter()
-            self.compiled.warm_up(kv_sizing.allocate_kv_caches(self.kv_shape, WARM_UP_BLOCKS, self.device),
-                                  kv_sizing.allocate_kv_scales(self.kv_shape, {}, self.device))
-            warm_up_seconds = time.perf_counter() - t_warm
+        warmed_early = in_background and self.compiled.building and self.device.type == "cuda"
+        warm_up_seconds = self._timed_warm_up(scratch=True) if warmed_early else 0.0
         t_wait = time.perf_counter()
         load_seconds += self.loaded.wait_for_weights()
         wait_seconds = time.perf_counter() - t_wait
@@ -215,10 +211,7 @@ class ModelRunner:
         self._read_back_done = [torch.cuda.Event(), torch.cuda.Event()] if self.device.type == "cuda" else []
         self._read_back_turn = 0
         if self.compiled.building and self.device.type == "cuda" and not warmed_early:  # else the first step pays
-            # (before the tokenizer wait: the tokenizer's thread goes on meanwhile)
-            t_warm = time.perf_counter()
-            self.compiled.warm_up()
-            warm_up_seconds = time.perf_counter() - t_warm
+            warm_up_seconds = self._timed_warm_up()  # before the tokenizer wait: its thread goes on meanwhile
         t_tokenizer = time.perf_counter()
         self.tokenizer = self.loaded.wait_for_tokenizer()  # built on a thread meanwhile (a checkpoint's)
         tokenizer_wait_seconds = time.perf_counter() - t_tokenizer
@@ -245,6 +238,17 @@ class ModelRunner:
                     "ready in %.2f s", load_seconds, overlap, s["dynamo_s"], s["inductor_s"], s["cache_load_s"],
                     s["cudagraph_s"], s["profile_s"], s["kv_alloc_s"], s["tokenizer_wait_s"],
                     f", eager warm-up {warm_up_seconds:.2f} s" if warm_up_seconds else "", s["ready_s"])
+
+    def _timed_warm_up(self, scratch: bool = False) -> float:
+        """Seconds of ``CompiledModel.warm_up``; ``scratch``: over a KV cache of its own (the bound one
+        does not exist yet)."""
+        t0 = time.perf_counter()
+        if scratch:
+            self.compiled.warm_up(kv_sizing.allocate_kv_caches(self.kv_shape, WARM_UP_BLOCKS, self.device),
+                                  kv_sizing.allocate_kv_scales(self.kv_shape, {}, self.device))
+        else:
+            self.compiled.warm_up()
+        return time.perf_counter() - t0
 
     # ---- lazy CUDA-graph capture (compile.capture=lazy) ------------------------------------------
     @property
