@@ -343,8 +343,9 @@ def test_rope_op_plugs_into_the_forward_context(kernels):
 @pytest.mark.parametrize("head_dim, rotary_dim", [(64, 64), (96, 96), (128, 96)])
 def test_rotate_qk_matches_reference(kernels, size, dtype, head_dim, rotary_dim):
     """The rotary kernel of prefill and mixed batches: q and k as strided views of one qkv
-    projection, full and partial rotary, a head_dim padded inside; fp32 bit for bit (the
-    interpreter rounds to 16 bits toward zero, hence a tolerance there)."""
+    projection, full and partial rotary, a head_dim padded inside; fp32 within about an ulp (the
+    GPU's kernel fuses a product into the add, one rounding fewer than torch's two ops), 16-bit
+    dtypes within their rounding (the interpreter rounds to 16 bits toward zero)."""
     from kiln.ops.attention import rotate_reference
     from kiln.ops.triton_rotary import triton_rotate_qk
 
@@ -356,7 +357,7 @@ def test_rotate_qk_matches_reference(kernels, size, dtype, head_dim, rotary_dim)
         want = rotate_reference(x, cos, sin)
         assert not torch.equal(want, x)
         if dtype == torch.float32:
-            assert torch.equal(got, want)
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         else:
             torch.testing.assert_close(got, want, rtol=kernels.tolerance(dtype), atol=kernels.tolerance(dtype))
         if rotary_dim < head_dim:
