@@ -5,7 +5,8 @@ wait until every weight has landed, each variant in fresh processes taking turns
 Variants change what the start reads ahead and how (module settings of ``kiln.models.loader`` and
 ``kiln.models.weight_reader``): ``base`` is kiln's as it stands; a variant is
 ``name=SETTING:VALUE+SETTING:VALUE`` with ``ahead`` (READ_AHEAD_MAX_BYTES, GiB), ``threads``,
-``chunk`` (MiB) and ``buffers``. The tokenizer thread a start runs beside them is left in.
+``chunk`` (MiB) and ``buffers``; ``tokenizer:0`` leaves out the tokenizer thread a start runs beside
+them.
 
     PYTHONPATH=$PWD python benchmarks/load_phases.py --variants base,ahead32=ahead:32 --rounds 3
 """
@@ -40,6 +41,8 @@ def child(opts: dict) -> None:
             weight_reader.CHUNK_BYTES = int(value) << 20
         elif key == "buffers":
             weight_reader.NUM_BUFFERS = int(value)
+        elif key == "tokenizer" and not value:  # no tokenizer thread beside the read
+            loader._load_tokenizer = lambda path: None
         else:
             raise ValueError(f"unknown setting {key!r}")
     t_ready = time.perf_counter()
