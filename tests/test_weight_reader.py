@@ -85,6 +85,50 @@ def _checkpoint(tmp_path):
     return write_checkpoint("tiny", tmp_path / "ckpt")
 
 
+def test_cpu_reads_into_place_what_fits_and_maps_the_rest(tmp_path):
+    from kiln.models.weight_reader import iter_file_into
+
+    path = str(tmp_path / "m.safetensors")
+    tensors = _random_tensors(torch.Generator().manual_seed(5))
+    save_file(tensors, path)
+    dests = {name: torch.full_like(t, 7) for name, t in tensors.items() if name != "c.ids"}
+    dests["g.half"] = torch.zeros(300, dtype=torch.float32)  # another dtype: given mapped, left alone
+    dests["a.weight"] = torch.zeros(37, 2 * 129, dtype=torch.bfloat16)[:, :129]  # not contiguous: the same
+    got = dict(iter_file_into(path, dests))
+    assert list(got) == [e.name for e in read_header(path)]
+    for name, want in tensors.items():
+        placed = name in ("b.bias", "d.empty", "e.scale", "f.fp8")
+        assert (got[name] is None) == placed, name
+        have = dests[name] if placed else got[name]
+        assert have.dtype == want.dtype and torch.equal(have.reshape(-1).view(torch.uint8),
+                                                        want.reshape(-1).view(torch.uint8)), name
+    assert not dests["g.half"].any() and not dests["a.weight"].any()
+
+
+def test_cpu_load_reads_the_checkpoint_into_the_parameters(tmp_path, monkeypatch):
+    """Every tensor of a checkpoint in the model's dtype is read into place (the fused q/k/v and
+    gate/up parameters take several), and the model holds what copying each tensor in gives."""
+    import json
+
+    from kiln.config import ModelConfig
+    from kiln.models import loader, weight_reader
+    from kiln.models.arch import ArchConfig
+
+    ckpt = _checkpoint(tmp_path)
+    placed = []
+    read_into = weight_reader._read_into
+    monkeypatch.setattr(weight_reader, "_read_into", lambda fd, buf, at: placed.append(at) or read_into(fd, buf, at))
+    model = loader.load_model(ModelConfig(model=str(ckpt)), str(tmp_path / "cache"), torch.device("cpu"),
+                              torch.bfloat16).model
+    assert len(placed) == loader._num_tensors(str(ckpt))
+    arch = ArchConfig.from_hf_config(json.loads((ckpt / "config.json").read_text()))
+    want = loader.build_empty_model(arch, torch.device("cpu"), torch.bfloat16)
+    want.load_weights(item for f in loader._safetensors_files(str(ckpt)) for item in load_file(str(ckpt / f)).items())
+    assert list(model.state_dict()) == list(want.state_dict())
+    for (name, got), t in zip(model.state_dict().items(), want.state_dict().values()):
+        assert torch.equal(got, t), name
+
+
 def test_background_load_is_synchronous_off_the_gpu(tmp_path):
     from kiln.config import ModelConfig
     from kiln.models.loader import load_model

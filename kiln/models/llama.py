@@ -296,11 +296,12 @@ class LlamaForCausalLM(nn.Module):
         return logits.float() if self.tp.size == 1 else logits.float().contiguous()
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Optional[torch.Tensor]]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be given.
 
         Tensors are full (unsharded); under tensor parallelism each rank copies only its slice. A
-        tensor stored fused (Phi-3's qkv_proj) may fill several slices of a kiln parameter."""
+        tensor stored fused (Phi-3's qkv_proj) may fill several slices of a kiln parameter. A name
+        given with None was read into its place already (one of ``weight_destinations``)."""
         targets: dict[str, list[tuple[torch.Tensor, Shard]]] = {}
         for name, dest, shard in self._weight_slices():
             targets.setdefault(name, []).append((dest, shard))
@@ -312,18 +313,28 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 raise ValueError(f"unexpected weight {name!r} for a {self.arch.family} model "
                                  f"with {self.arch.num_layers} layers")
-            for dest, shard in targets[name]:
+            for dest, shard in targets[name] if tensor is not None else ():
                 part = tensor.narrow(*shard) if shard is not None else tensor
                 if tuple(dest.shape) != tuple(part.shape):
                     raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, which does not fit "
                                      f"{tuple(dest.shape)}")
                 dest.copy_(part)
-            del tensor, part  # before the next is drawn or read: one full tensor at a time
+                del part
+            del tensor  # before the next is drawn or read: one full tensor at a time
             loaded.add(name)
         missing = sorted(set(targets) - loaded)
         if missing:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise ValueError(f"checkpoint lacks {len(missing)} weight(s): {missing[:5]}{more}")
+
+    def weight_destinations(self) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors that land whole in one contiguous place (no shard, no second
+        slice): name -> that part of a parameter, which a loader may read the tensor's bytes into."""
+        targets: dict[str, list[tuple[torch.Tensor, Shard]]] = {}
+        for name, dest, shard in self._weight_slices():
+            targets.setdefault(name, []).append((dest, shard))
+        return {name: places[0][0] for name, places in targets.items()
+                if len(places) == 1 and places[0][1] is None and places[0][0].is_contiguous()}
 
     def _zero_vocab_padding(self) -> None:
         """Zero the embedding / LM head rows past the vocabulary (no checkpoint tensor fills them)."""

@@ -46,7 +46,7 @@ from kiln.models.int4_checkpoint import dequantize_int4_checkpoint
 from kiln.models.quantize import (apply_quantization, checkpoint_int4_format, checkpoint_quantization,
                                   collect_kv_scales, dequantize_fp8_checkpoint, resolve_quantization)
 from kiln.models.registry import REGISTERED_MODELS, TOKENIZER_DIR_ENV, TOKENIZER_DONOR
-from kiln.models.weight_reader import ReadAhead, iter_files_to_device
+from kiln.models.weight_reader import ReadAhead, iter_file_into, iter_files_to_device
 from kiln.ops.registry import KernelSet, select_kernels
 from kiln.progress import progress_bar
 
@@ -306,7 +306,9 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     scheme = resolve_quantization(model_config.quantization, hf_dir, gguf_path)
     checkpoint_scheme = checkpoint_quantization(hf_dir)
     fill = background and scheme == "none" and checkpoint_scheme == "none" and torch.device(device).type == "cuda"
-    source = iter_safetensors(hf_dir, device)
+    # On the CPU the tensors are read into the built model's parameters (iter_file_into).
+    direct = torch.device(device).type == "cpu" and checkpoint_scheme == "none"
+    source = None if direct else iter_safetensors(hf_dir, device)
     if fill:  # the read starts now, while the model is built
         source = ReadAhead(source, _read_ahead_bytes(hf_dir, device), _cuda_device(device))
     try:
@@ -316,6 +318,8 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
         if fill:
             source.close()
         raise
+    if direct:
+        source = iter_safetensors(hf_dir, device, model.weight_destinations())
     kv_scales: dict[int, list[float]] = {}
     weights = collect_kv_scales(source, kv_scales)
     int4_projections = None
@@ -435,21 +439,21 @@ READ_AHEAD_MAX_BYTES = 8 << 30
 READ_AHEAD_MARGIN_BYTES = 2 << 30
 
 
-def iter_safetensors(hf_dir: str, device: Union[str, torch.device] = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(hf_dir: str, device: Union[str, torch.device] = "cpu",
+                     destinations: Optional[dict[str, torch.Tensor]] = None
+                     ) -> Iterator[tuple[str, Optional[torch.Tensor]]]:
     """(name, tensor on ``device``) for every tensor of the checkpoint. On CUDA the files are read
     by several threads through pinned buffers straight into GPU memory (``weight_reader``): no CPU
-    copy of the weights is made. On the CPU, safetensors maps one shard at a time."""
-    from safetensors import safe_open
-
+    copy of the weights is made. On the CPU, safetensors maps one shard at a time, and a tensor
+    with a place in ``destinations`` (a model's ``weight_destinations``) is read into it and given
+    as (name, None)."""
     device = torch.device(device)
     paths = [os.path.join(hf_dir, fname) for fname in _safetensors_files(hf_dir)]
     if device.type == "cuda":
         yield from iter_files_to_device(paths, _cuda_device(device))
         return
     for path in paths:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
+        yield from iter_file_into(path, destinations or {})
 
 
 def _cuda_device(device: Union[str, torch.device]) -> torch.device:

@@ -162,6 +162,30 @@ def iter_files_to_device(paths: list[str], device: torch.device) -> Iterator[tup
         torch.cuda.current_stream(device).synchronize()  # the pinned buffers are freed after this
 
 
+def iter_file_into(path: str, destinations: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """Every tensor of one safetensors file on the CPU, in storage order. One whose place in
+    ``destinations`` (name -> contiguous CPU tensor) has its dtype and shape is read straight into
+    it with ``preadv`` and given as (name, None); the others come mapped from the file, as
+    ``safe_open`` gives them. A read into place faults in the destination's pages once, where a
+    mapped tensor copied into it faults in the file's pages and then the destination's (a file
+    shorter than its header is refused by ``safe_open`` first)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt", device="cpu") as mapped:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for e in read_header(path):
+                dest = destinations.get(e.name)
+                if (dest is None or dest.device.type != "cpu" or dest.dtype != e.dtype
+                        or tuple(dest.shape) != e.shape or not dest.is_contiguous()):
+                    yield e.name, mapped.get_tensor(e.name)
+                    continue
+                _read_into(fd, memoryview(dest.reshape(-1).view(torch.uint8).numpy()), e.start)
+                yield e.name, None
+        finally:
+            os.close(fd)
+
+
 class ReadAhead:
     """``tensors`` drawn by a thread of its own from the call on, at most ``max_bytes`` of them held
     ahead of the consumer (one tensor at least): a start reads the checkpoint while the main thread
