@@ -105,6 +105,18 @@ def test_cpu_reads_into_place_what_fits_and_maps_the_rest(tmp_path):
     assert not dests["g.half"].any() and not dests["a.weight"].any()
 
 
+def test_cpu_read_into_place_falls_back_to_mapping_without_preadv(tmp_path, monkeypatch):
+    from kiln.models.weight_reader import iter_file_into
+
+    path = str(tmp_path / "m.safetensors")
+    tensors = _random_tensors(torch.Generator().manual_seed(6))
+    save_file(tensors, path)
+    monkeypatch.delattr("os.preadv")
+    got = dict(iter_file_into(path, {name: torch.empty_like(t) for name, t in tensors.items()}))
+    assert all(got[name] is not None and torch.equal(got[name].reshape(-1).view(torch.uint8),
+                                                     t.reshape(-1).view(torch.uint8)) for name, t in tensors.items())
+
+
 def test_cpu_load_reads_the_checkpoint_into_the_parameters(tmp_path, monkeypatch):
     """Every tensor of a checkpoint in the model's dtype is read into place (the fused q/k/v and
     gate/up parameters take several), and the model holds what copying each tensor in gives."""

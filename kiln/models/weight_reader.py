@@ -171,6 +171,8 @@ def iter_file_into(path: str, destinations: dict[str, torch.Tensor]) -> Iterator
     shorter than its header is refused by ``safe_open`` first)."""
     from safetensors import safe_open
 
+    if not hasattr(os, "preadv"):  # not every platform's Python has it
+        destinations = {}
     with safe_open(path, framework="pt", device="cpu") as mapped:
         fd = os.open(path, os.O_RDONLY)
         try:
