@@ -135,6 +135,31 @@ def test_typo_names_the_closest_key_and_exits_2(capsys):
         "kiln: error: unknown key zzz; `kiln <command> --help` lists every key\n")
 
 
+def test_serve_on_a_port_in_use_fails_before_loading_the_model(capsys, monkeypatch):
+    """A port another process holds is refused at once with what to change (exit 1), before the
+    engine (the model's start-up) is built; the port is free again afterwards."""
+    import socket
+
+    from kiln.entrypoints.openai import api_server
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine was started before the port was checked")
+
+    monkeypatch.setattr(api_server, "AsyncEngine", no_engine)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code, out, err = exit_of(["serve", "model=random:tiny", f"server.port={port}"], capsys)
+    assert code == 1 and not out
+    assert err == (f"kiln: error: cannot listen on 127.0.0.1:{port}: Address already in use; another process "
+                   "listens there: stop it or choose another server.port\n")
+    code, _, err = exit_of(["serve", "model=random:tiny", "server.host=no-such-host.invalid"], capsys)
+    assert code == 1 and err.startswith("kiln: error: cannot listen on no-such-host.invalid:8000: ")
+    assert err.endswith("; choose another server.host or server.port\n") and err.count("\n") == 1
+    api_server.bind_socket("127.0.0.1", port).close()  # nothing of kiln's holds it
+
+
 def test_unknown_group_option_names_the_closest_option(capsys):
     code, _, err = exit_of(["serve", "compile=kiln-piecwise"], capsys)
     assert (code, err) == (2, "kiln: error: unknown compile option kiln-piecwise; did you mean kiln-piecewise?\n")

@@ -17,8 +17,10 @@ any host), a POST body declared as anything but JSON a 415, and a body over
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import logging
+import socket
 import threading
 from typing import Optional
 
@@ -225,6 +227,7 @@ def run_server(config: EngineConfig, drain_s: float = 5.0) -> None:
     stream still open ends with an error event and ``[DONE]`` rather than a cut connection.
     """
     server = config.server
+    sock = bind_socket(server.host, server.port)  # before a start that may take minutes: fails at once
     if server.host not in _LOOPBACK_HOSTS and not server.resolved_api_key():
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", server.host)
     reports: list[StartupReport] = []  # the engine thread hands its report over once built
@@ -234,18 +237,43 @@ def run_server(config: EngineConfig, drain_s: float = 5.0) -> None:
         reports.append(built.startup)
         return built
 
-    engine = AsyncEngine(make_engine, model_name=config.model.model, limits=QueueLimits.from_server(server))
+    with contextlib.closing(sock):
+        engine = AsyncEngine(make_engine, model_name=config.model.model, limits=QueueLimits.from_server(server))
+        try:
+            engine.wait_ready()
+            app = build_app(engine, server)
+            uv_config = uvicorn.Config(app, host=server.host, port=server.port, log_level="info",
+                                       timeout_graceful_shutdown=drain_s + 5.0, **uvicorn_options(server))
+            ready_line = reports[0].ready_line(api_url(server.host, server.port))
+            _DrainingServer(uv_config, engine, drain_s, ready_line).run(sockets=[sock])
+        except KeyboardInterrupt:
+            pass  # uvicorn re-raises the SIGINT it handled; the server has already stopped cleanly
+        finally:
+            engine.shutdown()
+
+
+_BIND_HINTS = {
+    errno.EADDRINUSE: "another process listens there: stop it or choose another server.port",
+    errno.EACCES: "ports below 1024 need privileges: choose a server.port of 1024 or more",
+    errno.EADDRNOTAVAIL: "this machine has no such address: choose another server.host (0.0.0.0: every interface)",
+}
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening) before the model loads, so a port in use, a
+    privileged port or an address this machine lacks is a ValueError saying what to change at once
+    rather than uvicorn's error after the whole start-up."""
+    # As uvicorn binds: IPv6 for an address with a colon, else IPv4 (a name resolves to its IPv4
+    # address); SO_REUSEADDR, so a restart takes the port straight back.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        engine.wait_ready()
-        app = build_app(engine, server)
-        uv_config = uvicorn.Config(app, host=server.host, port=server.port, log_level="info",
-                                   timeout_graceful_shutdown=drain_s + 5.0, **uvicorn_options(server))
-        ready_line = reports[0].ready_line(api_url(server.host, server.port))
-        _DrainingServer(uv_config, engine, drain_s, ready_line).run()
-    except KeyboardInterrupt:
-        pass  # uvicorn re-raises the SIGINT it handled; the server has already stopped cleanly
-    finally:
-        engine.shutdown()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:  # socket.gaierror too: a name that does not resolve
+        sock.close()
+        hint = _BIND_HINTS.get(e.errno, "choose another server.host or server.port")
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}; {hint}") from None
+    return sock
 
 
 def api_url(host: str, port: int) -> str:
