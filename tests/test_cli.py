@@ -160,6 +160,22 @@ def test_serve_on_a_port_in_use_fails_before_loading_the_model(capsys, monkeypat
     api_server.bind_socket("127.0.0.1", port).close()  # nothing of kiln's holds it
 
 
+def test_serve_with_a_model_that_does_not_load_says_why_in_one_line(capsys):
+    """The engine is built on its own thread: the ValueError of a bad model reaches the command
+    line as that error (exit 1), not as a dead engine's traceback."""
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for model, says in (("/nonexistent/dir", "model='/nonexistent/dir' is neither a registered model"),
+                        ("random:nope", "random:")):
+        code, out, err = exit_of(["serve", f"model={model}", f"server.port={port}"], capsys)
+        last = err.strip().splitlines()[-1]
+        assert code == 1 and not out and last.startswith("kiln: error: ") and says in last, err
+        assert "Traceback" not in err and "engine" not in last, err
+
+
 def test_unknown_group_option_names_the_closest_option(capsys):
     code, _, err = exit_of(["serve", "compile=kiln-piecwise"], capsys)
     assert (code, err) == (2, "kiln: error: unknown compile option kiln-piecwise; did you mean kiln-piecewise?\n")

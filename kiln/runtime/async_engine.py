@@ -186,13 +186,16 @@ class AsyncEngine:
         return self._error
 
     def wait_ready(self, timeout: Optional[float] = None) -> None:
-        """Block until the engine is built; raise EngineDeadError if building it failed."""
+        """Block until the engine is built; re-raise what building it raised (a bad setting's
+        ValueError, as ``LLMEngine`` raises it), or EngineDeadError once it has stopped."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not (self._ready.is_set() or self._done.is_set()):
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"the engine is not ready after {timeout} s")
             self._done.wait(0.05)
         if not self.is_ready():
+            if self._error is not None and not self._ready.is_set():
+                raise self._error
             raise self._dead_error()
 
     def stats(self) -> dict:
@@ -321,7 +324,10 @@ class AsyncEngine:
             self._loop(engine)
             self._close(EngineDeadError("the engine shut down before this request finished"))
         except BaseException as e:  # noqa: BLE001 - any crash must reach the waiting requests
-            logger.exception("engine thread died")
+            if self._ready.is_set():
+                logger.exception("engine thread died")
+            # else building it failed: wait_ready re-raises the error itself (a bad setting's
+            # ValueError says what to change), and every later request names it
             self._error = e
             self._close(self._dead_error())
         finally:
