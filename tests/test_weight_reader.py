@@ -141,6 +141,32 @@ def test_cpu_load_reads_the_checkpoint_into_the_parameters(tmp_path, monkeypatch
         assert torch.equal(got, t), name
 
 
+@pytest.mark.parametrize("damage,message", [
+    ("truncate", "model-00001-of-00001.safetensors' is not a readable safetensors file .*fetch it again"),
+    ("garbage", "model-00001-of-00001.safetensors' is not a readable safetensors file"),
+    ("lose_shard", "lacks 1 of the weight files its index names \\(model-00001-of-00001.safetensors\\)"),
+    ("bad_index", "model.safetensors.index.json' is not a safetensors index"),
+])
+def test_a_damaged_checkpoint_is_a_value_error_naming_the_file(tmp_path, damage, message):
+    """What an interrupted download leaves is refused with the file named and what to do (the
+    command line prints a ValueError's first line), before any weight is read."""
+    from kiln.config import ModelConfig
+    from kiln.models.loader import load_model
+
+    ckpt = _checkpoint(tmp_path)
+    shard = ckpt / "model-00001-of-00001.safetensors"
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif damage == "garbage":
+        shard.write_bytes(b"not a safetensors file")
+    elif damage == "lose_shard":
+        shard.unlink()
+    else:
+        (ckpt / "model.safetensors.index.json").write_text('{"weight_map": [')
+    with pytest.raises(ValueError, match=message):
+        load_model(ModelConfig(model=str(ckpt)), str(tmp_path / "cache"), torch.device("cpu"), torch.float32)
+
+
 def test_background_load_is_synchronous_off_the_gpu(tmp_path):
     from kiln.config import ModelConfig
     from kiln.models.loader import load_model

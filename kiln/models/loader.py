@@ -46,7 +46,7 @@ from kiln.models.int4_checkpoint import dequantize_int4_checkpoint
 from kiln.models.quantize import (apply_quantization, checkpoint_int4_format, checkpoint_quantization,
                                   collect_kv_scales, dequantize_fp8_checkpoint, resolve_quantization)
 from kiln.models.registry import REGISTERED_MODELS, TOKENIZER_DIR_ENV, TOKENIZER_DONOR
-from kiln.models.weight_reader import ReadAhead, iter_file_into, iter_files_to_device
+from kiln.models.weight_reader import ReadAhead, iter_file_into, iter_files_to_device, open_safetensors
 from kiln.ops.registry import KernelSet, select_kernels
 from kiln.progress import progress_bar
 
@@ -306,6 +306,7 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     scheme = resolve_quantization(model_config.quantization, hf_dir, gguf_path)
     checkpoint_scheme = checkpoint_quantization(hf_dir)
     fill = background and scheme == "none" and checkpoint_scheme == "none" and torch.device(device).type == "cuda"
+    num_tensors = _num_tensors(hf_dir)  # every shard's header read (an unreadable file refused) before the read
     # On the CPU the tensors are read into the built model's parameters (iter_file_into).
     direct = torch.device(device).type == "cpu" and checkpoint_scheme == "none"
     source = None if direct else iter_safetensors(hf_dir, device)
@@ -328,7 +329,7 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     elif checkpoint_scheme == "int4":  # AWQ/GPTQ: float weights for load_weights, the int4 kept aside for int4
         int4_projections = {} if scheme == "int4" else None
         weights = dequantize_int4_checkpoint(weights, checkpoint_int4_format(hf_dir), dtype, int4_projections)
-    weights = progress_bar(weights, desc=f"loading {name}", total=_num_tensors(hf_dir), unit="tensor")
+    weights = progress_bar(weights, desc=f"loading {name}", total=num_tensors, unit="tensor")
     if fill:
         model.quantization = "none"
         return LoadedModel(model, arch, tokenizer, name, hf_dir, max_model_len,
@@ -472,8 +473,16 @@ def _read_ahead_bytes(hf_dir: str, device: Union[str, torch.device]) -> int:
 def _safetensors_files(hf_dir: str) -> list[str]:
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index!r} is not a safetensors index (a JSON object with a weight_map of tensor "
+                             f"to file): {type(e).__name__}: {e}") from None
+        missing = [f for f in files if not os.path.isfile(os.path.join(hf_dir, f))]
+        if missing:
+            raise ValueError(f"model directory {hf_dir!r} lacks {len(missing)} of the weight files its index names "
+                             f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); fetch them again")
     else:
         files = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
     if not files:
@@ -483,11 +492,9 @@ def _safetensors_files(hf_dir: str) -> list[str]:
 
 def _num_tensors(hf_dir: str) -> int:
     """The checkpoint's tensor count, for the progress bar: only each shard's header is read."""
-    from safetensors import safe_open
-
     num = 0
     for fname in _safetensors_files(hf_dir):
-        with safe_open(os.path.join(hf_dir, fname), framework="pt", device="cpu") as f:
+        with open_safetensors(os.path.join(hf_dir, fname)) as f:
             num += len(f.keys())
     return num
 

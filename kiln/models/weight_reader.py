@@ -12,6 +12,7 @@ and byte offsets into the data that follows.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -19,7 +20,7 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -162,18 +163,31 @@ def iter_files_to_device(paths: list[str], device: torch.device) -> Iterator[tup
         torch.cuda.current_stream(device).synchronize()  # the pinned buffers are freed after this
 
 
+@contextlib.contextmanager
+def open_safetensors(path: str) -> Iterator[Any]:
+    """``safe_open`` on the CPU; a file it cannot read (missing, cut short, not safetensors at all)
+    is a ValueError that names it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(path, framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path!r} is not a readable safetensors file ({e}); an interrupted download or copy? "
+                         "fetch it again") from None
+    with handle as f:
+        yield f
+
+
 def iter_file_into(path: str, destinations: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor | None]]:
     """Every tensor of one safetensors file on the CPU, in storage order. One whose place in
     ``destinations`` (name -> contiguous CPU tensor) has its dtype and shape is read straight into
     it with ``preadv`` and given as (name, None); the others come mapped from the file, as
     ``safe_open`` gives them. A read into place faults in the destination's pages once, where a
     mapped tensor copied into it faults in the file's pages and then the destination's (a file
-    shorter than its header is refused by ``safe_open`` first)."""
-    from safetensors import safe_open
-
+    shorter than its header is refused when it is opened)."""
     if not hasattr(os, "preadv"):  # not every platform's Python has it
         destinations = {}
-    with safe_open(path, framework="pt", device="cpu") as mapped:
+    with open_safetensors(path) as mapped:
         fd = os.open(path, os.O_RDONLY)
         try:
             for e in read_header(path):
