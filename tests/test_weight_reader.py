@@ -146,10 +146,14 @@ def test_cpu_load_reads_the_checkpoint_into_the_parameters(tmp_path, monkeypatch
     ("garbage", "model-00001-of-00001.safetensors' is not a readable safetensors file"),
     ("lose_shard", "lacks 1 of the weight files its index names \\(model-00001-of-00001.safetensors\\)"),
     ("bad_index", "model.safetensors.index.json' is not a safetensors index"),
+    ("cut_config", "config.json' is not valid JSON .*fetch it again"),
+    ("thin_config", "config.json' does not describe a llama model kiln can build: KeyError"),
+    ("bad_tokenizer", "cannot build the tokenizer of .*are its tokenizer files complete"),
 ])
 def test_a_damaged_checkpoint_is_a_value_error_naming_the_file(tmp_path, damage, message):
     """What an interrupted download leaves is refused with the file named and what to do (the
-    command line prints a ValueError's first line), before any weight is read."""
+    command line prints a ValueError's first line), before any weight is read; a config.json without
+    the fields kiln reads, too."""
     from kiln.config import ModelConfig
     from kiln.models.loader import load_model
 
@@ -161,8 +165,14 @@ def test_a_damaged_checkpoint_is_a_value_error_naming_the_file(tmp_path, damage,
         shard.write_bytes(b"not a safetensors file")
     elif damage == "lose_shard":
         shard.unlink()
-    else:
+    elif damage == "bad_index":
         (ckpt / "model.safetensors.index.json").write_text('{"weight_map": [')
+    elif damage == "cut_config":
+        (ckpt / "config.json").write_text((ckpt / "config.json").read_text()[:20])
+    elif damage == "thin_config":
+        (ckpt / "config.json").write_text('{"model_type": "llama"}')
+    else:
+        (ckpt / "tokenizer.json").write_text((ckpt / "tokenizer.json").read_text()[:1000])
     with pytest.raises(ValueError, match=message):
         load_model(ModelConfig(model=str(ckpt)), str(tmp_path / "cache"), torch.device("cpu"), torch.float32)
 

@@ -290,11 +290,14 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise ValueError(f"model directory {hf_dir!r} has no config.json; point model= at a Hugging Face "
                          f"checkpoint directory (config.json, *.safetensors, tokenizer files). {_choices()}")
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        hf_config = json.load(f)
+    hf_config = read_json(os.path.join(hf_dir, "config.json"))
     if use_generic(model_config.impl, hf_config.get("model_type")):
         return _load_generic(hf_config, hf_dir, name, model_config, device, dtype, tp)
-    arch = ArchConfig.from_hf_config(hf_config)
+    try:
+        arch = ArchConfig.from_hf_config(hf_config)
+    except (KeyError, TypeError) as e:  # a field missing, or of the wrong kind
+        raise ValueError(f"{os.path.join(hf_dir, 'config.json')!r} does not describe a "
+                         f"{hf_config.get('model_type')} model kiln can build: {type(e).__name__} {e}") from None
     arch = dataclasses.replace(arch, eos_token_id=stop_token_ids(hf_dir, arch))
     max_model_len = _max_model_len(model_config, arch)
     tokenizing = None
@@ -553,15 +556,25 @@ _GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 _GENERIC_TOKENIZER_MODEL_TYPES = (None, "llama")
 
 
+def read_json(path: str) -> dict:
+    """A checkpoint's JSON file (config.json and the like) as a dict; one that is cut short or not
+    a JSON object is a ValueError naming it."""
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{path!r} is not valid JSON ({e}); an interrupted download or copy? fetch it again") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path!r} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
 def _generic_fast_tokenizer(path: str) -> bool:
     """Whether ``AutoTokenizer.from_pretrained(path)`` would build transformers' generic fast
     tokenizer from tokenizer.json (the class tokenizer_config.json names, no custom code)."""
     def read(name: str) -> Optional[dict]:
         file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            return None
-        with open(file) as f:
-            return json.load(f)
+        return read_json(file) if os.path.isfile(file) else None
 
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         return False
@@ -573,15 +586,22 @@ def _generic_fast_tokenizer(path: str) -> bool:
 def _load_tokenizer(path: str) -> Any:
     _check_tokenizer_files(path)
     import_transformers()  # on a thread of its own at start-up, maybe beside another
-    if _generic_fast_tokenizer(path):
-        # The class AutoTokenizer would pick, without importing AutoTokenizer: that imports every model
-        # family's modeling code (and scikit-learn where it is installed), seconds of a start-up.
-        from transformers import PreTrainedTokenizerFast
+    try:
+        if _generic_fast_tokenizer(path):
+            # The class AutoTokenizer would pick, without importing AutoTokenizer: that imports every model
+            # family's modeling code (and scikit-learn where it is installed), seconds of a start-up.
+            from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    from transformers import AutoTokenizer
+            return PreTrainedTokenizerFast.from_pretrained(path)
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
+    except ImportError:
+        raise
+    except Exception as e:  # tokenizers' parse errors are plain Exceptions: name the directory
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"cannot build the tokenizer of {path!r} ({type(e).__name__}: {first}); are its "
+                         "tokenizer files complete?") from e
 
 
 def stop_token_ids(hf_dir: str, arch: ArchConfig) -> tuple[int, ...]:
@@ -591,8 +611,7 @@ def stop_token_ids(hf_dir: str, arch: ArchConfig) -> tuple[int, ...]:
     ids = list(arch.eos_token_id)
     path = os.path.join(hf_dir, "generation_config.json")
     if os.path.isfile(path):
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
+        eos = read_json(path).get("eos_token_id")
         for e in [] if eos is None else [eos] if isinstance(eos, int) else eos:
             if int(e) not in ids:
                 ids.append(int(e))
