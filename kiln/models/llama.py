@@ -302,9 +302,7 @@ class LlamaForCausalLM(nn.Module):
         Tensors are full (unsharded); under tensor parallelism each rank copies only its slice. A
         tensor stored fused (Phi-3's qkv_proj) may fill several slices of a kiln parameter. A name
         given with None was read into its place already (one of ``weight_destinations``)."""
-        targets: dict[str, list[tuple[torch.Tensor, Shard]]] = {}
-        for name, dest, shard in self._weight_slices():
-            targets.setdefault(name, []).append((dest, shard))
+        targets = self._weight_places()
         self._zero_vocab_padding()
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -330,11 +328,15 @@ class LlamaForCausalLM(nn.Module):
     def weight_destinations(self) -> dict[str, torch.Tensor]:
         """The checkpoint tensors that land whole in one contiguous place (no shard, no second
         slice): name -> that part of a parameter, which a loader may read the tensor's bytes into."""
-        targets: dict[str, list[tuple[torch.Tensor, Shard]]] = {}
-        for name, dest, shard in self._weight_slices():
-            targets.setdefault(name, []).append((dest, shard))
-        return {name: places[0][0] for name, places in targets.items()
+        return {name: places[0][0] for name, places in self._weight_places().items()
                 if len(places) == 1 and places[0][1] is None and places[0][0].is_contiguous()}
+
+    def _weight_places(self) -> dict[str, list[tuple[torch.Tensor, Shard]]]:
+        """``_weight_slices`` grouped by checkpoint name: every (slice, shard) a tensor fills."""
+        places: dict[str, list[tuple[torch.Tensor, Shard]]] = {}
+        for name, dest, shard in self._weight_slices():
+            places.setdefault(name, []).append((dest, shard))
+        return places
 
     def _zero_vocab_padding(self) -> None:
         """Zero the embedding / LM head rows past the vocabulary (no checkpoint tensor fills them)."""
@@ -346,10 +348,8 @@ class LlamaForCausalLM(nn.Module):
     def _weight_targets(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, a kiln parameter of that tensor's full shape) once per checkpoint tensor. With
         one rank these are the Hugging Face tensors' shapes, ready for any rank's ``load_weights``."""
-        seen: dict[str, list[torch.Tensor]] = {}
-        for name, dest, shard in self._weight_slices():
-            seen.setdefault(name, []).append(dest)
-        for name, dests in seen.items():
+        for name, places in self._weight_places().items():
+            dests = [dest for dest, _ in places]
             yield name, dests[0] if len(dests) == 1 else torch.cat(dests, dim=0)
 
     def _weight_slices(self) -> Iterator[tuple[str, torch.Tensor, Shard]]:
