@@ -12,7 +12,7 @@ import torch
 
 from kiln.config import ModelConfig
 from kiln.models.arch import PRESETS, ArchConfig
-from kiln.models.gguf import _staging, convert_gguf, unpermute_rotary_rows
+from kiln.models.gguf import _staging, conversion_key, convert_gguf, unpermute_rotary_rows
 from kiln.models.loader import build_empty_model, load_model, resolve_dtype
 from kiln.models.registry import REGISTERED_MODELS
 from tests.utils import PagedBatcher, make_kv_caches, run_step, split_rows
@@ -237,6 +237,49 @@ def test_conversion_publish_keeps_the_winner(tmp_path):
     assert os.listdir(dest) == ["theirs"] and os.listdir(tmp_path / "models") == ["m-0"]
 
 
+def test_conversion_key_follows_the_bytes_and_is_remembered_by_path_size_and_mtime(tmp_path, monkeypatch):
+    from kiln.models import gguf
+
+    cache = str(tmp_path / "cache")
+    a, b, c = tmp_path / "a.gguf", tmp_path / "elsewhere" / "b.gguf", tmp_path / "c.gguf"
+    b.parent.mkdir()
+    payload = os.urandom(3000)
+    a.write_bytes(payload)
+    b.write_bytes(payload)
+    c.write_bytes(payload[:-1] + bytes([payload[-1] ^ 1]))
+    os.utime(b, ns=(1, 10**18))
+    key = conversion_key(str(a), cache)
+    assert len(key) == 12 and conversion_key(str(b), cache) == key  # same bytes: another path, another mtime
+    assert conversion_key(str(c), cache) != key
+    assert len(os.listdir(os.path.join(cache, "models", ".gguf-keys"))) == 3
+    # A restart reads the remembered key: bytes changed behind the same size and mtime go unseen...
+    st = a.stat()
+    a.write_bytes(c.read_bytes())
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert conversion_key(str(a), cache) == key
+    # ... and a new mtime hashes the file again.
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert conversion_key(str(a), cache) == conversion_key(str(c), cache)
+    # A cache it cannot write to still gives the key, from the bytes.
+    monkeypatch.setattr(gguf.os, "replace", lambda *args: (_ for _ in ()).throw(PermissionError("read-only")))
+    assert conversion_key(str(b), str(tmp_path / "other-cache")) == key
+
+
+def test_a_reinstalled_gguf_reuses_its_conversion(tmp_path, cache_dir, smollm2_dir, monkeypatch):
+    """The same file under another path and mtime (a new virtual environment, a reinstall) finds the
+    model and tokenizer converted before: nothing is converted again."""
+    import shutil
+
+    from kiln.models import gguf
+
+    copy_path = tmp_path / "site-packages" / "SmolLM2.gguf"
+    copy_path.parent.mkdir()
+    shutil.copyfile(REGISTERED_MODELS[SMOLLM2].find(), copy_path)
+    monkeypatch.setattr(gguf, "WeightsConversion", lambda *args: pytest.fail("converted again"))
+    assert convert_gguf(str(copy_path), cache_dir, SMOLLM2) == smollm2_dir
+    assert gguf.convert_gguf_tokenizer(str(copy_path), cache_dir, SMOLLM2) == smollm2_dir
+
+
 # SmolLM2: the embedded default model, converted from GGUF (slow: tens of seconds once per session).
 
 @pytest.mark.slow  # re-dequantizes the whole file through transformers (~10-20 s)
@@ -326,7 +369,7 @@ def test_a_failed_conversion_stops_its_child_and_leaves_no_directory(tmp_path, m
     with pytest.raises(ValueError, match="no chat template"):
         convert_gguf(path, str(tmp_path / "cache"), "m")
     assert len(children) == 1 and children[0].poll() is not None
-    assert os.listdir(tmp_path / "cache" / "models") == []
+    assert os.listdir(tmp_path / "cache" / "models") == [".gguf-keys"]  # the file's key alone
 
 
 @pytest.fixture(scope="module")
