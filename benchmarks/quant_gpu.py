@@ -39,7 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--systems", default="none,fp8+kv,int4",
                    help="model.quantization values (none: the bf16 baseline), '+kv' adds cache.dtype=fp8, "
                         "':tinygemm' runs int4 through torch's tinygemm kernel instead of the Triton one, "
-                        "':prequant' makes fp8's joined norm/activation + GEMM ops quantize decode rows too")
+                        "':prequant' makes fp8's joined norm/activation + GEMM ops quantize decode rows too, "
+                        "':g128' quantizes int4 in groups of 128 columns (model.int4_group_size; default 32)")
     p.add_argument("--offline-systems", default="",
                    help="comma-separated systems that also run the offline throughput (default: all)")
     p.add_argument("--gemm-table", default="",
@@ -89,8 +90,10 @@ def run_system(system: str, args, bandwidth: float) -> dict:
         from kiln.ops import triton_quant
 
         triton_quant.QUANTIZE_DECODE_ROWS = True
+    group = int(int4_kernel[1:]) if int4_kernel[:1] == "g" and int4_kernel[1:].isdigit() else None
     try:
-        return _run_system(system + (":" + int4_kernel if int4_kernel else ""), quantization, kv, args, bandwidth)
+        return _run_system(system + (":" + int4_kernel if int4_kernel else ""), quantization, kv, args, bandwidth,
+                           group)
     finally:
         registry.REGISTRY.clear()
         registry.REGISTRY.update(saved)
@@ -98,14 +101,14 @@ def run_system(system: str, args, bandwidth: float) -> dict:
             triton_quant.QUANTIZE_DECODE_ROWS = False
 
 
-def _run_system(system: str, quantization: str, kv: str, args, bandwidth: float) -> dict:
+def _run_system(system: str, quantization: str, kv: str, args, bandwidth: float, group: int = None) -> dict:
     from kiln import LLM, SamplingParams
 
     t_start = time.perf_counter()
     max_seqs = max(args.num_requests, 1)
     max_len = max(args.prompt_len, args.tp_prompt_len) + max(args.output_len, args.tp_output_len, 8)
     llm = LLM(model={"model": f"random:{args.model}", "dtype": "bfloat16", "quantization": quantization,
-                     "max_model_len": max_len},
+                     "max_model_len": max_len, **({"int4_group_size": group} if group else {})},
               compile={"mode": args.mode, "cudagraph": args.cudagraph,
                        "capture_sizes": tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if s <= max_seqs)},
               cache={"gpu_memory_fraction": 0.85, "dtype": "fp8" if kv == "kv" else "auto"},
