@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def load_int4_configs(path: str) -> dict:
     """The configurations ``benchmarks/int4_gemv_shapes.py`` picked for an end-to-end run (shape name
-    -> block_n, block_k, warps, stages) over ``kiln.ops.triton_quant_gemm``'s tables (one-row int4)."""
+    -> its tile) over ``kiln.ops.triton_quant_gemm``'s tables (one-row int4)."""
     from kiln.ops.triton_quant_gemm import load_measured
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -58,8 +58,9 @@ def load_int4_configs(path: str) -> dict:
 
     found = json.loads(Path(path).read_text())
     best = found.get("e2e") or found["best"]
-    entries = {f"int4,1,{SHAPES[name][0]},{SHAPES[name][1]}": [1, bn, bk, 1, nw, ns]
-               for name, (bn, bk, nw, ns) in best.items()}
+    # [block_n, block_k, warps, stages] (a one-program GEMV tile) or every GemmConfig field
+    entries = {f"int4,1,{SHAPES[name][0]},{SHAPES[name][1]}": [1, c[0], c[1], 1, c[2], c[3]] if len(c) == 4 else c
+               for name, c in best.items()}
     load_measured(entries)
     return entries
 

@@ -62,11 +62,37 @@ SWEEP = [(8, 2048, 4, 2), (16, 1024, 4, 2), (16, 2048, 8, 2), (8, 1024, 2, 2), (
          (16, 4096, 8, 1), (16, 512, 4, 2), (32, 512, 4, 2), (32, 1024, 8, 2), (4, 2048, 2, 2)]
 
 
-def sweep(max_configs: int):
+# --dot: the tensor-core kernel at one row (x padded to 16 rows by masking), (block_n, block_k,
+# split_k, num_warps, num_stages): dequantizing in bf16x2 takes about half the GEMV's ALU work a
+# weight byte, for cards whose bandwidth outruns the GEMV's arithmetic.
+DOT_SWEEP = [(64, 256, 1, 4, 3), (128, 256, 1, 4, 3), (64, 512, 1, 4, 2), (128, 128, 1, 4, 4), (64, 256, 2, 4, 3),
+             (128, 256, 1, 8, 3), (32, 512, 1, 4, 3), (64, 128, 1, 4, 4), (128, 512, 1, 8, 2), (64, 256, 4, 4, 3)]
+
+
+def sweep(max_configs: int, dot: bool = False):
     from kiln.ops.triton_quant_gemm import GemmConfig
 
     for bn, bk, nw, stages in SWEEP[:max_configs]:
         yield GemmConfig(1, bn, bk, 1, num_warps=nw, num_stages=stages)
+    for bn, bk, split, nw, stages in DOT_SWEEP if dot else ():
+        yield GemmConfig(16, bn, bk, split, num_warps=nw, num_stages=stages)
+
+
+def config_list(cfg) -> list:
+    """A configuration as JSON: [block_n, block_k, warps, stages] for a one-program GEMV tile (the
+    form decode_profile.py --int4-configs also reads), else every GemmConfig field in order."""
+    if cfg.block_m == 1 and cfg.split_k == 1:
+        return [cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages]
+    return [cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.num_stages]
+
+
+def config_of(entry: list):
+    from kiln.ops.triton_quant_gemm import GemmConfig
+
+    if len(entry) == 4:
+        bn, bk, nw, ns = entry
+        return GemmConfig(1, bn, bk, 1, num_warps=nw, num_stages=ns)
+    return GemmConfig(*entry)
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -106,7 +132,7 @@ def time_shapes(base, args, bandwidth: float, t0: float):
             sec = time_call(lambda i: linear("int4", x, *weights[i], GROUP, config=cfg), copies)
             rec = {"shape": name, "n": n, "k": k, "system": system, "us": sec * 1e6,
                    "copy_bw_pct": 100 * nbytes / sec / bandwidth, "rel_err": err,
-                   "config": [cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages]}
+                   "config": config_list(cfg)}
             records.append(rec)
             return rec
 
@@ -114,7 +140,7 @@ def time_shapes(base, args, bandwidth: float, t0: float):
         print(f"{name}: baseline {b['us']:.2f} us {b['copy_bw_pct']:.0f}% err {b['rel_err']:.2e}", flush=True)
         tol = max(2 * b["rel_err"], 1e-3)
         results = []
-        configs = [config_for("int4", 1, n, k, GROUP)] + list(sweep(args.max_configs))
+        configs = [config_for("int4", 1, n, k, GROUP)] + list(sweep(args.max_configs, args.dot))
         for cfg in dict.fromkeys(configs):
             if time.perf_counter() - t0 > args.deadline_s:
                 print(f"deadline: {name} {cfg} not run", flush=True)
@@ -143,15 +169,16 @@ def check_groups(best: dict, gen) -> list[dict]:
     from kiln.ops.triton_quant_gemm import GemmConfig, triton_linear
 
     out = []
-    for name, (bn, bk, nw, ns) in best.items():
+    for name, entry in best.items():
         n, k = SHAPE_SET[name]
+        bk = config_of(entry).block_k
         for group in (g for g in (64, 128) if k % g == 0 and bk % g == 0):
-            cfg = GemmConfig(1, bn, bk, 1, num_warps=nw, num_stages=ns)
-            out.append({"shape": name, "group": group, "k": k, "config": [bn, bk, nw, ns],
+            cfg = config_of(entry)
+            out.append({"shape": name, "group": group, "k": k, "config": entry,
                         "rel_err": check(triton_linear, n, k, group, cfg, gen)})
         odd_k = k - bk // 2 if k - bk // 2 > 0 else k + bk // 2
-        cfg = GemmConfig(1, bn, bk, 1, num_warps=nw, num_stages=ns)
-        out.append({"shape": name, "group": 32, "k": odd_k, "config": [bn, bk, nw, ns],
+        cfg = config_of(entry)
+        out.append({"shape": name, "group": 32, "k": odd_k, "config": entry,
                     "rel_err": check(triton_linear, n, odd_k, 32, cfg, gen)})
     for rec in out:
         print(f"check {rec}", flush=True)
@@ -197,7 +224,7 @@ def layer_chain(base, best: dict, num_layers: int) -> list[dict]:
     }
     if best:
         cfgs = {s: config_for("int4", 1, *SHAPE_SET[s], GROUP) for s in SHAPE_SET}
-        cfgs.update({s: GemmConfig(1, bn, bk, 1, num_warps=nw, num_stages=ns) for s, (bn, bk, nw, ns) in best.items()})
+        cfgs.update({s: config_of(entry) for s, entry in best.items()})
         systems["new best"] = (triton_linear, cfgs)
     out, ref = [], None
     for label, (linear, cfgs) in systems.items():
@@ -205,7 +232,7 @@ def layer_chain(base, best: dict, num_layers: int) -> list[dict]:
         ref = y if ref is None else ref
         sec = time_call(lambda i: chain(linear, cfgs), 1, reps=5)
         out.append({"system": label, "us_per_layer": sec * 1e6 / num_layers, "rel_err_vs_baseline": rel_err(y, ref),
-                    "configs": {s: [c.block_n, c.block_k, c.num_warps, c.num_stages] for s, c in cfgs.items()}})
+                    "configs": {s: config_list(c) for s, c in cfgs.items()}})
         print(f"chain {label}: {out[-1]['us_per_layer']:.2f} us/layer", flush=True)
     return out
 
@@ -219,6 +246,7 @@ def main(argv=None) -> None:
     p.add_argument("--deadline-s", type=float, default=200.0, help="stop sweeping after this many seconds")
     p.add_argument("--max-configs", type=int, default=len(SWEEP))
     p.add_argument("--group", type=int, default=GROUP, help="int4 group size of the timed weights")
+    p.add_argument("--dot", action="store_true", help="also sweep the tensor-core kernel at one row (DOT_SWEEP)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (a dry run, e.g. in the Triton interpreter)")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
@@ -234,7 +262,7 @@ def main(argv=None) -> None:
     chain = layer_chain(base, best, args.chain_layers)
     rows = [[r["shape"], r["system"], str(r["config"]), r["us"], r["copy_bw_pct"], r["rel_err"]]
             for r in records if r["system"] != "new"]
-    print(console_table(["shape", "system", "config (bn, bk, warps, stages)", "us", "% copy bw", "rel err"], rows))
+    print(console_table(["shape", "system", "config", "us", "% copy bw", "rel err"], rows))
     print(console_table(["chain", "us/layer", "rel err vs baseline"],
                         [[c["system"], c["us_per_layer"], c["rel_err_vs_baseline"]] for c in chain]))
     out = Path(args.out)
