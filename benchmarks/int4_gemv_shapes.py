@@ -166,18 +166,17 @@ def time_shapes(base, args, bandwidth: float, t0: float):
 
 def check_groups(best: dict, gen) -> list[dict]:
     """The best configurations at groups 64 and 128, and with K not a multiple of the tile."""
-    from kiln.ops.triton_quant_gemm import GemmConfig, triton_linear
+    from kiln.ops.triton_quant_gemm import triton_linear
 
     out = []
     for name, entry in best.items():
         n, k = SHAPE_SET[name]
-        bk = config_of(entry).block_k
+        cfg = config_of(entry)
+        bk = cfg.block_k
         for group in (g for g in (64, 128) if k % g == 0 and bk % g == 0):
-            cfg = config_of(entry)
             out.append({"shape": name, "group": group, "k": k, "config": entry,
                         "rel_err": check(triton_linear, n, k, group, cfg, gen)})
         odd_k = k - bk // 2 if k - bk // 2 > 0 else k + bk // 2
-        cfg = config_of(entry)
         out.append({"shape": name, "group": 32, "k": odd_k, "config": entry,
                     "rel_err": check(triton_linear, n, odd_k, 32, cfg, gen)})
     for rec in out:
@@ -191,7 +190,7 @@ def layer_chain(base, best: dict, num_layers: int) -> list[dict]:
     this tree's with the sweep's best per shape."""
     from kiln.ops import quant
     from kiln.ops.triton_norm import triton_add_rms_norm, triton_silu_and_mul
-    from kiln.ops.triton_quant_gemm import GemmConfig, config_for, triton_linear
+    from kiln.ops.triton_quant_gemm import config_for, triton_linear
 
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     hidden = SHAPE_SET["o"][0]
