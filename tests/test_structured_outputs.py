@@ -327,6 +327,14 @@ def test_tool_choice_required_and_bad_choices(client):
         with pytest.raises(openai.BadRequestError) as exc:
             client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": "x"}], max_tokens=2, **kw)
         assert exc.value.body["param"] == "tool_choice"
+    # A parameters schema xgrammar cannot enforce: its reason, without the C++ logger's time and file.
+    odd = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "wat"}}}}}
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       tools=[odd], tool_choice="required")
+    message = exc.value.body["message"]
+    assert exc.value.body["param"] == "tools" and "wat" in message and ".cc:" not in message and "\n" not in message
 
 
 # ---- /tokenize and /detokenize ----------------------------------------------------------------------

@@ -53,6 +53,13 @@ class GrammarError(ValueError):
     """A constraint xgrammar cannot compile; the message says why."""
 
 
+def xgrammar_reason(error: Exception) -> str:
+    """The first line of an xgrammar error, without the "[time] file.cc:line: " of its C++ logger."""
+    text = str(error).strip()
+    reason = text.splitlines()[0] if text else type(error).__name__
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", reason)
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and vocabulary, off the caller's thread, cached."""
 
@@ -116,8 +123,7 @@ class GrammarCompiler:
             else:
                 grammar = compiler.compile_grammar(text)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the reason
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", reason)  # xgrammar's "[time] file.cc:line: " prefix
+            reason = xgrammar_reason(e)
             with self._lock:
                 self._futures.pop(spec.key, None)  # a bad schema is not worth a cache slot
             raise GrammarError(f"structured_outputs: xgrammar cannot compile this {kind} constraint: {reason}") from None

@@ -33,6 +33,7 @@ from kiln.entrypoints.openai.tool_calls import (
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import StructuredOutputsParams
 from kiln.runtime.input_processor import TokenizedPrompt
+from kiln.runtime.structured_output import xgrammar_reason
 
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw: Request) -> Response:
@@ -79,7 +80,7 @@ def _call_grammar(body: ChatCompletionRequest, fmt: Optional[ToolFormat]) -> Opt
     try:
         return StructuredOutputsParams(grammar=fmt.call_grammar(body.tool_dicts(), name))
     except Exception as e:  # noqa: BLE001 - xgrammar refuses a parameters schema it cannot convert
-        raise bad_request(f"tools: a function's parameters cannot be enforced: {e}", "tools") from e
+        raise bad_request(f"tools: a function's parameters cannot be enforced: {xgrammar_reason(e)}", "tools") from e
 
 
 def render_chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> TokenizedPrompt:
