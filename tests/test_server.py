@@ -235,6 +235,21 @@ def test_completions_stop(client, tiny_llm):
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
 
+def test_continued_chat_matches_llm(client, tiny_llm):
+    """continue_final_message: the server and LLM.chat continue the last message alike."""
+    messages = CHAT + [{"role": "assistant", "content": "Blue is"}]
+    want = tiny_llm.chat(messages, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False,
+                         add_generation_prompt=False, continue_final_message=True,
+                         chat_template_kwargs={"unused": True})[0].outputs[0]
+    r = client.chat.completions.create(model=TINY, messages=messages, max_tokens=6, temperature=0,
+                                       extra_body={"return_token_ids": True, "continue_final_message": True})
+    assert r.choices[0].token_ids == want.token_ids and r.choices[0].message.content == want.text
+    prompt = tiny_llm.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert prompt.endswith("<|im_start|>assistant\nBlue is")
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        tiny_llm.apply_chat_template(messages, continue_final_message=True)
+
+
 def test_chat_matches_llm(client, tiny_llm):
     want = tiny_llm.chat(CHAT, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0].outputs[0]
     r = client.chat.completions.create(model=TINY, messages=CHAT, max_tokens=8, temperature=0,

@@ -344,6 +344,57 @@ def test_server_tokenizes_forged_turns_as_text(edge, client, tokenizer):
     assert parsed.usage.prompt_tokens == 1
 
 
+# ---- chat template controls: add_generation_prompt, continue_final_message, chat_template_kwargs ----
+def test_template_controls_render_as_transformers_does_and_their_strings_stay_text(tokenizer):
+    enc = PromptEncoder(tokenizer)
+    conversation = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My colour is "}]
+    for kw in (dict(add_generation_prompt=False), dict(add_generation_prompt=False, continue_final_message=True)):
+        want = tokenizer.apply_chat_template(conversation, tokenize=False, **kw)
+        got = enc.render_chat(conversation, **kw)
+        assert enc.plain(got) == want and enc.encode_chat(got) == tokenizer.encode(want, add_special_tokens=False)
+    assert enc.plain(enc.render_chat(conversation, add_generation_prompt=False,
+                                     continue_final_message=True)).endswith("My colour is ")
+    # A template variable from the request reaches the template, and a control token in it is text
+    # (bos_token too, which the template would otherwise write as its own).
+    thinking = copy.copy(tokenizer)
+    thinking.chat_template = ("{% if enable_thinking is defined and not enable_thinking %}<|im_start|>nothink"
+                              "{% endif %}{{ bos_token }}{{ note }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    enc = PromptEncoder(thinking)
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    rendered = enc.render_chat([{"role": "user", "content": "hi"}], template_kwargs={
+        "enable_thinking": False, "bos_token": "<|im_start|>system", "note": ["a", 1]})
+    assert enc.plain(rendered) == "<|im_start|>nothink<|im_start|>system['a', 1]hi"
+    assert enc.encode_chat(rendered).count(im_start) == 1  # the template's own alone
+    # Inside a list the markers would not survive a repr ({{ note }} prints ['\\U0010fff0<|im_start|>...']).
+    with pytest.raises(ValueError, match="`note` holds a control token"):
+        enc.render_chat([{"role": "user", "content": "hi"}], template_kwargs={"note": [{"k": "<|im_start|>"}]})
+
+
+def test_server_takes_the_chat_template_controls(edge, client, tokenizer):
+    enc = PromptEncoder(tokenizer)
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My colour is"}]
+    continued = enc.encode_chat(enc.render_chat(messages, add_generation_prompt=False, continue_final_message=True))
+    kw = dict(model=TINY, max_tokens=4, temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    chat = client.chat.completions.create(messages=messages, **{**kw, "extra_body": {
+        **kw["extra_body"], "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}}})
+    assert chat.usage.prompt_tokens == len(continued)
+    assert chat.choices[0].token_ids == client.completions.create(prompt=continued, **kw).choices[0].token_ids
+    # /tokenize renders the same; add_generation_prompt false leaves the assistant turn unopened.
+    tokens = _post(edge.url, "/tokenize", {"messages": messages, "continue_final_message": True}).json()["tokens"]
+    assert tokens == continued
+    closed = _post(edge.url, "/tokenize", {"messages": messages[:1], "add_generation_prompt": False}).json()["tokens"]
+    assert closed == tokenizer.encode(tokenizer.apply_chat_template(messages[:1], tokenize=False), add_special_tokens=False)
+    for path, body, param in (
+            (CH, {**M, "continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+            (CH, {**M, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+            (CH, {**M, "chat_template_kwargs": {"x": "\ud800"}}, "chat_template_kwargs"),
+            (CH, {**M, "chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+            (CH, {**M, "chat_template_kwargs": {"x": ["<|im_end|>"]}}, "chat_template_kwargs"),
+            ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"tools": 1}}, "chat_template_kwargs")):
+        _assert_error(_post(edge.url, path, json.dumps({"model": TINY, **body})), 400, param)  # "\\ud800" escaped
+    _still_serves(edge.url)
+
+
 # ---- HTTP: JSON errors for every malformed request -----------------------------------------------
 def test_malformed_bodies_and_content_types(edge):
     cases = [

@@ -103,16 +103,28 @@ class LLM:
         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate."""
+        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate.
+        ``continue_final_message``: the last message is continued in place (with
+        ``add_generation_prompt=False``); ``chat_template_kwargs``: more of the template's variables
+        (``{"enable_thinking": False}`` for Qwen3's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, continue_final_message, chat_template_kwargs)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, add_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            chat_template_kwargs: Optional[dict[str, Any]] = None) -> str:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message; pass add_generation_prompt=False")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message,
+                                                  **(chat_template_kwargs or {}))
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

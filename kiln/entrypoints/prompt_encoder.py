@@ -82,14 +82,38 @@ class PromptEncoder:
 
     # ---- chat ----------------------------------------------------------------------------------
     def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
-                    tools: Optional[list[dict]] = None) -> str:
+                    tools: Optional[list[dict]] = None, continue_final_message: bool = False,
+                    template_kwargs: Optional[dict[str, Any]] = None) -> str:
         """The chat template applied to ``conversation`` (and ``tools``, OpenAI's function
-        definitions) with its strings marked (see the module docstring); ``encode_chat`` turns the
-        result into ids, ``plain`` into the text it stands for."""
+        definitions, and ``template_kwargs``, more of the template's variables) with every string
+        marked (see the module docstring); ``continue_final_message`` ends the chat inside the last
+        message, as transformers does. ``encode_chat`` turns the result into ids, ``plain`` into
+        the text it stands for."""
+        self.check_template_kwargs(template_kwargs)
         marked = self._mark(conversation)
         marked_tools = [{"type": "function", "function": self._mark(t)} for t in tools] if tools else None
         return self._tokenizer.apply_chat_template(marked, tools=marked_tools, tokenize=False,
-                                                   add_generation_prompt=add_generation_prompt)
+                                                   add_generation_prompt=add_generation_prompt,
+                                                   continue_final_message=continue_final_message,
+                                                   **self._mark(template_kwargs or {}))
+
+    def check_template_kwargs(self, template_kwargs: Optional[dict[str, Any]]) -> None:
+        """ValueError naming the variable where a control token sits in a string inside a list or
+        object: a template may print such a value with Python's repr, which writes the markers as
+        escapes, so the token would pass for the template's own. A string variable is marked."""
+        def walk(value: Any, nested: bool) -> bool:
+            if isinstance(value, str):
+                return nested and self._control_re.search(value) is not None
+            if isinstance(value, dict):
+                return any(walk(k, True) or walk(v, True) for k, v in value.items())
+            if isinstance(value, (list, tuple)):
+                return any(walk(v, True) for v in value)
+            return False
+
+        for key, value in (template_kwargs or {}).items():
+            if walk(value, False):
+                raise ValueError(f"`{key}` holds a control token inside a list or object, where it cannot be "
+                                 "kept as text; send it as a string variable or without the token")
 
     def encode_chat(self, rendered: str) -> list[int]:
         """The ids of a chat ``render_chat`` rendered: the template's control tokens as control

@@ -19,7 +19,8 @@ repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output, prio
 return_token_ids, min_tokens, skip_special_tokens, prompt_logprobs, structured_outputs (vLLM's current name:
 ``{"json" | "json_object" | "regex" | "choice" | "grammar": ...}``; its older guided_json,
 guided_regex, guided_choice and guided_grammar are accepted too), parse_special_tokens
-(completions). A schema error becomes a 400 whose
+(completions), add_generation_prompt, continue_final_message and chat_template_kwargs (chat; the
+template's variables, every string in them marked as user text). A schema error becomes a 400 whose
 ``param`` names the field (errors.py).
 """
 
@@ -29,7 +30,9 @@ import json
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, JsonValue, ValidationInfo, field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from kiln.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
@@ -62,6 +65,28 @@ def _stop(value: Any) -> Union[None, str, list[str]]:
 
 
 Stop = Annotated[Union[None, str, list[str]], BeforeValidator(_stop)]
+
+
+def _utf8_all(value: Any) -> None:
+    """Every string inside a JSON value (keys too) encodes as UTF-8."""
+    if isinstance(value, str):
+        _utf8(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _utf8(k)
+            _utf8_all(v)
+    elif isinstance(value, list):
+        for v in value:
+            _utf8_all(v)
+
+
+# Names chat_template_kwargs may not set: apply_chat_template's own parameters and the variables it
+# fills from the request (a template's tokens, such as bos_token, may be set: they are marked as text).
+TEMPLATE_RESERVED = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
 
 
 # OpenAI fields kiln does not implement (declared as ``Unimplemented`` where OpenAI has them), each
@@ -403,6 +428,35 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: Unimplemented = None
     verbosity: Unimplemented = None
     parallel_tool_calls: Optional[bool] = None  # accepted: a model may write several calls; a grammar asks one
+    # vLLM's chat template controls: the assistant turn's opening (default on), or the last
+    # message continued in place (its turn left open; the opening then defaults to off), and more
+    # of the template's own variables (``{"enable_thinking": false}`` for Qwen3's).
+    add_generation_prompt: Optional[bool] = None
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, JsonValue]] = None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_open_turn(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise PydanticCustomError("invalid_value", "continues the last message; it cannot also open a new "
+                                      "assistant turn: set add_generation_prompt to false")
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: Optional[dict]) -> Optional[dict]:
+        for key in value or {}:
+            if key in TEMPLATE_RESERVED:
+                raise PydanticCustomError("invalid_value", "`{key}` is set by the server (from the messages, tools "
+                                          "and generation fields); remove it", {"key": key})
+        _utf8_all(value)
+        return value
+
+    @property
+    def opens_assistant_turn(self) -> bool:
+        """add_generation_prompt as rendered: on unless the last message is continued."""
+        return self.add_generation_prompt if self.add_generation_prompt is not None else not self.continue_final_message
 
     @property
     def effective_tool_choice(self) -> Union[str, NamedToolChoice]:
@@ -596,7 +650,10 @@ class TokenizeRequest(_Request):
     messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
     tools: Optional[list[Tool]] = None
     add_special_tokens: Optional[bool] = None  # default: true for a prompt, false for messages
-    add_generation_prompt: bool = True
+    # messages only, as a chat request takes them
+    add_generation_prompt: Optional[bool] = None
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, JsonValue]] = None
     return_token_strs: bool = False
 
 

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: the tokenizer's chat template turns the messages into one prompt.
 
-The prompt is rendered (``add_generation_prompt=True``) and tokenized by the ``PromptEncoder``:
+The prompt is rendered (with the assistant turn opened, unless the request continues its last
+message: ``add_generation_prompt``, ``continue_final_message``) and tokenized by the ``PromptEncoder``:
 control tokens the template writes are control tokens, those typed in a message are text, so no
 message can forge a turn. A stream opens with one chunk per choice that carries
 ``role: "assistant"``; content deltas follow, the last carrying the finish reason.
@@ -102,9 +103,16 @@ def _render(ctx: ServingContext, body: ChatCompletionRequest, fmt: Optional[Tool
     _check_text(conversation)
     encoder = ctx.prompt_encoder()
     try:
-        rendered = encoder.render_chat(conversation, tools=tools)
+        encoder.check_template_kwargs(body.chat_template_kwargs)
+    except ValueError as e:
+        raise bad_request(f"chat_template_kwargs: {e}", "chat_template_kwargs") from e
+    try:
+        rendered = encoder.render_chat(conversation, add_generation_prompt=body.opens_assistant_turn, tools=tools,
+                                       continue_final_message=body.continue_final_message,
+                                       template_kwargs=body.chat_template_kwargs)
     except Exception as e:  # noqa: BLE001 - templates raise their own errors for bad conversations
-        raise bad_request(f"the chat template refused these messages: {e}", "messages") from e
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]  # not the rendered chat some add
+        raise bad_request(f"the chat template refused these messages: {reason}", "messages") from e
     try:
         return TokenizedPrompt(encoder.plain(rendered), encoder.encode_chat(rendered))
     except ValueError as e:

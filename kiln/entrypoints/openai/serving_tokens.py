@@ -24,9 +24,14 @@ def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
     encoder = ctx.prompt_encoder()
     if body.messages is not None:
         try:
-            chat = ChatCompletionRequest(messages=body.messages, tools=body.tools)
+            chat = ChatCompletionRequest(messages=body.messages, tools=body.tools,
+                                         add_generation_prompt=body.add_generation_prompt,
+                                         continue_final_message=body.continue_final_message,
+                                         chat_template_kwargs=body.chat_template_kwargs)
         except ValidationError as e:  # what a chat request would refuse, refused here too
-            raise bad_request(f"messages: {e.errors()[0]['msg']}", "messages") from e
+            error = e.errors()[0]
+            field = ".".join(str(part) for part in error["loc"]) or "messages"
+            raise bad_request(f"{field}: {error['msg']}", field) from e
         ids = render_chat_prompt(ctx, chat).token_ids
         if body.add_special_tokens and ctx.engine.tokenizer.bos_token_id is not None:
             ids = [ctx.engine.tokenizer.bos_token_id] + ids
