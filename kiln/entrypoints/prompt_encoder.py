@@ -5,10 +5,11 @@ A control token is one of the tokenizer's special tokens (``<|im_start|>``, ``<|
 prompt, its characters must stay characters, or a user could forge a system or assistant turn.
 
 Rules kept here:
-- Every string of a conversation is marked before the template renders it: each control token in
-  it is wrapped in private-use markers. In the rendered chat a marked token becomes plain text
-  again; an unmarked one was written by the template and stays a control token. A marker the
-  template split off its token (``content[:10]``) is dropped.
+- Every string of a conversation (tools and template variables too) is marked before the template
+  renders it: each control token in it is wrapped in private-use markers. In the rendered chat a
+  marked token becomes plain text again, also where the template printed a list or dict and repr
+  wrote the markers as escapes (``'\\U0010fff0'``); an unmarked one was written by the template
+  and stays a control token. A marker the template split off its token (``content[:10]``) is dropped.
 - The model's tokenizer is never mutated (the engine thread uses it meanwhile). A fast tokenizer
   gets a private copy that reads special tokens as text and knows one alias (an added token) per
   control token: the template's tokens are written as aliases and the chat is encoded in one pass,
@@ -28,6 +29,9 @@ from typing import Any, Optional
 _OPEN, _CLOSE, _ALIAS = "\U0010fff0", "\U0010fff1", "\U0010fff2"  # Supplementary Private Use Area-B
 _ALIAS_BASE = 0x100000  # alias k is _ALIAS + chr(_ALIAS_BASE + k)
 _RESERVED = str.maketrans("", "", _OPEN + _CLOSE + _ALIAS)
+# The markers as Python's repr writes them: a template that prints a list or a dict ({{ tools }},
+# a tool call's arguments) prints its strings by repr, which escapes private-use characters.
+_ESCAPED_OPEN, _ESCAPED_CLOSE = (ascii(c)[1:-1] for c in (_OPEN, _CLOSE))
 
 
 class PromptEncoder:
@@ -42,8 +46,11 @@ class PromptEncoder:
         self._control_id_set = frozenset(self._control_ids.values())
         contents = "|".join(re.escape(c) for c in sorted(self._control_ids, key=len, reverse=True)) or "(?!)"
         self._control_re = re.compile(contents)
-        # In a rendered chat: a marked token (user text), an unmarked one (the template's), a lone marker.
-        self._rendered_re = re.compile(f"{_OPEN}({contents}){_CLOSE}|({contents})|[{_OPEN}{_CLOSE}]")
+        # In a rendered chat: a marked token (user text, its markers as characters or as repr's
+        # escapes), an unmarked one (the template's), a lone marker.
+        self._rendered_re = re.compile(
+            f"{_OPEN}({contents}){_CLOSE}|{re.escape(_ESCAPED_OPEN)}({contents}){re.escape(_ESCAPED_CLOSE)}"
+            f"|({contents})|[{_OPEN}{_CLOSE}]")
         self._text_tokenizer = None  # the private copy, for fast tokenizers
         self._alias_of: dict[str, str] = {}
         self._id_of_alias: dict[int, int] = {}
@@ -89,31 +96,12 @@ class PromptEncoder:
         marked (see the module docstring); ``continue_final_message`` ends the chat inside the last
         message, as transformers does. ``encode_chat`` turns the result into ids, ``plain`` into
         the text it stands for."""
-        self.check_template_kwargs(template_kwargs)
         marked = self._mark(conversation)
         marked_tools = [{"type": "function", "function": self._mark(t)} for t in tools] if tools else None
         return self._tokenizer.apply_chat_template(marked, tools=marked_tools, tokenize=False,
                                                    add_generation_prompt=add_generation_prompt,
                                                    continue_final_message=continue_final_message,
                                                    **self._mark(template_kwargs or {}))
-
-    def check_template_kwargs(self, template_kwargs: Optional[dict[str, Any]]) -> None:
-        """ValueError naming the variable where a control token sits in a string inside a list or
-        object: a template may print such a value with Python's repr, which writes the markers as
-        escapes, so the token would pass for the template's own. A string variable is marked."""
-        def walk(value: Any, nested: bool) -> bool:
-            if isinstance(value, str):
-                return nested and self._control_re.search(value) is not None
-            if isinstance(value, dict):
-                return any(walk(k, True) or walk(v, True) for k, v in value.items())
-            if isinstance(value, (list, tuple)):
-                return any(walk(v, True) for v in value)
-            return False
-
-        for key, value in (template_kwargs or {}).items():
-            if walk(value, False):
-                raise ValueError(f"`{key}` holds a control token inside a list or object, where it cannot be "
-                                 "kept as text; send it as a string variable or without the token")
 
     def encode_chat(self, rendered: str) -> list[int]:
         """The ids of a chat ``render_chat`` rendered: the template's control tokens as control
@@ -124,10 +112,9 @@ class PromptEncoder:
             return [self._id_of_alias.get(i, i) for i in ids]
         return self._encode_in_pieces(rendered)
 
-    @staticmethod
-    def plain(rendered: str) -> str:
+    def plain(self, rendered: str) -> str:
         """The rendered chat as text, markers removed."""
-        return rendered.translate(_RESERVED)
+        return self._rendered_re.sub(lambda m: m.group(1) or m.group(2) or m.group(3) or "", rendered)
 
     def _mark(self, value: Any) -> Any:
         if isinstance(value, str):
@@ -139,10 +126,10 @@ class PromptEncoder:
         return value
 
     def _aliased(self, m: re.Match) -> str:
-        if m.group(1) is not None:
-            return m.group(1)  # from the conversation: text
-        if m.group(2) is not None:
-            return self._alias_of[m.group(2)]  # the template's own
+        if m.group(1) is not None or m.group(2) is not None:
+            return m.group(1) or m.group(2)  # from the conversation: text
+        if m.group(3) is not None:
+            return self._alias_of[m.group(3)]  # the template's own
         return ""  # a lone marker
 
     def _encode_in_pieces(self, rendered: str) -> list[int]:
@@ -153,10 +140,10 @@ class PromptEncoder:
         start = 0
         pending = ""
         for m in self._rendered_re.finditer(rendered):
-            pending += rendered[start:m.start()] + (m.group(1) or "")
+            pending += rendered[start:m.start()] + (m.group(1) or m.group(2) or "")
             start = m.end()
-            if m.group(2) is not None:
-                ids += self._encode_piece(pending) + [self._control_ids[m.group(2)]]
+            if m.group(3) is not None:
+                ids += self._encode_piece(pending) + [self._control_ids[m.group(3)]]
                 pending = ""
         return ids + self._encode_piece(pending + rendered[start:])
 

@@ -103,10 +103,6 @@ def _render(ctx: ServingContext, body: ChatCompletionRequest, fmt: Optional[Tool
     _check_text(conversation)
     encoder = ctx.prompt_encoder()
     try:
-        encoder.check_template_kwargs(body.chat_template_kwargs)
-    except ValueError as e:
-        raise bad_request(f"chat_template_kwargs: {e}", "chat_template_kwargs") from e
-    try:
         rendered = encoder.render_chat(conversation, add_generation_prompt=body.opens_assistant_turn, tools=tools,
                                        continue_final_message=body.continue_final_message,
                                        template_kwargs=body.chat_template_kwargs)
