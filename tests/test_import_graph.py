@@ -19,7 +19,7 @@ from pathlib import Path
 import kiln
 
 ROOT = Path(kiln.__file__).parent
-LEAVES = ("config", "forward_context", "outputs", "progress", "sampling_params", "version", "_C")  # _C: the C++ extension
+LEAVES = ("config", "errors", "forward_context", "outputs", "progress", "sampling_params", "version", "_C")  # _C: the C++ extension
 LAYERS = {"ops": 1, "passes": 2, "models": 2, "compiler": 3, "runtime": 4, "entrypoints": 5, "bench": 5}
 TOP = 5
 

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from kiln.errors import first_line
+
 KINDS = ("models", "tokenizers", "compile", "memory", "kernels")
 USAGE = "usage: kiln cache <ls | inspect KEY | clear [KEY] | export PATH> [cache.dir=PATH] [other overrides]"
 _TARBALL_SUFFIXES = (".tar", ".tar.gz", ".tgz")
@@ -269,4 +271,4 @@ def _cache_config(overrides: list[str]):
     try:
         return compose_config(overrides).cache
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        fail(str(exc).strip().splitlines()[0])
+        fail(first_line(exc))

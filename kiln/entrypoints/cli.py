@@ -33,6 +33,7 @@ from kiln.entrypoints.cli_config import (  # noqa: F401  (compose_config: the te
     CHOICES, CONFIG_DIR, FIELD_HELP, PRESET_GROUP, CliConfig, compose_config, config_keys, engine_config,
     extract_secrets, fail, group_options, prepare_overrides, register_configs, to_cli_config,
 )
+from kiln.errors import first_line
 
 COMMANDS = {
     "serve": "run the OpenAI-compatible server",
@@ -40,11 +41,6 @@ COMMANDS = {
     "bench": "benchmark compile modes (use -m to sweep; one process per combination)",
     "cache": "ls, inspect KEY, clear [KEY] or export PATH: converted models and compiled artifacts",
 }
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 def _checked(cfg) -> CliConfig:
@@ -55,7 +51,7 @@ def _checked(cfg) -> CliConfig:
     except (ValueError, TypeError, OmegaConfBaseException) as exc:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        fail(_first_line(exc))
+        fail(first_line(exc))
 
 
 def _user_errors(run: Callable[[], None]) -> None:
@@ -65,7 +61,7 @@ def _user_errors(run: Callable[[], None]) -> None:
     except ValueError as exc:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        fail(_first_line(exc), code=1)
+        fail(first_line(exc), code=1)
 
 
 # ---- commands (each gets a validated CliConfig) ------------------------------------------------
@@ -190,7 +186,7 @@ def _prepared(overrides: list[str]) -> list[str]:
     except (ValueError, HydraException) as exc:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        fail(_first_line(exc))
+        fail(first_line(exc))
 
 
 def run_hydra(command: str, args: list[str]) -> None:
@@ -226,7 +222,7 @@ def _composed(overrides: list[str]) -> CliConfig:
     try:
         return compose_config(overrides)
     except (ValueError, TypeError, HydraException, OmegaConfBaseException) as exc:
-        fail(_first_line(exc))
+        fail(first_line(exc))
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 import torch
 
 from kiln.config import ModelConfig
+from kiln.errors import first_line
 from kiln.models.arch import FAMILIES, PRESETS, ArchConfig
 from kiln.models.gguf import convert_gguf, convert_gguf_tokenizer
 from kiln.models.hf_generic import HFGenericForCausalLM, build_generic, hf_config_from_dict, import_transformers
@@ -599,8 +600,7 @@ def _load_tokenizer(path: str) -> Any:
     except ImportError:
         raise
     except Exception as e:  # tokenizers' parse errors are plain Exceptions: name the directory
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"cannot build the tokenizer of {path!r} ({type(e).__name__}: {first}); are its "
+        raise ValueError(f"cannot build the tokenizer of {path!r} ({type(e).__name__}: {first_line(e)}); are its "
                          "tokenizer files complete?") from e
 
 

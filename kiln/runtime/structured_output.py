@@ -41,6 +41,7 @@ from typing import Optional
 
 import torch
 
+from kiln.errors import first_line
 from kiln.runtime.request import Request
 from kiln.sampling_params import StructuredOutputsParams
 
@@ -55,9 +56,7 @@ class GrammarError(ValueError):
 
 def xgrammar_reason(error: Exception) -> str:
     """The first line of an xgrammar error, without the "[time] file.cc:line: " of its C++ logger."""
-    text = str(error).strip()
-    reason = text.splitlines()[0] if text else type(error).__name__
-    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", reason)
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", first_line(error))
 
 
 class GrammarCompiler:

@@ -31,6 +31,7 @@ from kiln.entrypoints.openai.serving import (
 from kiln.entrypoints.openai.tool_calls import (
     ToolFormat, ToolStreamer, choose_format, template_renders_tools, tools_as_text,
 )
+from kiln.errors import first_line
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import StructuredOutputsParams
 from kiln.runtime.input_processor import TokenizedPrompt
@@ -107,8 +108,8 @@ def _render(ctx: ServingContext, body: ChatCompletionRequest, fmt: Optional[Tool
                                        continue_final_message=body.continue_final_message,
                                        template_kwargs=body.chat_template_kwargs)
     except Exception as e:  # noqa: BLE001 - templates raise their own errors for bad conversations
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]  # not the rendered chat some add
-        raise bad_request(f"the chat template refused these messages: {reason}", "messages") from e
+        # the first line: not the rendered chat some templates' errors carry
+        raise bad_request(f"the chat template refused these messages: {first_line(e)}", "messages") from e
     try:
         return TokenizedPrompt(encoder.plain(rendered), encoder.encode_chat(rendered))
     except ValueError as e:
