@@ -145,6 +145,17 @@ SURROGATES = [
      "messages.0.content"),
     (CH, '{"messages": [{"role": "user", "content": "hi", "name": "\\ud800"}], "max_tokens": 2}',
      "messages.0.name"),
+    # inside JSON objects: a tool's parameters, schemas, template variables
+    (CH, '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [{"type": "function", '
+         '"function": {"name": "f", "parameters": {"properties": {"a": {"description": "\\ud800"}}}}}]}',
+     "tools.0.function.parameters"),
+    (CH, '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": {"type": '
+         '"json_schema", "json_schema": {"name": "x", "schema": {"enum": ["\\ud800"]}}}}', "response_format.json_schema.schema"),
+    (C, '{"prompt": "hi", "max_tokens": 2, "guided_json": {"\\ud800": 1}}', "guided_json"),
+    (C, '{"prompt": "hi", "max_tokens": 2, "structured_outputs": {"json": {"type": "\\ud800"}}}',
+     "structured_outputs.json"),
+    (CH, '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template_kwargs": {"x": ["\\ud800"]}}',
+     "chat_template_kwargs"),
 ]
 
 

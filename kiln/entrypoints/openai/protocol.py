@@ -67,8 +67,8 @@ def _stop(value: Any) -> Union[None, str, list[str]]:
 Stop = Annotated[Union[None, str, list[str]], BeforeValidator(_stop)]
 
 
-def _utf8_all(value: Any) -> None:
-    """Every string inside a JSON value (keys too) encodes as UTF-8."""
+def _utf8_all(value: Any) -> Any:
+    """``value``, a JSON value, once every string inside it (keys too) encodes as UTF-8."""
     if isinstance(value, str):
         _utf8(value)
     elif isinstance(value, dict):
@@ -78,6 +78,12 @@ def _utf8_all(value: Any) -> None:
     elif isinstance(value, list):
         for v in value:
             _utf8_all(v)
+    return value
+
+
+# A JSON object from the request (a schema, a tool's parameters): its strings are text too, so a
+# lone surrogate deep inside is a 400 naming the field, not an error of whatever reads it later.
+JsonObject = Annotated[dict[str, Any], AfterValidator(_utf8_all)]
 
 
 # Names chat_template_kwargs may not set: apply_chat_template's own parameters and the variables it
@@ -129,7 +135,7 @@ class StreamOptions(_Request):
 class JsonSchemaFormat(_Request):
     name: Text = "response"
     description: Optional[Text] = None
-    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
+    json_schema: Optional[JsonObject] = Field(None, alias="schema")
     # Accepted; the schema is enforced either way (as in vLLM), objects taking only their listed
     # properties unless additionalProperties says otherwise (kiln.runtime.structured_output).
     strict: Optional[bool] = None
@@ -145,7 +151,7 @@ class ResponseFormat(_Request):
 class StructuredOutputsRequest(_Request):
     """vLLM's ``structured_outputs`` extension: exactly one constraint."""
 
-    json_: Union[None, dict[str, Any], Text] = Field(None, alias="json")
+    json_: Union[None, JsonObject, Text] = Field(None, alias="json")
     json_object: Optional[bool] = None
     regex: Optional[Text] = None
     choice: Optional[list[Text]] = None
@@ -215,7 +221,7 @@ class _SamplingFields(_Request):
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # per prompt token: its own and the top-N
     structured_outputs: Optional[StructuredOutputsRequest] = None
     # vLLM's older names for structured_outputs (still what many clients send)
-    guided_json: Union[None, dict[str, Any], Text] = None
+    guided_json: Union[None, JsonObject, Text] = None
     guided_regex: Optional[Text] = None
     guided_choice: Optional[list[Text]] = None
     guided_grammar: Optional[Text] = None
@@ -392,7 +398,7 @@ class ChatMessage(_Request):
 class FunctionDefinition(_Request):
     name: Annotated[str, AfterValidator(_utf8), Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
     description: Optional[Text] = None
-    parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments
+    parameters: Optional[JsonObject] = None  # a JSON schema of the arguments
     strict: Optional[bool] = None  # the schema is enforced when tool_choice requires a call
 
 
@@ -433,7 +439,7 @@ class ChatCompletionRequest(_SamplingFields):
     # of the template's own variables (``{"enable_thinking": false}`` for Qwen3's).
     add_generation_prompt: Optional[bool] = None
     continue_final_message: bool = False
-    chat_template_kwargs: Optional[dict[str, JsonValue]] = None
+    chat_template_kwargs: Optional[Annotated[dict[str, JsonValue], AfterValidator(_utf8_all)]] = None
 
     @field_validator("continue_final_message")
     @classmethod
@@ -450,7 +456,6 @@ class ChatCompletionRequest(_SamplingFields):
             if key in TEMPLATE_RESERVED:
                 raise PydanticCustomError("invalid_value", "`{key}` is set by the server (from the messages, tools "
                                           "and generation fields); remove it", {"key": key})
-        _utf8_all(value)
         return value
 
     @property
@@ -653,7 +658,7 @@ class TokenizeRequest(_Request):
     # messages only, as a chat request takes them
     add_generation_prompt: Optional[bool] = None
     continue_final_message: bool = False
-    chat_template_kwargs: Optional[dict[str, JsonValue]] = None
+    chat_template_kwargs: Optional[Annotated[dict[str, JsonValue], AfterValidator(_utf8_all)]] = None
     return_token_strs: bool = False
 
 
