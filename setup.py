@@ -74,6 +74,8 @@ setup(
         "uvicorn",
         "prometheus-client",
         "xgrammar>=0.1.25",  # structured outputs: grammars, token bitmasks (what vLLM and SGLang use)
+        "pyzmq>=25",  # the frontend <-> engine-core process sockets (kiln.engine)
+        "msgspec>=0.18",  # the typed messages between them (kiln.engine.messages)
     ],
     extras_require={
         # `kiln bench`: its plots (without matplotlib a sweep writes only its table) and bench=serve's client.

@@ -94,7 +94,7 @@ def test_the_server_reports_a_running_build_until_it_ends():
     from kiln.compiler import compiled_model
     from kiln.config import EngineConfig, ModelConfig
     from kiln.entrypoints.openai.metrics import ServerMetrics
-    from kiln.runtime.async_engine import AsyncEngine
+    from kiln.engine.async_engine import AsyncEngine
 
     def gauge(engine) -> float:
         text = ServerMetrics(engine.stats, engine.is_healthy).render().decode()
@@ -253,7 +253,7 @@ def test_the_cuda_server_answers_while_kiln_builds_then_captures_when_idle(tmp_p
 
     from kiln.compiler import compiled_model
     from kiln.config import CacheConfig, EngineConfig, ModelConfig
-    from kiln.runtime.async_engine import AsyncEngine
+    from kiln.engine.async_engine import AsyncEngine
 
     config = EngineConfig(model=ModelConfig("random:tiny", device="cuda", dtype="float32", max_model_len=256),
                           cache=CacheConfig(dir=str(tmp_path)), compile=CompileConfig(capture_sizes=(1, 2, 4, 8)))

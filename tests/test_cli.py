@@ -145,7 +145,7 @@ def test_serve_on_a_port_in_use_fails_before_loading_the_model(capsys, monkeypat
     def no_engine(*args, **kwargs):
         raise AssertionError("the engine was started before the port was checked")
 
-    monkeypatch.setattr(api_server, "AsyncEngine", no_engine)
+    monkeypatch.setattr(api_server, "EngineCoreClient", no_engine)
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -161,7 +161,7 @@ def test_serve_on_a_port_in_use_fails_before_loading_the_model(capsys, monkeypat
 
 
 def test_serve_with_a_model_that_does_not_load_says_why_in_one_line(capsys):
-    """The engine is built on its own thread: the ValueError of a bad model reaches the command
+    """The engine is built in its own process: the ValueError of a bad model reaches the command
     line as that error (exit 1), not as a dead engine's traceback."""
     import socket
 

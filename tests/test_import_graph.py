@@ -4,7 +4,7 @@ Read from the source (``ast``), so lazy imports inside functions count as much a
 ones: a cycle through a function-level import is still a cycle in the design. Layers, from
 ``docs/architecture.md``::
 
-    entrypoints, bench -> runtime -> compiler -> passes, models -> ops -> config, forward_context, ...
+    entrypoints, bench -> engine -> runtime -> compiler -> passes, models -> ops -> config, forward_context, ...
 
 A module may import its own package and anything in a lower layer, never a higher one, and never a
 sibling package of its own layer (passes and models stay independent); ``entrypoints`` and
@@ -20,8 +20,8 @@ import kiln
 
 ROOT = Path(kiln.__file__).parent
 LEAVES = ("config", "errors", "forward_context", "outputs", "progress", "sampling_params", "version", "_C")  # _C: the C++ extension
-LAYERS = {"ops": 1, "passes": 2, "models": 2, "compiler": 3, "runtime": 4, "entrypoints": 5, "bench": 5}
-TOP = 5
+LAYERS = {"ops": 1, "passes": 2, "models": 2, "compiler": 3, "runtime": 4, "engine": 5, "entrypoints": 6, "bench": 6}
+TOP = 6
 
 
 def _modules() -> dict[str, Path]:

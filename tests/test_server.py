@@ -29,7 +29,9 @@ from kiln import LLM, SamplingParams
 from kiln.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
 from kiln.entrypoints.openai import build_app
 from kiln.outputs import CompletionOutput, RequestOutput
-from kiln.runtime.async_engine import AsyncEngine, EngineDeadError
+from kiln.engine.async_engine import AsyncEngine, EngineDeadError
+from kiln.engine.core_client import EngineCoreClient
+from kiln.engine.streams import QueueLimits
 
 TINY = "random:tiny"
 SMOL = "smollm2-135m-instruct"
@@ -65,13 +67,14 @@ class ServerThread:
         self.thread.join(30)
 
 
-def _serve(model: str, **server) -> tuple[ServerThread, AsyncEngine]:
+def _serve(model: str, **server) -> tuple[ServerThread, EngineCoreClient]:
+    """A server over an engine-core process, as ``kiln serve`` runs one."""
     config = EngineConfig(
         model=ModelConfig(model, max_model_len=MAX_MODEL_LEN),
         cache=CacheConfig(num_blocks=NUM_BLOCKS),
         server=ServerConfig(**server),
     )
-    engine = AsyncEngine.from_config(config)
+    engine = EngineCoreClient(config, limits=QueueLimits.from_server(config.server))
     engine.wait_ready(timeout=300)
     return ServerThread(build_app(engine, config.server)), engine
 

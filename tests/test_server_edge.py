@@ -29,7 +29,7 @@ from kiln.entrypoints.openai.protocol import (
     IGNORED_FIELDS, UNIMPLEMENTED_FIELDS, ChatCompletionRequest, ChatMessage, CompletionRequest, EmbeddingRequest,
 )
 from kiln.entrypoints.prompt_encoder import PromptEncoder
-from kiln.runtime.async_engine import AsyncEngine
+from kiln.engine.async_engine import AsyncEngine
 from tests.test_server import TINY, FakeEngine, ServerThread, _assert_error, _serve
 
 REPO = Path(__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ from kiln.entrypoints.openai import build_app
 from kiln.entrypoints.openai.errors import APIError
 from kiln.entrypoints.openai.serving import ServingContext
 from kiln.entrypoints.openai.timeouts import uvicorn_options
-from kiln.runtime.async_engine import AsyncEngine
+from kiln.engine.async_engine import AsyncEngine
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.input_processor import InputProcessor
 from kiln.runtime.scheduler import Scheduler

@@ -374,7 +374,7 @@ def test_server_streams_several_tokens_per_delta_and_reports_metrics():
 
     from kiln.config import CacheConfig, ModelConfig
     from kiln.entrypoints.openai import build_app
-    from kiln.runtime.async_engine import AsyncEngine
+    from kiln.engine.async_engine import AsyncEngine
 
     config = EngineConfig(model=ModelConfig("random:tiny", max_model_len=256), cache=CacheConfig(num_blocks=128),
                           speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))

@@ -166,8 +166,10 @@ def start_line(config: EngineConfig) -> str:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, overlap: bool = True):
-        """``overlap=False`` runs each step to the end before returning (a reference for tests)."""
+    def __init__(self, config: EngineConfig, overlap: bool = True, delta_outputs: bool = False):
+        """``overlap=False`` runs each step to the end before returning (a reference for tests).
+        ``delta_outputs``: each RequestOutput holds only what is new since the request's last one
+        (``OutputProcessor(delta=True)``), as the engine-core process sends them."""
         t_start = time.perf_counter()
         config = resolve_config(config)  # every `auto` decided here, before anything is built
         logger.info(start_line(config))
@@ -183,7 +185,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.speculative)
         self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, delta=delta_outputs)
         self._schedule_ahead = (overlap and getattr(self.executor, "can_schedule_ahead", False)
                                 and not config.speculative.enabled)
         runner = getattr(self.executor, "runner", None)  # only the one-process executor holds one here

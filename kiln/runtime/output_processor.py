@@ -2,7 +2,10 @@
 
 It owns one incremental detokenizer per sample and groups the n samples of a user request back
 into one RequestOutput. Text that may still turn into a stop string is held back, so a streamed
-delta never has to be taken back. It reports which samples hit a stop string; the engine then
+delta never has to be taken back. Outputs are cumulative (each holds everything so far), or with
+``delta=True`` (the engine-core process) hold only what is new since the request's last output:
+new text, token ids and logprobs, the prompt fields left empty (the frontend keeps them), prompt
+logprobs and the embedding once, with the finishing output. It reports which samples hit a stop string; the engine then
 finishes them in the scheduler (which frees their blocks).
 
 One request's failure stays its own: an exception while taking its token (detokenizer, stop
@@ -32,6 +35,10 @@ class _Sample:
     finish_reason: Optional[str] = None
     stop_reason: Optional[object] = None
     num_taken: int = 0  # output tokens taken so far; a stop string can leave later ones untaken
+    # What earlier delta outputs carried: tokens, characters of text, logprobs entries.
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+    num_sent_logprobs: int = 0
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
@@ -43,6 +50,22 @@ class _Sample:
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
         )
+
+    def delta(self) -> CompletionOutput:
+        """What is new since the last delta (``cumulative_logprob`` is the running total)."""
+        text = self.detokenizer.text
+        out = CompletionOutput(
+            index=self.index,
+            text=text[self.num_sent_chars:],
+            token_ids=self.request.output_token_ids[self.num_sent_tokens:self.num_taken],
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=self.logprobs[self.num_sent_logprobs:] if self.logprobs is not None else None,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+        )
+        self.num_sent_chars, self.num_sent_tokens = len(text), self.num_taken
+        self.num_sent_logprobs = len(self.logprobs) if self.logprobs is not None else 0
+        return out
 
 
 @dataclass
@@ -74,14 +97,30 @@ class _UserRequest:
             embedding=self.embedding,
         )
 
+    def delta(self) -> RequestOutput:
+        finished = self.finished
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=None,
+            prompt_token_ids=[],
+            outputs=[s.delta() for s in self.samples],
+            finished=finished,
+            num_cached_tokens=self.samples[0].request.num_cached_tokens,
+            error=self.error,
+            prompt_logprobs=list(self.prompt_logprobs) if finished and self.prompt_logprobs is not None else None,
+            embedding=self.embedding if finished else None,
+        )
+
 
 def _ended_by_stop_token(req: Request, token: int) -> bool:
     return req.status == RequestStatus.FINISHED_STOPPED and token in req.sampling_params.stop_token_ids
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, delta: bool = False):
+        """``delta``: each output holds only what is new since the request's last one."""
         self.tokenizer = tokenizer
+        self.delta = delta
         self._users: dict[str, _UserRequest] = {}
         self._samples: dict[str, tuple[_UserRequest, _Sample]] = {}
 
@@ -200,7 +239,7 @@ class OutputProcessor:
         return self._emit(user)
 
     def _emit(self, user: _UserRequest) -> RequestOutput:
-        out = user.output()
+        out = user.delta() if self.delta else user.output()
         if out.finished:
             self._users.pop(user.request_id, None)
             for s in user.samples:

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible HTTP server: ``build_app`` wires the routes to an AsyncEngine,
-``run_server`` builds the engine from an EngineConfig and serves it with uvicorn.
+"""The OpenAI-compatible HTTP server (the frontend process): ``build_app`` wires the routes to an
+engine client, ``run_server`` starts the engine-core process for an EngineConfig
+(``EngineCoreClient``) and serves it with uvicorn.
 
     from kiln.config import EngineConfig, ModelConfig, ServerConfig
     run_server(EngineConfig(model=ModelConfig("smollm2-135m-instruct"), server=ServerConfig(port=8000)))
@@ -11,7 +12,9 @@ that loads files or code named by a request. With an API key (``server.api_key``
 scrapers. A Host header outside ``server.allowed_hosts`` gets a 400 (against DNS rebinding; default
 any host), a POST body declared as anything but JSON a 415, and a body over
 ``server.max_request_bytes`` a 413, all before the app parses anything. Stopping uvicorn
-(SIGINT/SIGTERM) shuts the engine thread down.
+(SIGINT/SIGTERM) drains, then shuts the engine-core process down; if that process dies, every
+pending request fails, ``/health`` says 503 and the server exits with status 1, so a supervisor
+restarts it.
 """
 
 from __future__ import annotations
@@ -44,15 +47,15 @@ from kiln.entrypoints.openai.serving_completions import create_completion
 from kiln.entrypoints.openai.serving_embeddings import create_embeddings
 from kiln.entrypoints.openai.serving_tokens import detokenize, tokenize
 from kiln.entrypoints.openai.timeouts import BodyReadTimeoutMiddleware, uvicorn_options
-from kiln.runtime.async_engine import AsyncEngine, QueueLimits
-from kiln.runtime.engine import LLMEngine, StartupReport
+from kiln.engine.core_client import EngineCoreClient
+from kiln.engine.streams import EngineClient, QueueLimits
 
 logger = logging.getLogger(__name__)
 
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-def build_app(engine_client: AsyncEngine, server_config: ServerConfig) -> FastAPI:
+def build_app(engine_client: EngineClient, server_config: ServerConfig) -> FastAPI:
     """The FastAPI app for one engine. ``app.state.engine`` is the engine, ``app.state.metrics``
     the server's own Prometheus registry holder."""
 
@@ -230,26 +233,33 @@ def run_server(config: EngineConfig, drain_s: float = 5.0) -> None:
     sock = bind_socket(server.host, server.port)  # before a start that may take minutes: fails at once
     if server.host not in _LOOPBACK_HOSTS and not server.resolved_api_key():
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", server.host)
-    reports: list[StartupReport] = []  # the engine thread hands its report over once built
+    died = threading.Event()
+    uv_server: list[uvicorn.Server] = []
 
-    def make_engine() -> LLMEngine:
-        built = LLMEngine(config)
-        reports.append(built.startup)
-        return built
+    def on_dead() -> None:  # the reader thread: stop serving, then exit non-zero
+        died.set()
+        if uv_server:
+            uv_server[0].should_exit = True
 
     with contextlib.closing(sock):
-        engine = AsyncEngine(make_engine, model_name=config.model.model, limits=QueueLimits.from_server(server))
+        engine = EngineCoreClient(config, model_name=config.model.model, limits=QueueLimits.from_server(server),
+                                  on_dead=on_dead)
         try:
             engine.wait_ready()
             app = build_app(engine, server)
             uv_config = uvicorn.Config(app, host=server.host, port=server.port, log_level="info",
                                        timeout_graceful_shutdown=drain_s + 5.0, **uvicorn_options(server))
-            ready_line = reports[0].ready_line(api_url(server.host, server.port))
-            _DrainingServer(uv_config, engine, drain_s, ready_line).run(sockets=[sock])
+            ready_line = engine.startup.ready_line(api_url(server.host, server.port))
+            uv_server.append(_DrainingServer(uv_config, engine, drain_s, ready_line))
+            if not died.is_set():
+                uv_server[0].run(sockets=[sock])
         except KeyboardInterrupt:
             pass  # uvicorn re-raises the SIGINT it handled; the server has already stopped cleanly
         finally:
             engine.shutdown()
+    if died.is_set():
+        logger.error("the engine core died (%s); exiting with status 1", engine.error)
+        raise SystemExit(1)
 
 
 _BIND_HINTS = {
@@ -285,7 +295,7 @@ class _DrainingServer(uvicorn.Server):
     """uvicorn that logs ``ready_line`` once it listens and stops the engine ``drain_s`` after it
     is told to exit."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_s: float, ready_line: str = ""):
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, drain_s: float, ready_line: str = ""):
         super().__init__(config)
         self._engine = engine
         self._drain_s = drain_s

@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kiln.runtime.async_engine import EngineDeadError
+from kiln.engine.streams import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

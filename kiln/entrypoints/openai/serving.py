@@ -30,9 +30,7 @@ from kiln.entrypoints.openai.errors import APIError, bad_request, engine_unavail
 from kiln.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from kiln.entrypoints.prompt_encoder import PromptEncoder
 from kiln.outputs import RequestOutput
-from kiln.runtime.async_engine import (
-    AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestStream,
-)
+from kiln.engine.streams import EngineClient, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
 from kiln.runtime.input_processor import TokenizedPrompt
 from kiln.runtime.structured_output import GrammarError
 from kiln.sampling_params import SamplingParams
@@ -75,7 +73,7 @@ class TimedStream:
 
 @dataclass
 class ServingContext:
-    engine: AsyncEngine
+    engine: EngineClient
     model_name: str
     metrics: ServerMetrics
     server: ServerConfig = field(default_factory=ServerConfig)  # its per-request limits

@@ -1,9 +1,14 @@
-"""AsyncEngine: drives one LLMEngine from a dedicated thread for asyncio callers (the server).
+"""AsyncEngine: the in-process engine client, one LLMEngine on a thread of the caller's process.
 
     engine = AsyncEngine.from_config(config)
     engine.wait_ready()
     async for out in engine.generate("req-1", "Hello", SamplingParams(max_tokens=8)):
-        print(out.outputs[0].text)     # cumulative, like LLMEngine.step()'s outputs
+        print(out.outputs[0].text)     # cumulative (kiln.engine.streams)
+
+The server runs its engine in a process of its own (``EngineCoreClient``), with the same interface;
+this client serves engines that live in the caller's process (stand-in engines in tests, and the
+one-process baseline that ``benchmarks/serve.py`` measures the split against). The engine thread
+shares the caller's GIL.
 
 Threads and rules:
 - The engine thread is the only one that touches the LLMEngine (it builds it, steps it, shuts it
@@ -37,7 +42,10 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional, Union
 
-from kiln.config import EngineConfig, ServerConfig
+from kiln.config import EngineConfig
+from kiln.engine.streams import (
+    ACCEPTED, Admission, EngineDeadError, QueueFullError, QueueLimits, RequestFailedError, RequestStream, Sink, post,
+)
 from kiln.outputs import RequestOutput
 from kiln.runtime.input_processor import TokenizedPrompt
 from kiln.sampling_params import SamplingParams
@@ -46,34 +54,7 @@ logger = logging.getLogger(__name__)
 
 Prompt = Union[str, list[int], TokenizedPrompt]
 
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (crashed or shut down); no request can run."""
-
-
-class QueueFullError(RuntimeError):
-    """The engine holds as much as ``QueueLimits`` allows; retry later (HTTP 429)."""
-
-
-class RequestFailedError(RuntimeError):
-    """kiln failed this one request (a bug, logged with its traceback); the engine goes on."""
-
-    def __init__(self, request_id: str, detail: str):
-        super().__init__(f"request {request_id} failed inside the engine ({detail})")
-        self.request_id = request_id
-
-
-@dataclass(frozen=True)
-class QueueLimits:
-    """Backpressure: the most sequences (n per request), and prompt tokens (each of n counts),
-    admitted and not yet finished, running or waiting. None: no limit."""
-
-    max_queued_seqs: Optional[int] = None
-    max_queued_tokens: Optional[int] = None
-
-    @classmethod
-    def from_server(cls, server: ServerConfig) -> "QueueLimits":
-        return cls(server.max_queued_seqs, server.max_queued_tokens)
+__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "QueueLimits", "RequestFailedError", "RequestStream"]
 
 
 @dataclass
@@ -83,7 +64,7 @@ class _Add:
     params: SamplingParams
     priority: int
     add_special_tokens: bool
-    sink: "_Sink"
+    sink: Sink
     pooling: Optional[str] = None
 
 
@@ -96,68 +77,24 @@ class _Stop:
     pass
 
 
-_ACCEPTED = object()  # first item of a stream whose request the engine took
-
-
-class _Sink:
-    """Where the engine thread delivers one request's items: an asyncio queue on its event loop.
-    It also carries the request's share of the queue limits while it holds one."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, num_seqs: int = 0, num_tokens: int = 0):
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.num_seqs = num_seqs
-        self.num_tokens = num_tokens
-
-
-class RequestStream:
-    """The outputs of one request; iterate it. ``close()`` aborts the request if it is unfinished."""
-
-    def __init__(self, engine: "AsyncEngine", request_id: str, sink: _Sink):
-        self.request_id = request_id
-        self._engine = engine
-        self._sink = sink
-        self.finished = False
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._sink.queue.get()
-        # Outputs are cumulative, so a consumer that fell behind only needs the newest one.
-        while isinstance(item, RequestOutput) and not item.finished and not self._sink.queue.empty():
-            item = self._sink.queue.get_nowait()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.finished = item.finished
-        return item
-
-    def close(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self._engine.abort(self.request_id)
-
-
 class AsyncEngine:
     def __init__(self, make_engine: Callable[[], object], model_name: Optional[str] = None,
-                 limits: QueueLimits = QueueLimits()):
-        """``make_engine`` builds the LLMEngine; it runs on the engine thread, which then owns it."""
+                 limits: QueueLimits = QueueLimits(), deltas: bool = False):
+        """``make_engine`` builds the LLMEngine; it runs on the engine thread, which then owns it.
+        ``deltas``: the engine's outputs are deltas (``LLMEngine(delta_outputs=True)``)."""
         self._make_engine = make_engine
         self.model_name = model_name
         self.limits = limits
-        self._num_queued_seqs = 0  # admitted, not yet finished; under _lock
-        self._num_queued_tokens = 0
+        self._deltas = deltas
+        self._admission = Admission(limits)
         self._input_processor = None  # the engine's InputProcessor, once built: safe from any thread
         self._inputs: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()  # orders "submit" against "the thread has died"
+        self._lock = self._admission.lock  # orders "submit" against "the thread has died"
         self._ready = threading.Event()
         self._done = threading.Event()
         self._error: Optional[BaseException] = None
         self._stopping = False
-        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._sinks: dict[str, Sink] = {}  # engine thread only
         self._stats: dict = {}
         self._building = lambda: False  # the engine's live LLMEngine.building, once it exists
         self.tokenizer = None
@@ -169,8 +106,8 @@ class AsyncEngine:
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
         from kiln.runtime.engine import LLMEngine
 
-        return cls(lambda: LLMEngine(config), model_name=config.model.model,
-                   limits=QueueLimits.from_server(config.server))
+        return cls(lambda: LLMEngine(config, delta_outputs=True), model_name=config.model.model,
+                   limits=QueueLimits.from_server(config.server), deltas=True)
 
     # ---- state ----------------------------------------------------------------------------------
     def is_ready(self) -> bool:
@@ -203,9 +140,7 @@ class AsyncEngine:
         what is admitted now against the queue limits (``num_queued_seqs``, ``num_queued_tokens``), and
         ``compile_building``, ``LLMEngine.building`` read now (a build can end while the engine thread
         waits for requests, so the engine's own stats would keep it stale)."""
-        with self._lock:
-            queued = {"num_queued_seqs": self._num_queued_seqs, "num_queued_tokens": self._num_queued_tokens}
-        return {**self._stats, **queued, "compile_building": int(self._building())}
+        return {**self._stats, **self._admission.counts(), "compile_building": int(self._building())}
 
     # ---- requests -------------------------------------------------------------------------------
     async def add_request(
@@ -221,7 +156,8 @@ class AsyncEngine:
         caller's thread, then on the engine's), QueueFullError when the queue is at a limit,
         RequestFailedError when kiln failed it, EngineDeadError when the engine has stopped."""
         prompt = self.process(prompt, params, add_special_tokens)
-        sink = _Sink(asyncio.get_running_loop(), params.n, params.n * _num_tokens(prompt))
+        sink = Sink(asyncio.get_running_loop(), params.n, params.n * _num_tokens(prompt),
+                    *((prompt.text, prompt.token_ids) if isinstance(prompt, TokenizedPrompt) else ()))
         self._submit(_Add(request_id, prompt, params, priority, add_special_tokens, sink, pooling), reserve=sink)
         try:
             first = await sink.queue.get()
@@ -230,7 +166,7 @@ class AsyncEngine:
             raise
         if isinstance(first, BaseException):
             raise first
-        return RequestStream(self, request_id, sink)
+        return RequestStream(self.abort, request_id, sink, self._deltas)
 
     @property
     def grammars(self):
@@ -275,35 +211,13 @@ class AsyncEngine:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
-    def _submit(self, message, reserve: Optional[_Sink] = None) -> None:
+    def _submit(self, message, reserve: Optional[Sink] = None) -> None:
         with self._lock:
             if self._done.is_set() or self._stopping:
                 raise self._dead_error()
             if reserve is not None:
-                self._reserve(reserve)
+                self._admission.reserve(reserve)
             self._inputs.put(message)
-
-    def _reserve(self, sink: _Sink) -> None:
-        """Count a request against the queue limits (under _lock); raise if it does not fit."""
-        for what, num, queued, limit in (
-            ("sequences", sink.num_seqs, self._num_queued_seqs, self.limits.max_queued_seqs),
-            ("prompt tokens", sink.num_tokens, self._num_queued_tokens, self.limits.max_queued_tokens),
-        ):
-            name = "server.max_queued_seqs" if what == "sequences" else "server.max_queued_tokens"
-            if limit is not None and num > limit:
-                raise ValueError(f"this request needs {num} {what}, more than the server ever queues "
-                                 f"({name}={limit}); send fewer prompts, a smaller n or shorter prompts")
-            if limit is not None and queued + num > limit:
-                raise QueueFullError(f"server busy: {queued} {what} queued ({name}={limit}); retry later")
-        self._num_queued_seqs += sink.num_seqs
-        self._num_queued_tokens += sink.num_tokens
-
-    def _release(self, sink: _Sink) -> None:
-        """Give a request's share of the queue limits back (any thread; once)."""
-        with self._lock:
-            self._num_queued_seqs -= sink.num_seqs
-            self._num_queued_tokens -= sink.num_tokens
-            sink.num_seqs = sink.num_tokens = 0
 
     def _dead_error(self) -> EngineDeadError:
         if self._error is not None:
@@ -374,11 +288,11 @@ class AsyncEngine:
             if not isinstance(e, ValueError):
                 logger.exception("request %s failed while it was added", message.request_id)
                 e = RequestFailedError(message.request_id, f"{type(e).__name__}: {e}")
-            self._release(message.sink)
-            _post({message.sink: [e]})
+            self._admission.release(message.sink)
+            post({message.sink: [e]})
             return
         self._sinks[message.request_id] = message.sink
-        _post({message.sink: [_ACCEPTED]})
+        post({message.sink: [ACCEPTED]})
 
     def _abort(self, engine, request_id: str) -> None:
         try:
@@ -388,17 +302,17 @@ class AsyncEngine:
             out = RequestFailedError(request_id, f"{type(e).__name__} while aborting: {e}")
         sink = self._drop(request_id)
         if sink is not None and out is not None:
-            _post({sink: [out]})  # someone other than the consumer may have aborted it
+            post({sink: [out]})  # someone other than the consumer may have aborted it
 
-    def _drop(self, request_id: str) -> Optional[_Sink]:
+    def _drop(self, request_id: str) -> Optional[Sink]:
         """Forget a request that left the engine, giving its share of the queue limits back."""
         sink = self._sinks.pop(request_id, None)
         if sink is not None:
-            self._release(sink)
+            self._admission.release(sink)
         return sink
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        batch: dict[_Sink, list] = {}
+        batch: dict[Sink, list] = {}
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:
@@ -407,7 +321,7 @@ class AsyncEngine:
             batch.setdefault(sink, []).append(item)
             if out.finished:
                 self._drop(out.request_id)
-        for sink in _post(batch):
+        for sink in post(batch):
             # Its event loop is gone, so nobody will read it.
             for rid, s in list(self._sinks.items()):
                 if s is sink:
@@ -417,9 +331,9 @@ class AsyncEngine:
         """Stop taking requests and fail every pending one with ``error``."""
         with self._lock:
             self._done.set()
-            batch: dict[_Sink, list] = {sink: [error] for sink in self._sinks.values()}
+            batch: dict[Sink, list] = {sink: [error] for sink in self._sinks.values()}
             self._sinks.clear()
-            self._num_queued_seqs = self._num_queued_tokens = 0
+            self._admission.clear()
             while True:
                 try:
                     message = self._inputs.get_nowait()
@@ -427,28 +341,8 @@ class AsyncEngine:
                     break
                 if isinstance(message, _Add):
                     batch[message.sink] = [error]
-        _post(batch)
+        post(batch)
 
 
 def _num_tokens(prompt: Prompt) -> int:
     return len(prompt.token_ids) if isinstance(prompt, TokenizedPrompt) else len(prompt)
-
-
-def _post(batch: dict[_Sink, list]) -> list[_Sink]:
-    """Put items on their sinks' queues, one wake-up per event loop; return sinks whose loop closed."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, list]]] = {}
-    for sink, items in batch.items():
-        by_loop.setdefault(sink.loop, []).append((sink, items))
-    lost = []
-    for loop, entries in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, entries)
-        except RuntimeError:
-            lost.extend(sink for sink, _ in entries)
-    return lost
-
-
-def _put_all(entries: list[tuple[_Sink, list]]) -> None:
-    for sink, items in entries:
-        for item in items:
-            sink.queue.put_nowait(item)

@@ -1,0 +1,235 @@
+"""Serving against offline throughput on one workload: does the server keep up with the engine?
+
+Runs, in one call and on the same prompts (random token ids, exactly ``--input-len`` each, every
+request asking for exactly ``--output-len`` tokens with ``ignore_eos``, greedy):
+1. offline: ``LLM.generate`` over all prompts at once, in a child process;
+2. for each server tree (this checkout, then each ``--baseline-tree``: another kiln checkout's root,
+   for a before/after in one call): ``python -m kiln.bench.serve`` (``run_server``) started in a
+   child process, waited for until healthy and built, warmed with one untimed pass of the
+   workload (lazy CUDA-graph captures happen there), then one pass not streamed and one streamed.
+   The load comes from ``--client-procs`` client processes started together, each sending its share
+   of the requests at once; output tokens are counted from each answer's ``usage``.
+Prints a table (output tok/s, the ratio to offline, the server's mean TPOT from ``/metrics``, TTFT
+p50/p99) and writes one JSON record to ``--out``.
+
+    python benchmarks/serve_split.py --model random:tiny --num-requests 64 --input-len 64 --output-len 64
+    python benchmarks/serve_split.py --model random:llama3-8b --num-requests 512 --input-len 256 \\
+        --output-len 256 --baseline-tree .bench-old
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from common import RESULTS_DIR, console_table, device_name, make_record, write_record
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="random:tiny")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--client-procs", type=int, default=4, help="load client processes")
+    p.add_argument("--engine", default="{}", help="JSON of EngineConfig keywords beside the model (both paths)")
+    p.add_argument("--baseline-tree", action="append", default=[], help="another kiln checkout's root to serve too")
+    p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON path (default: results/serve_split-<model>-<device>.json)")
+    p.add_argument("--client", default=None, help=argparse.SUPPRESS)  # a load client's job file
+    return p.parse_args(argv)
+
+
+def make_prompts(args) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    return [[rng.randrange(1000, 20000) for _ in range(args.input_len)] for _ in range(args.num_requests)]
+
+
+def engine_kwargs(args) -> dict:
+    return {"model": {"model": args.model}, **json.loads(args.engine)}
+
+
+def _env(tree: Path) -> dict:
+    """The environment of a child that runs ``tree``'s kiln (first on the path)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
+
+
+# ---- offline -----------------------------------------------------------------------------------
+OFFLINE = """
+import json, sys, time
+from kiln import LLM, SamplingParams
+job = json.loads(open(sys.argv[1]).read())
+llm = LLM(**job["engine"])
+params = SamplingParams(max_tokens=job["output_len"], temperature=0.0, ignore_eos=True)
+llm.generate(job["prompts"], params, use_tqdm=False)  # warm, as the servers are: one untimed pass
+t0 = time.perf_counter()
+outs = llm.generate(job["prompts"], params, use_tqdm=False)
+elapsed = time.perf_counter() - t0
+print("RESULT " + json.dumps({"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "elapsed_s": elapsed}))
+"""
+
+
+def run_offline(args, prompts, tree: Path) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Path(tmp) / "job.json"
+        job.write_text(json.dumps({"engine": engine_kwargs(args), "prompts": prompts, "output_len": args.output_len}))
+        out = subprocess.run([sys.executable, "-c", OFFLINE, str(job)], capture_output=True, text=True,
+                             env=_env(tree), timeout=1800)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"offline run failed:\n{out.stderr[-3000:]}")
+    r = json.loads(line[7:])
+    return {"output_tok_s": r["tokens"] / r["elapsed_s"], **r}
+
+
+# ---- load clients --------------------------------------------------------------------------------
+async def _client_job(job: dict) -> list[dict]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=job["url"], timeout=3600, limits=limits) as http:
+        await asyncio.sleep(max(0.0, job["start_at"] - time.time()))
+
+        async def one(prompt: list[int]) -> dict:
+            body = {"model": job["model"], "prompt": prompt, "max_tokens": job["output_len"], "temperature": 0.0,
+                    "ignore_eos": True, "stream": job["stream"]}
+            t0 = time.time()
+            if not job["stream"]:
+                r = await http.post("/v1/completions", json=body)
+                r.raise_for_status()
+                return {"tokens": r.json()["usage"]["completion_tokens"], "ttft_s": None, "end": time.time()}
+            body["stream_options"] = {"include_usage": True}
+            ttft, tokens = None, 0
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if ttft is None and chunk.get("choices"):
+                        ttft = time.time() - t0
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+            return {"tokens": tokens, "ttft_s": ttft, "end": time.time()}
+
+        return await asyncio.gather(*(one(p) for p in job["prompts"]))
+
+
+def load(url: str, model: str, prompts, args, stream: bool) -> dict:
+    """Send every prompt from ``--client-procs`` processes at once; output tok/s over the wall time."""
+    start_at = time.time() + 3.0  # every client is up and waiting by then
+    shares = [prompts[i::args.client_procs] for i in range(args.client_procs)]
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for i, share in enumerate(shares):
+            job = Path(tmp) / f"client{i}.json"
+            job.write_text(json.dumps({"url": url, "model": model, "prompts": share, "output_len": args.output_len,
+                                       "stream": stream, "start_at": start_at}))
+            procs.append(subprocess.Popen([sys.executable, __file__, "--client", str(job)], stdout=subprocess.PIPE,
+                                          text=True))
+        results = [r for p in procs for r in json.loads(p.communicate(timeout=3600)[0])]
+    tokens = sum(r["tokens"] for r in results)
+    elapsed = max(r["end"] for r in results) - start_at
+    ttfts = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
+    out = {"output_tok_s": tokens / elapsed, "tokens": tokens, "elapsed_s": elapsed}
+    if ttfts:
+        out.update(ttft_ms_p50=float(np.percentile(ttfts, 50)) * 1e3, ttft_ms_p99=float(np.percentile(ttfts, 99)) * 1e3)
+    return out
+
+
+def _tpot_sum_count(url: str) -> tuple[float, float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = count = 0.0
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in family.samples:
+            if s.name == "kiln_time_per_output_token_seconds_sum":
+                total = s.value
+            elif s.name == "kiln_time_per_output_token_seconds_count":
+                count = s.value
+    return total, count
+
+
+def run_server_tree(args, prompts, tree: Path) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from kiln.bench.serve import wait_built, wait_healthy
+    from kiln.runtime.worker import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    kwargs = engine_kwargs(args)
+    kwargs["server"] = {**kwargs.get("server", {}), "host": "127.0.0.1", "port": port}
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "engine.json"
+        config.write_text(json.dumps(kwargs))
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "kiln.bench.serve", str(config)],
+                                env=_env(tree), cwd=str(tree))
+        try:
+            wait_healthy(url, proc, 900)
+            results["startup_s"] = time.perf_counter() - t0
+            results["build_wait_s"] = wait_built(url, proc, 900)
+            load(url, args.model, prompts, args, stream=True)  # warm: lazy captures, allocator
+            for stream in (False, True):
+                before = _tpot_sum_count(url)
+                r = load(url, args.model, prompts, args, stream)
+                after = _tpot_sum_count(url)
+                if after[1] > before[1]:
+                    r["tpot_ms_mean"] = (after[0] - before[0]) / (after[1] - before[1]) * 1e3
+                results["streamed" if stream else "not_streamed"] = r
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return results
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.client:
+        print(json.dumps(asyncio.run(_client_job(json.loads(Path(args.client).read_text())))))
+        return
+    prompts = make_prompts(args)
+    record: dict = {"offline": None, "servers": {}}
+    if not args.skip_offline:
+        record["offline"] = run_offline(args, prompts, ROOT)
+        print(f"offline: {record['offline']['output_tok_s']:.0f} output tok/s", flush=True)
+    for name, tree in [("this", ROOT)] + [(t, Path(t).resolve()) for t in args.baseline_tree]:
+        record["servers"][name] = run_server_tree(args, prompts, tree)
+        print(f"server {name}: {json.dumps(record['servers'][name])}", flush=True)
+    offline = record["offline"]["output_tok_s"] if record["offline"] else None
+    rows = [["offline LLM.generate", f"{offline:.0f}" if offline else "-", "1.00", "", "", ""]] if offline else []
+    for name, r in record["servers"].items():
+        for kind in ("not_streamed", "streamed"):
+            x = r[kind]
+            rows.append([f"server ({name}) {kind.replace('_', ' ')}", f"{x['output_tok_s']:.0f}",
+                         f"{x['output_tok_s'] / offline:.2f}" if offline else "-",
+                         f"{x.get('tpot_ms_mean', float('nan')):.1f}",
+                         f"{x.get('ttft_ms_p50', float('nan')):.0f}", f"{x.get('ttft_ms_p99', float('nan')):.0f}"])
+    print(console_table(["path", "output tok/s", "x offline", "TPOT ms (mean)", "TTFT p50 ms", "TTFT p99 ms"], rows))
+    device = "".join(c if c.isalnum() or c in "-_." else "_" for c in device_name())
+    out = Path(args.out) if args.out else RESULTS_DIR / f"serve_split-{args.model.replace(':', '_')}-{device}.json"
+    config = {k: v for k, v in vars(args).items() if k != "client"}
+    write_record(make_record("serve_split", args.model, config, record), out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""The engine-core process: one LLMEngine and a busy loop that never waits on a client.
+
+    EngineCoreClient (frontend)  ── AddRequest | AbortRequests | Shutdown ──►  EngineCore.run()
+                                 ◄── Ready, then StepOutputs ... Stopped ────
+
+One turn of the loop::
+
+    take inputs   adds, aborts, shutdown (waits for one only when idle: nothing unfinished, no capture)
+    step          LLMEngine.step() -> delta RequestOutputs           (busy)
+    or capture    one pending CUDA-graph size                        (idle, compile.capture=lazy)
+    send          StepOutputs: the deltas, requests taken or refused, stats every STATS_PERIOD_S
+
+Rules:
+- Requests arrive tokenized and checked by the frontend (``InputProcessor``); one the engine still
+  refuses is answered with a ``Refusal`` and leaves nothing behind. Aborts free blocks at once.
+- Nothing here waits on a client: outputs go out on a PUSH socket without a high-water mark, and
+  the loop blocks only when it has nothing to run.
+- A failed step ends the process after ``Stopped(error)``, so the frontend fails every pending
+  request at once. The process also leaves on ``Shutdown`` and when its parent (the frontend) is
+  gone, checked every ``PARENT_CHECK_S``: a killed frontend leaves no engine holding the device.
+- SIGINT and SIGTERM belong to the frontend, which drains and then sends ``Shutdown``; the process
+  ignores both (a signal to the process group would otherwise cut the drain short).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import pickle
+import signal
+import time
+from typing import Callable, Optional
+
+import zmq
+
+from kiln.config import EngineConfig
+from kiln.engine.messages import (
+    AbortRequests, AddRequest, Ready, Refusal, Shutdown, StartFailed, StepOutputs, Stopped, encoder,
+    to_engine_decoder,
+)
+from kiln.outputs import RequestOutput
+from kiln.runtime.engine import LLMEngine
+from kiln.runtime.input_processor import TokenizedPrompt
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 500  # an idle loop wakes this often: stats, the parent check
+STATS_PERIOD_S = 0.1  # a busy loop sends the engine's stats at most this often
+PARENT_CHECK_S = 1.0
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # as the CLI's (hydra/job_logging=stdout)
+
+
+class EngineCore:
+    """The busy loop over one built LLMEngine (``delta_outputs=True``) and its two sockets."""
+
+    def __init__(self, engine: LLMEngine, inputs: zmq.Socket, outputs: zmq.Socket,
+                 parent_alive: Callable[[], bool] = lambda: True):
+        self.engine = engine
+        self._inputs = inputs
+        self._outputs = outputs
+        self._parent_alive = parent_alive
+        self._encode = encoder().encode
+        self._decode = to_engine_decoder().decode
+        self._poller = zmq.Poller()
+        self._poller.register(inputs, zmq.POLLIN)
+        self._accepted: list[str] = []
+        self._refused: list[Refusal] = []
+        self._next_stats_at = 0.0
+        self._next_parent_check_at = 0.0
+
+    def run(self) -> None:
+        """Serve until Shutdown or the parent's exit; a failed step raises."""
+        engine = self.engine
+        while True:
+            busy = engine.has_unfinished_requests()
+            capturing = not busy and engine.has_pending_captures
+            if not self._take_inputs(0 if busy or capturing else IDLE_POLL_MS):
+                return
+            outputs: list[RequestOutput] = []
+            if engine.has_unfinished_requests():
+                outputs = engine.step()
+            elif capturing:
+                engine.capture_idle()
+            # Gone idle: the stats now, so /metrics shows the blocks given back.
+            self._send(outputs, force_stats=busy and not engine.has_unfinished_requests())
+            if not self._check_parent():
+                logger.warning("the frontend process is gone; the engine core stops")
+                return
+
+    def _take_inputs(self, timeout_ms: int) -> bool:
+        """Apply every waiting add and abort (waiting up to ``timeout_ms`` for the first); False on Shutdown."""
+        if not self._poller.poll(timeout_ms):
+            return True
+        while True:
+            try:
+                frame = self._inputs.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            message = self._decode(frame.buffer)
+            if isinstance(message, Shutdown):
+                return False
+            if isinstance(message, AbortRequests):
+                for request_id in message.request_ids:
+                    self.engine.abort_request(request_id)  # its client has stopped listening
+            else:
+                self._add(message)
+
+    def _add(self, message: AddRequest) -> None:
+        try:
+            self.engine.add_request(message.request_id, TokenizedPrompt(message.prompt, message.prompt_token_ids),
+                                    message.params, message.priority, pooling=message.pooling)
+        except ValueError as e:
+            self._refused.append(Refusal(message.request_id, True, str(e)))
+        except Exception as e:  # noqa: BLE001 - one request must not stop the engine
+            logger.exception("request %s failed while it was added", message.request_id)
+            self._refused.append(Refusal(message.request_id, False, f"{type(e).__name__}: {e}"))
+        else:
+            self._accepted.append(message.request_id)
+
+    def _send(self, outputs: list[RequestOutput], force_stats: bool = False) -> None:
+        now = time.monotonic()
+        stats = None
+        if now >= self._next_stats_at or force_stats:
+            self._next_stats_at = now + STATS_PERIOD_S
+            stats = {**self.engine.stats(), "compile_building": int(self.engine.building)}
+        if not (outputs or self._accepted or self._refused or stats):
+            return
+        message = StepOutputs(outputs, self._accepted, self._refused, stats)
+        self._accepted, self._refused = [], []
+        self._outputs.send(self._encode(message), copy=False)
+
+    def _check_parent(self) -> bool:
+        now = time.monotonic()
+        if now < self._next_parent_check_at:
+            return True
+        self._next_parent_check_at = now + PARENT_CHECK_S
+        return self._parent_alive()
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
+                    log_level: Optional[int] = None) -> None:
+    """The engine-core process's target: build the engine, say Ready (or StartFailed), serve, say Stopped."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if log_level is not None:
+        logging.basicConfig(level=log_level, format=LOG_FORMAT)
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    inputs.setsockopt(zmq.RCVHWM, 0)
+    inputs.connect(input_address)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.SNDHWM, 0)
+    outputs.connect(output_address)
+    encode = encoder().encode
+    try:
+        try:
+            engine = LLMEngine(config, delta_outputs=True)
+        except BaseException as e:  # noqa: BLE001 - the frontend re-raises it (a ValueError says what to change)
+            if not isinstance(e, ValueError):
+                logger.exception("building the engine failed")
+            outputs.send(encode(StartFailed(type(e).__name__, str(e))))
+            return
+        _serve(engine, inputs, outputs, encode)
+    finally:
+        inputs.close(linger=0)
+        outputs.close(linger=5000)  # the last messages (Stopped, StartFailed) still go out
+        ctx.term()
+
+
+def _serve(engine: LLMEngine, inputs: zmq.Socket, outputs: zmq.Socket, encode) -> None:
+    error = None
+    try:
+        executor = engine.executor
+        outputs.send(encode(Ready(pickle.dumps(engine.tokenizer), executor.vocab_size, engine.max_model_len,
+                                  list(executor.eos_token_ids), engine.startup)))
+        parent = multiprocessing.parent_process()
+        EngineCore(engine, inputs, outputs, parent.is_alive if parent is not None else (lambda: True)).run()
+    except BaseException as e:  # noqa: BLE001 - reported to the frontend, which fails what is pending
+        logger.exception("the engine core failed")
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        outputs.send(encode(Stopped(error)))  # before the shutdown, which can take a while
+        try:
+            engine.shutdown()
+        except Exception:  # noqa: BLE001 - already on the way out
+            logger.exception("engine shutdown failed")

@@ -1,0 +1,287 @@
+"""EngineCoreClient: the frontend's handle on an engine core running in a process of its own.
+
+    client = EngineCoreClient(config)          # spawns the engine-core process (kiln.engine.core)
+    client.wait_ready()                        # the model is loaded; tokenizer and limits are here
+    stream = await client.add_request("req-1", "Hello", SamplingParams(max_tokens=8))
+    async for out in stream: ...               # cumulative outputs, merged from the engine's deltas
+
+Threads and rules (the frontend side; the engine side is ``kiln.engine.core``):
+- Requests are tokenized and checked here, on the caller's thread (``InputProcessor`` over the
+  engine's own tokenizer, which ``Ready`` carries), and admitted against ``QueueLimits`` (429)
+  before they are sent; the engine answers each with "taken" or a refusal, which ``add_request``
+  awaits, so a refusal is an error before any byte of the answer.
+- One reader thread receives and decodes everything the engine sends and hands each request's
+  items to its event loop (``streams.post``: one wake-up per loop per message). Sends happen on the
+  caller's thread under one lock; nothing here waits for the engine except ``add_request``'s
+  acceptance and ``wait_ready``.
+- ``abort`` is synchronous, safe from any thread or a ``finally``: the request is forgotten here
+  at once (its share of the queue limits given back) and the engine frees its blocks on its next turn.
+- Every admitted request gets an answer: its outputs, its refusal, or EngineDeadError. When the
+  engine-core process dies (a failed step, a kill) every pending and later request fails at once,
+  ``is_healthy()`` turns False and ``on_dead`` is called, so the server can exit non-zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import pickle
+import shutil
+import tempfile
+import threading
+import time
+from typing import Callable, Optional
+
+import zmq
+
+from kiln.config import EngineConfig
+from kiln.engine.core import run_engine_core
+from kiln.engine.messages import (
+    AbortRequests, AddRequest, Ready, Shutdown, StartFailed, StepOutputs, Stopped, encoder, from_engine_decoder,
+)
+from kiln.engine.streams import (
+    ACCEPTED, Admission, EngineDeadError, QueueLimits, RequestFailedError, RequestStream, Sink, post,
+)
+from kiln.runtime.engine import StartupReport
+from kiln.runtime.input_processor import InputProcessor, Prompt, TokenizedPrompt
+from kiln.runtime.structured_output import GrammarCompiler
+from kiln.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+LIVENESS_POLL_MS = 200  # how often the reader checks the process while the engine is silent
+
+
+class EngineCoreClient:
+    def __init__(self, config: EngineConfig, model_name: Optional[str] = None,
+                 limits: QueueLimits = QueueLimits(), on_dead: Optional[Callable[[], None]] = None):
+        """Start the engine-core process for ``config``; ``on_dead`` runs (on the reader thread)
+        if the engine stops without being asked to."""
+        self.model_name = model_name or config.model.model
+        self.limits = limits
+        self._admission = Admission(limits)
+        self._lock = self._admission.lock  # the sinks, the input socket, "the engine has stopped"
+        self._sinks: dict[str, Sink] = {}
+        self._on_dead = on_dead
+        self._ready = threading.Event()
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._stopping = False
+        self._stats: dict = {}
+        self._inputs: Optional[InputProcessor] = None
+        self.tokenizer = None
+        self.max_model_len: Optional[int] = None
+        self.startup: Optional[StartupReport] = None
+        self._encode = encoder().encode
+
+        self._ipc_dir = tempfile.mkdtemp(prefix="kiln-engine-")
+        self._ctx = zmq.Context()
+        self._to_engine = self._ctx.socket(zmq.PUSH)
+        self._to_engine.setsockopt(zmq.SNDHWM, 0)
+        self._to_engine.bind(f"ipc://{self._ipc_dir}/in")
+        self._from_engine = self._ctx.socket(zmq.PULL)
+        self._from_engine.setsockopt(zmq.RCVHWM, 0)
+        self._from_engine.bind(f"ipc://{self._ipc_dir}/out")
+        root = logging.getLogger()
+        log_level = root.getEffectiveLevel() if root.handlers else None
+        self._proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, name="kiln-engine-core",
+            args=(config, f"ipc://{self._ipc_dir}/in", f"ipc://{self._ipc_dir}/out", log_level))
+        self._proc.start()
+        self._reader = threading.Thread(target=self._read, name="kiln-engine-client", daemon=True)
+        self._reader.start()
+
+    # ---- state ----------------------------------------------------------------------------------
+    def is_ready(self) -> bool:
+        return self._ready.is_set() and self.is_healthy()
+
+    def is_healthy(self) -> bool:
+        return self._error is None and not self._done.is_set()
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        return self._error
+
+    @property
+    def grammars(self) -> Optional[GrammarCompiler]:
+        return self._inputs.grammars if self._inputs is not None else None
+
+    @property
+    def pid(self) -> Optional[int]:
+        """The engine-core process's id."""
+        return self._proc.pid
+
+    def wait_ready(self, timeout: Optional[float] = None) -> None:
+        """Block until the engine is built; re-raise what building it raised (a ValueError says
+        what to change), or EngineDeadError once it has stopped."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not (self._ready.is_set() or self._done.is_set()):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the engine is not ready after {timeout} s")
+            self._done.wait(0.05)
+        if not self.is_ready():
+            if self._error is not None and not self._ready.is_set():
+                raise self._error
+            raise self._dead_error()
+
+    def stats(self) -> dict:
+        """The engine's stats as of its latest message (empty before it is ready), and what is
+        admitted now against the queue limits."""
+        return {**self._stats, **self._admission.counts()}
+
+    # ---- requests -------------------------------------------------------------------------------
+    def process(self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool = True) -> TokenizedPrompt:
+        """Tokenize and check a prompt on the caller's thread (ValueError for bad input)."""
+        if self._inputs is None:
+            raise self._dead_error() if self._done.is_set() else EngineDeadError("the engine is still loading")
+        return self._inputs.process(prompt, params, add_special_tokens)
+
+    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
+                          add_special_tokens: bool = True, pooling: Optional[str] = None) -> RequestStream:
+        """Hand a request to the engine. Raises ValueError for bad input, QueueFullError when the
+        queue is at a limit, RequestFailedError when kiln failed it, EngineDeadError when the engine
+        has stopped."""
+        processed = self.process(prompt, params, add_special_tokens)
+        ids = processed.token_ids
+        sink = Sink(asyncio.get_running_loop(), params.n, params.n * len(ids), processed.text, ids)
+        message = AddRequest(request_id, processed.text, ids, params, priority, pooling)
+        with self._lock:
+            if self._done.is_set() or self._stopping:
+                raise self._dead_error()
+            if request_id in self._sinks:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._admission.reserve(sink)
+            self._sinks[request_id] = sink
+            self._to_engine.send(self._encode(message), copy=False)
+        try:
+            first = await sink.queue.get()
+        except BaseException:
+            self.abort(request_id)  # cancelled while waiting: the engine may still take it
+            raise
+        if isinstance(first, BaseException):
+            raise first
+        return RequestStream(self.abort, request_id, sink, deltas=True)
+
+    def abort(self, request_id: str) -> None:
+        """Finish a request now and free its blocks. Safe from any thread; unknown ids are ignored."""
+        with self._lock:
+            sink = self._sinks.pop(request_id, None)
+            if sink is not None and not self._done.is_set():
+                self._to_engine.send(self._encode(AbortRequests([request_id])), copy=False)
+        if sink is not None:
+            self._admission.release(sink)
+
+    def shutdown(self, timeout: Optional[float] = 30.0) -> None:
+        """Fail unfinished requests, stop the engine-core process and wait for it."""
+        with self._lock:
+            if not (self._done.is_set() or self._stopping):
+                self._stopping = True
+                self._to_engine.send(self._encode(Shutdown()))
+        if self._reader is not threading.current_thread():
+            self._reader.join(timeout)
+        self._proc.join(timeout if self._ready.is_set() else 0)
+        if self._proc.is_alive():  # still building (a shutdown during start-up), or stuck
+            self._proc.kill()
+            self._proc.join(10)
+        self._close(EngineDeadError("the engine has shut down"))
+        if self._inputs is not None:
+            self._inputs.grammars.shutdown()
+        if self._reader is not threading.current_thread() and not self._reader.is_alive():
+            self._to_engine.close(linger=0)
+            self._from_engine.close(linger=0)
+            self._ctx.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    def _dead_error(self) -> EngineDeadError:
+        if self._error is not None:
+            return EngineDeadError(f"the engine has stopped after an error: {self._error!r}")
+        return EngineDeadError("the engine has shut down")
+
+    # ---- reader thread --------------------------------------------------------------------------
+    def _read(self) -> None:
+        decode = from_engine_decoder().decode
+        poller = zmq.Poller()
+        poller.register(self._from_engine, zmq.POLLIN)
+        try:
+            while True:
+                if not poller.poll(LIVENESS_POLL_MS):
+                    if not self._proc.is_alive():
+                        raise EngineDeadError(f"the engine-core process exited (code {self._proc.exitcode})")
+                    continue
+                message = decode(self._from_engine.recv(copy=False).buffer)
+                if isinstance(message, StepOutputs):
+                    self._deliver(message)
+                elif isinstance(message, Ready):
+                    self._take_ready(message)
+                elif isinstance(message, StartFailed):
+                    self._error = (ValueError(message.message) if message.error_type == "ValueError"
+                                   else RuntimeError(f"building the engine failed: {message.error_type}: "
+                                                     f"{message.message}"))
+                    return
+                elif isinstance(message, Stopped):
+                    if message.error is not None:
+                        self._error = RuntimeError(message.error)
+                    return
+        except zmq.ContextTerminated:
+            return
+        except BaseException as e:  # noqa: BLE001 - any end must reach the waiting requests
+            self._error = e
+        finally:
+            unexpected = not self._stopping
+            self._close(self._dead_error())
+            if unexpected and self._ready.is_set():
+                logger.error("the engine core stopped: %s", self._error)
+                if self._on_dead is not None:
+                    self._on_dead()
+
+    def _take_ready(self, ready: Ready) -> None:
+        tokenizer = pickle.loads(ready.tokenizer_pickle)
+        grammars = GrammarCompiler(tokenizer, ready.vocab_size, ready.eos_token_ids or None)
+        self._inputs = InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len, grammars)
+        self.tokenizer = tokenizer
+        self.max_model_len = ready.max_model_len
+        self.startup = ready.startup
+        self._ready.set()
+
+    def _deliver(self, message: StepOutputs) -> None:
+        if message.stats is not None:
+            self._stats = message.stats
+        batch: dict[Sink, list] = {}
+        left: list[Sink] = []
+        with self._lock:
+            for request_id in message.accepted:
+                sink = self._sinks.get(request_id)
+                if sink is not None:
+                    batch.setdefault(sink, []).append(ACCEPTED)
+            for refusal in message.refused:
+                sink = self._sinks.pop(refusal.request_id, None)
+                if sink is not None:
+                    error = (ValueError(refusal.message) if refusal.bad_input
+                             else RequestFailedError(refusal.request_id, refusal.message))
+                    batch.setdefault(sink, []).append(error)
+                    left.append(sink)
+            for out in message.outputs:
+                sink = self._sinks.get(out.request_id)
+                if sink is None:
+                    continue
+                batch.setdefault(sink, []).append(
+                    out if out.error is None else RequestFailedError(out.request_id, out.error))
+                if out.finished:
+                    del self._sinks[out.request_id]
+                    left.append(sink)
+        for sink in left:
+            self._admission.release(sink)
+        lost = set(post(batch))
+        if lost:  # their event loop is gone, so nobody will read them
+            for request_id in [rid for rid, s in list(self._sinks.items()) if s in lost]:
+                self.abort(request_id)
+
+    def _close(self, error: EngineDeadError) -> None:
+        """Stop taking requests and fail every pending one with ``error``."""
+        with self._lock:
+            self._done.set()
+            batch: dict[Sink, list] = {sink: [error] for sink in self._sinks.values()}
+            self._sinks.clear()
+            self._admission.clear()
+        post(batch)

@@ -1,0 +1,225 @@
+"""What every engine client hands the server: request streams, queue limits and the errors.
+
+Both clients (``EngineCoreClient``, the engine core in its own process; ``AsyncEngine``, an engine
+on a thread of this process) deliver a request's items to a ``Sink`` (an asyncio queue on the
+caller's event loop) from a thread of their own, one wake-up per event loop per batch (``post``);
+``RequestStream`` reads them.
+
+Rules:
+- A stream yields cumulative ``RequestOutput``s (everything so far), however the engine sends
+  them. From a delta engine (``deltas=True``) every delta waiting is merged in order, so a consumer
+  that fell behind loses nothing and each step costs only what is new; from a cumulative one only
+  the newest output waiting is kept.
+- The output a delta stream yields is updated in place by the next ``__anext__``: read it before
+  awaiting the next.
+- ``Admission`` counts what is admitted against ``QueueLimits``; every admitted request gives its
+  share back exactly once when it leaves (finished, failed, refused, aborted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol
+
+from kiln.config import ServerConfig
+from kiln.outputs import CompletionOutput, RequestOutput
+from kiln.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine has stopped (crashed or shut down); no request can run."""
+
+
+class QueueFullError(RuntimeError):
+    """The engine holds as much as ``QueueLimits`` allows; retry later (HTTP 429)."""
+
+
+class RequestFailedError(RuntimeError):
+    """kiln failed this one request (a bug, logged with its traceback); the engine goes on."""
+
+    def __init__(self, request_id: str, detail: str):
+        super().__init__(f"request {request_id} failed inside the engine ({detail})")
+        self.request_id = request_id
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """Backpressure: the most sequences (n per request), and prompt tokens (each of n counts),
+    admitted and not yet finished, running or waiting. None: no limit."""
+
+    max_queued_seqs: Optional[int] = None
+    max_queued_tokens: Optional[int] = None
+
+    @classmethod
+    def from_server(cls, server: ServerConfig) -> "QueueLimits":
+        return cls(server.max_queued_seqs, server.max_queued_tokens)
+
+
+ACCEPTED = object()  # first item of a stream whose request the engine took
+
+
+class Sink:
+    """Where a client's thread delivers one request's items: an asyncio queue on its event loop.
+    It also carries the request's share of the queue limits while it holds one, and its prompt
+    (a delta engine leaves the prompt fields of its outputs empty)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, num_seqs: int = 0, num_tokens: int = 0,
+                 prompt: Optional[str] = None, prompt_token_ids: Optional[list[int]] = None):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.num_seqs = num_seqs
+        self.num_tokens = num_tokens
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids if prompt_token_ids is not None else []
+
+
+class Admission:
+    """What is admitted and not yet finished, against ``QueueLimits``; thread-safe."""
+
+    def __init__(self, limits: QueueLimits):
+        self.limits = limits
+        self.lock = threading.Lock()
+        self.num_queued_seqs = 0
+        self.num_queued_tokens = 0
+
+    def reserve(self, sink: Sink) -> None:
+        """Count a request against the limits (call under ``lock``); raise if it does not fit."""
+        for what, num, queued, limit, name in (
+            ("sequences", sink.num_seqs, self.num_queued_seqs, self.limits.max_queued_seqs,
+             "server.max_queued_seqs"),
+            ("prompt tokens", sink.num_tokens, self.num_queued_tokens, self.limits.max_queued_tokens,
+             "server.max_queued_tokens"),
+        ):
+            if limit is not None and num > limit:
+                raise ValueError(f"this request needs {num} {what}, more than the server ever queues "
+                                 f"({name}={limit}); send fewer prompts, a smaller n or shorter prompts")
+            if limit is not None and queued + num > limit:
+                raise QueueFullError(f"server busy: {queued} {what} queued ({name}={limit}); retry later")
+        self.num_queued_seqs += sink.num_seqs
+        self.num_queued_tokens += sink.num_tokens
+
+    def release(self, sink: Sink) -> None:
+        """Give a request's share back (any thread; a second call gives nothing)."""
+        with self.lock:
+            self.num_queued_seqs -= sink.num_seqs
+            self.num_queued_tokens -= sink.num_tokens
+            sink.num_seqs = sink.num_tokens = 0
+
+    def clear(self) -> None:
+        """Everything left (call under ``lock``)."""
+        self.num_queued_seqs = self.num_queued_tokens = 0
+
+    def counts(self) -> dict:
+        with self.lock:
+            return {"num_queued_seqs": self.num_queued_seqs, "num_queued_tokens": self.num_queued_tokens}
+
+
+class RequestStream:
+    """The outputs of one request; iterate it. ``close()`` aborts the request if it is unfinished."""
+
+    def __init__(self, abort: Callable[[str], None], request_id: str, sink: Sink, deltas: bool = False):
+        self.request_id = request_id
+        self._abort = abort
+        self._sink = sink
+        self._deltas = deltas
+        self._output: Optional[RequestOutput] = None  # a delta stream's merged output
+        self.finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._sink.queue.get()
+        while isinstance(item, RequestOutput):
+            if self._deltas:
+                self._merge(item)
+            if item.finished or self._sink.queue.empty():
+                break
+            item = self._sink.queue.get_nowait()  # cumulative: only the newest one matters
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return self._output if self._deltas else item
+
+    def _merge(self, delta: RequestOutput) -> None:
+        out = self._output
+        if out is None:
+            self._output = RequestOutput(
+                delta.request_id, self._sink.prompt, self._sink.prompt_token_ids,
+                [_copy(c) for c in delta.outputs], delta.finished, delta.num_cached_tokens,
+                error=delta.error, prompt_logprobs=delta.prompt_logprobs, embedding=delta.embedding)
+            return
+        for new, c in zip(delta.outputs, out.outputs):
+            c.text += new.text
+            c.token_ids.extend(new.token_ids)
+            if new.logprobs is not None:
+                if c.logprobs is None:
+                    c.logprobs = []
+                c.logprobs.extend(new.logprobs)
+            c.cumulative_logprob = new.cumulative_logprob
+            c.finish_reason, c.stop_reason = new.finish_reason, new.stop_reason
+        out.finished = delta.finished
+        out.num_cached_tokens = delta.num_cached_tokens
+        out.error = delta.error
+        if delta.prompt_logprobs is not None:
+            out.prompt_logprobs = delta.prompt_logprobs
+        if delta.embedding is not None:
+            out.embedding = delta.embedding
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._abort(self.request_id)
+
+
+def _copy(c: CompletionOutput) -> CompletionOutput:
+    return CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
+                            list(c.logprobs) if c.logprobs is not None else None, c.cumulative_logprob)
+
+
+def post(batch: dict[Sink, list]) -> list[Sink]:
+    """Put items on their sinks' queues, one wake-up per event loop; return sinks whose loop closed."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sink, list]]] = {}
+    for sink, items in batch.items():
+        by_loop.setdefault(sink.loop, []).append((sink, items))
+    lost = []
+    for loop, entries in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, entries)
+        except RuntimeError:
+            lost.extend(sink for sink, _ in entries)
+    return lost
+
+
+def _put_all(entries: list[tuple[Sink, list]]) -> None:
+    for sink, items in entries:
+        for item in items:
+            sink.queue.put_nowait(item)
+
+
+class EngineClient(Protocol):
+    """What the server needs of an engine client (``EngineCoreClient``, ``AsyncEngine``)."""
+
+    model_name: Optional[str]
+    limits: QueueLimits
+    tokenizer: Any  # None until the engine is ready
+    max_model_len: Optional[int]
+
+    def is_ready(self) -> bool: ...
+    def is_healthy(self) -> bool: ...
+    @property
+    def error(self) -> Optional[BaseException]: ...
+    @property
+    def grammars(self) -> Any: ...  # a GrammarCompiler (thread-safe), or None before ready
+    def wait_ready(self, timeout: Optional[float] = None) -> None: ...
+    def stats(self) -> dict: ...
+    def process(self, prompt: Any, params: SamplingParams, add_special_tokens: bool = True) -> Any: ...
+    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams, priority: int = 0,
+                          add_special_tokens: bool = True, pooling: Optional[str] = None) -> RequestStream: ...
+    def abort(self, request_id: str) -> None: ...
+    def shutdown(self, timeout: Optional[float] = 30.0) -> None: ...

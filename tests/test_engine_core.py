@@ -1,0 +1,218 @@
+"""The engine core in its own process (kiln.engine): what the frontend gets back equals the
+in-process engine's, aborts free blocks there, and a dead process fails every pending request at once."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import msgspec
+import pytest
+
+from kiln import LLM, SamplingParams
+from kiln.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig
+from kiln.engine.core_client import EngineCoreClient
+from kiln.engine.messages import AddRequest, encoder, to_engine_decoder
+from kiln.engine.streams import EngineDeadError, RequestStream, Sink
+from kiln.outputs import CompletionOutput, RequestOutput
+from kiln.runtime.worker import free_port
+from kiln.sampling_params import StructuredOutputsParams
+
+TINY = "random:tiny"
+NUM_BLOCKS = 256
+CONFIG = EngineConfig(model=ModelConfig(TINY), cache=CacheConfig(num_blocks=NUM_BLOCKS),
+                      compile=CompileConfig(mode="eager"))
+PROMPTS = ["Once upon a time", "The capital of France is", [5, 6, 7, 8, 9, 10]]
+
+
+@pytest.fixture(scope="module")
+def client():
+    c = EngineCoreClient(CONFIG)
+    c.wait_ready(timeout=300)
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(TINY, cache={"num_blocks": NUM_BLOCKS}, compile={"mode": "eager"})
+
+
+async def _finals(client, tag: str, params: SamplingParams) -> list[RequestOutput]:
+    async def one(i, prompt):
+        final = None
+        async for out in await client.add_request(f"{tag}-{i}", prompt, params):
+            final = out
+        return final
+
+    return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+
+
+def _summary(out: RequestOutput) -> list:
+    return [out.prompt_token_ids, [(c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs)
+                                   for c in out.outputs]]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=1.0, n=2, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=40, temperature=0.0, stop=["e"], include_stop_str_in_output=True),
+], ids=["greedy-logprobs", "seeded-n2", "stop-string"])
+def test_outputs_equal_the_in_process_engine(client, llm, params):
+    """The engine-core process sends deltas; merged, they are the outputs LLM.generate returns."""
+    got = asyncio.run(_finals(client, f"eq{id(params)}", params))
+    want = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [_summary(o) for o in got] == [_summary(o) for o in want]
+    assert all(o.finished for o in got)
+
+
+def test_a_lagging_stream_loses_nothing():
+    """Deltas waiting in a stream's queue are merged, none dropped, however far the reader is behind."""
+
+    async def run() -> RequestOutput:
+        sink = Sink(asyncio.get_running_loop(), prompt="p", prompt_token_ids=[1])
+        for k, (text, ids, done) in enumerate([("a", [1], False), ("b", [2], False), ("c", [3, 4], True)]):
+            delta = RequestOutput("r", None, [], [CompletionOutput(0, text, ids, "length" if done else None,
+                                                                   logprobs=[{i: -1.0} for i in ids])], done)
+            sink.queue.put_nowait(delta)
+        stream = RequestStream(lambda _: None, "r", sink, deltas=True)
+        return await stream.__anext__()
+
+    out = asyncio.run(run())
+    c = out.outputs[0]
+    assert (c.text, c.token_ids, c.finish_reason, len(c.logprobs)) == ("abc", [1, 2, 3, 4], "length", 4)
+    assert out.finished and out.prompt_token_ids == [1]
+
+
+def test_messages_round_trip():
+    params = SamplingParams(max_tokens=5, stop="x", logit_bias={3: 1.5}, seed=-3,
+                            structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+    message = AddRequest("r", "hi", [1, 2], params, priority=2, pooling=None)
+    assert to_engine_decoder().decode(encoder().encode(message)) == message
+
+
+def test_abort_frees_blocks_and_ids_are_checked(client):
+    async def run() -> None:
+        params = SamplingParams(max_tokens=400, ignore_eos=True)
+        stream = await client.add_request("held", "hello", params)
+        await stream.__anext__()
+        with pytest.raises(ValueError, match="already in use"):
+            await client.add_request("held", "hello", params)
+        stream.close()
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 10
+    while client.stats()["num_free_blocks"] != NUM_BLOCKS - 1 or client.stats()["num_running"]:
+        assert time.monotonic() < deadline, client.stats()
+        time.sleep(0.02)
+    assert client.stats()["num_queued_seqs"] == 0
+
+
+def test_a_bad_model_is_its_value_error():
+    bad = EngineCoreClient(EngineConfig(model=ModelConfig("random:nope")))
+    try:
+        with pytest.raises(ValueError, match="random:"):
+            bad.wait_ready(timeout=120)
+    finally:
+        bad.shutdown()
+
+
+def test_a_dead_engine_fails_every_pending_request_at_once():
+    died = []
+    c = EngineCoreClient(CONFIG, on_dead=lambda: died.append(time.monotonic()))
+    c.wait_ready(timeout=300)
+
+    async def run() -> float:
+        streams = [await c.add_request(f"d{i}", "hello", SamplingParams(max_tokens=2000, ignore_eos=True))
+                   for i in range(3)]
+        await streams[0].__anext__()
+        os.kill(c.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        for s in streams:
+            with pytest.raises(EngineDeadError):
+                async for _ in s:
+                    pass
+        return time.monotonic() - t0
+
+    try:
+        assert asyncio.run(run()) < 5
+        assert not c.is_healthy() and died
+        with pytest.raises(EngineDeadError):
+            asyncio.run(c.add_request("late", "hello", SamplingParams(max_tokens=2)))
+    finally:
+        c.shutdown()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie still answers signals; its state says it has exited
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ", 1)[1].startswith("Z")
+
+
+def test_the_engine_core_leaves_with_its_frontend(tmp_path):
+    """A killed frontend leaves no engine process holding memory or the device."""
+    script = textwrap.dedent(f"""
+        import os, signal
+        from kiln.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig
+        from kiln.engine.core_client import EngineCoreClient
+        if __name__ == "__main__":
+            c = EngineCoreClient(EngineConfig(model=ModelConfig({TINY!r}), cache=CacheConfig(num_blocks=64),
+                                              compile=CompileConfig(mode="eager")))
+            c.wait_ready(timeout=300)
+            print(c.pid, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    path = tmp_path / "frontend.py"
+    path.write_text(script)
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    pid = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 15
+    while not _gone(pid):
+        assert time.monotonic() < deadline, "the engine core outlived its frontend"
+        time.sleep(0.1)
+
+
+def _engine_core_pid(server_pid: int) -> int:
+    with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
+        for pid in map(int, f.read().split()):
+            with open(f"/proc/{pid}/cmdline", "rb") as c:
+                cmdline = c.read()
+            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+                return pid
+    raise AssertionError("the server has no engine-core process")
+
+
+def test_the_server_exits_non_zero_when_its_engine_dies():
+    port = free_port()
+    code = ("from kiln.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, ServerConfig\n"
+            "from kiln.entrypoints.openai import run_server\n"
+            f"run_server(EngineConfig(model=ModelConfig({TINY!r}), cache=CacheConfig(num_blocks=64), "
+            f"compile=CompileConfig(mode='eager'), server=ServerConfig(port={port})))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        os.kill(_engine_core_pid(proc.pid), signal.SIGKILL)
+        assert proc.wait(timeout=30) == 1
+        assert "the engine core died" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
