@@ -12,7 +12,6 @@ import textwrap
 import time
 
 import httpx
-import msgspec
 import pytest
 
 from kiln import LLM, SamplingParams
@@ -20,7 +19,7 @@ from kiln.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig
 from kiln.engine.core_client import EngineCoreClient
 from kiln.engine.messages import AddRequest, encoder, to_engine_decoder
 from kiln.engine.streams import EngineDeadError, RequestStream, Sink
-from kiln.outputs import CompletionOutput, RequestOutput
+from kiln.outputs import RequestDelta, RequestOutput, SampleDelta
 from kiln.runtime.worker import free_port
 from kiln.sampling_params import StructuredOutputsParams
 
@@ -45,13 +44,13 @@ def llm():
 
 
 async def _finals(client, tag: str, params: SamplingParams) -> list[RequestOutput]:
-    async def one(i, prompt):
-        final = None
+    """One request at a time: random weights make near-ties that a different batch can flip."""
+    finals = []
+    for i, prompt in enumerate(PROMPTS):
         async for out in await client.add_request(f"{tag}-{i}", prompt, params):
             final = out
-        return final
-
-    return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+        finals.append(final)
+    return finals
 
 
 def _summary(out: RequestOutput) -> list:
@@ -67,7 +66,7 @@ def _summary(out: RequestOutput) -> list:
 def test_outputs_equal_the_in_process_engine(client, llm, params):
     """The engine-core process sends deltas; merged, they are the outputs LLM.generate returns."""
     got = asyncio.run(_finals(client, f"eq{id(params)}", params))
-    want = llm.generate(PROMPTS, params, use_tqdm=False)
+    want = [llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS]
     assert [_summary(o) for o in got] == [_summary(o) for o in want]
     assert all(o.finished for o in got)
 
@@ -78,8 +77,8 @@ def test_a_lagging_stream_loses_nothing():
     async def run() -> RequestOutput:
         sink = Sink(asyncio.get_running_loop(), prompt="p", prompt_token_ids=[1])
         for k, (text, ids, done) in enumerate([("a", [1], False), ("b", [2], False), ("c", [3, 4], True)]):
-            delta = RequestOutput("r", None, [], [CompletionOutput(0, text, ids, "length" if done else None,
-                                                                   logprobs=[{i: -1.0} for i in ids])], done)
+            delta = RequestDelta("r", [SampleDelta(0, text, ids, "length" if done else None,
+                                                   logprobs=[{i: -1.0} for i in ids])], done)
             sink.queue.put_nowait(delta)
         stream = RequestStream(lambda _: None, "r", sink, deltas=True)
         return await stream.__anext__()
@@ -142,7 +141,11 @@ def test_a_dead_engine_fails_every_pending_request_at_once():
 
     try:
         assert asyncio.run(run()) < 5
-        assert not c.is_healthy() and died
+        assert not c.is_healthy()
+        deadline = time.monotonic() + 5  # on_dead runs on the reader thread, after the streams fail
+        while not died:
+            assert time.monotonic() < deadline, "on_dead was not called"
+            time.sleep(0.01)
         with pytest.raises(EngineDeadError):
             asyncio.run(c.add_request("late", "hello", SamplingParams(max_tokens=2)))
     finally:
@@ -169,7 +172,7 @@ def test_the_engine_core_leaves_with_its_frontend(tmp_path):
             c = EngineCoreClient(EngineConfig(model=ModelConfig({TINY!r}), cache=CacheConfig(num_blocks=64),
                                               compile=CompileConfig(mode="eager")))
             c.wait_ready(timeout=300)
-            print(c.pid, flush=True)
+            print(c.pid, c.ipc_dir, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
     """)
     path = tmp_path / "frontend.py"
@@ -177,10 +180,12 @@ def test_the_engine_core_leaves_with_its_frontend(tmp_path):
     proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     pid = int(proc.stdout.split()[0])
+    socket_dir = proc.stdout.split()[1]
     deadline = time.monotonic() + 15
     while not _gone(pid):
         assert time.monotonic() < deadline, "the engine core outlived its frontend"
         time.sleep(0.1)
+    assert not os.path.exists(socket_dir)  # nor its sockets
 
 
 def _engine_core_pid(server_pid: int) -> int:

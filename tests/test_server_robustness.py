@@ -16,6 +16,7 @@ import re
 import socket
 import threading
 import time
+from typing import Union
 from dataclasses import dataclass
 
 import httpx
@@ -27,6 +28,8 @@ from kiln.entrypoints.openai.errors import APIError
 from kiln.entrypoints.openai.serving import ServingContext
 from kiln.entrypoints.openai.timeouts import uvicorn_options
 from kiln.engine.async_engine import AsyncEngine
+from kiln.engine.core_client import EngineCoreClient
+from kiln.engine.streams import QueueLimits
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.input_processor import InputProcessor
 from kiln.runtime.scheduler import Scheduler
@@ -39,7 +42,7 @@ TIMEOUT_S = 1.0
 LIMITS = dict(max_prompts_per_request=8, max_seqs_per_request=16, max_queued_seqs=8, max_queued_tokens=2048,
               header_read_timeout_s=TIMEOUT_S, body_read_timeout_s=TIMEOUT_S, keep_alive_timeout_s=TIMEOUT_S)
 PROBE = {"model": TINY, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "return_token_ids": True}
-# Runs until closed: _hold_slowly makes each of its tokens take 10 ms on the engine thread.
+# Runs until closed: 1,000 tokens take seconds here, far longer than a test holds it.
 HELD = {"prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "stream": True, "stop": ["HOLD"]}
 REQUEST_ID = re.compile(r"request ((?:chat)?cmpl-[0-9a-f]{32})")
 
@@ -47,7 +50,7 @@ REQUEST_ID = re.compile(r"request ((?:chat)?cmpl-[0-9a-f]{32})")
 @dataclass
 class Served:
     server: ServerThread
-    engine: AsyncEngine
+    engine: Union[EngineCoreClient, AsyncEngine]
     baseline: list[int]  # PROBE's tokens before any bad request
 
     @property
@@ -55,17 +58,33 @@ class Served:
         return self.server.url
 
 
-@pytest.fixture(scope="module")
-def served():
+def _start(in_process: bool) -> Served:
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("KILN_API_KEY", raising=False)
         config = EngineConfig(model=ModelConfig(TINY, max_model_len=MAX_MODEL_LEN),
                               cache=CacheConfig(num_blocks=NUM_BLOCKS), server=ServerConfig(**LIMITS))
-        engine = AsyncEngine.from_config(config)
+        engine = (AsyncEngine.from_config(config) if in_process
+                  else EngineCoreClient(config, limits=QueueLimits.from_server(config.server)))
         engine.wait_ready(timeout=300)
         server = ServerThread(build_app(engine, config.server), **uvicorn_options(config.server))
-    yield Served(server, engine, _probe(server.url))
-    server.stop()
+    return Served(server, engine, _probe(server.url))
+
+
+@pytest.fixture(scope="module")
+def served():
+    """The server over an engine-core process, as ``kiln serve`` runs it."""
+    s = _start(in_process=False)
+    yield s
+    s.server.stop()
+
+
+@pytest.fixture(scope="module")
+def served_here():
+    """The same over an engine on a thread of this process, where a test can inject a bug into it
+    (a monkeypatch does not reach another process) and read its log."""
+    s = _start(in_process=True)
+    yield s
+    s.server.stop()
 
 
 def _probe(url: str) -> list[int]:
@@ -178,20 +197,8 @@ QUEUE_FULL = [
 ]
 
 
-def _hold_slowly(monkeypatch) -> None:
-    original = IncrementalDetokenizer.add
-
-    def add(self, token_id):
-        if "HOLD" in self.stop_strings:
-            time.sleep(0.01)
-        return original(self, token_id)
-
-    monkeypatch.setattr(IncrementalDetokenizer, "add", add)
-
-
 @pytest.mark.parametrize("held,extra,message", QUEUE_FULL)
-def test_full_queue_is_429(served, monkeypatch, held, extra, message):
-    _hold_slowly(monkeypatch)
+def test_full_queue_is_429(served, held, extra, message):
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", served.url + "/v1/completions", json={"model": TINY, **held}) as r:
             assert r.status_code == 200
@@ -229,30 +236,30 @@ def _inject_bug(monkeypatch, where: str) -> None:
 
 
 @pytest.mark.parametrize("where", ["add", "output"])
-def test_kiln_bug_is_500_with_request_id(served, monkeypatch, caplog, where):
+def test_kiln_bug_is_500_with_request_id(served_here, monkeypatch, caplog, where):
     _inject_bug(monkeypatch, where)
     bad = {"model": TINY, "prompt": "hello there", "max_tokens": 16, "n": 2, "stop": ["BOOM"]}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        good = pool.submit(_probe, served.url)  # runs beside the failing request, unharmed
-        error = _assert_error(httpx.post(served.url + "/v1/completions", json=bad, timeout=30), 500)
-        assert good.result() == served.baseline
+        good = pool.submit(_probe, served_here.url)  # runs beside the failing request, unharmed
+        error = _assert_error(httpx.post(served_here.url + "/v1/completions", json=bad, timeout=30), 500)
+        assert good.result() == served_here.baseline
     assert error["code"] == "internal_error" and error["type"] == "server_error"
     request_id = REQUEST_ID.search(error["message"]).group(1)
     logged = [r for r in caplog.records if request_id in r.getMessage() and r.exc_info]
     assert logged and "injected kiln bug" in str(logged[0].exc_info[1])
-    _assert_still_serving(served)
+    _assert_still_serving(served_here)
 
 
-def test_kiln_bug_mid_stream_is_an_error_event(served, monkeypatch):
+def test_kiln_bug_mid_stream_is_an_error_event(served_here, monkeypatch):
     _inject_bug(monkeypatch, "output")
     body = {"model": TINY, "messages": CHAT, "max_tokens": 16, "stop": ["BOOM"], "stream": True}
-    with httpx.stream("POST", served.url + "/v1/chat/completions", json=body, timeout=30) as r:
+    with httpx.stream("POST", served_here.url + "/v1/chat/completions", json=body, timeout=30) as r:
         assert r.status_code == 200
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["code"] == "internal_error" and REQUEST_ID.search(error["message"])
-    _assert_still_serving(served)
+    _assert_still_serving(served_here)
 
 
 # ---- slow clients: deadlines on headers and body -------------------------------------------------

@@ -38,15 +38,15 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional, Union
 
 from kiln.config import EngineConfig
 from kiln.engine.streams import (
-    ACCEPTED, Admission, EngineDeadError, QueueFullError, QueueLimits, RequestFailedError, RequestStream, Sink, post,
+    ACCEPTED, Admission, EngineDeadError, QueueFullError, QueueLimits, RequestFailedError, RequestStream, Sink,
+    dead_error, post, wait_ready,
 )
-from kiln.outputs import RequestOutput
+from kiln.outputs import RequestDelta, RequestOutput
 from kiln.runtime.input_processor import TokenizedPrompt
 from kiln.sampling_params import SamplingParams
 
@@ -125,15 +125,7 @@ class AsyncEngine:
     def wait_ready(self, timeout: Optional[float] = None) -> None:
         """Block until the engine is built; re-raise what building it raised (a bad setting's
         ValueError, as ``LLMEngine`` raises it), or EngineDeadError once it has stopped."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not (self._ready.is_set() or self._done.is_set()):
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"the engine is not ready after {timeout} s")
-            self._done.wait(0.05)
-        if not self.is_ready():
-            if self._error is not None and not self._ready.is_set():
-                raise self._error
-            raise self._dead_error()
+        wait_ready(self._ready, self._done, lambda: self._error, timeout)
 
     def stats(self) -> dict:
         """LLMEngine.stats() as of the engine thread's latest turn (empty before it is ready), and
@@ -220,9 +212,7 @@ class AsyncEngine:
             self._inputs.put(message)
 
     def _dead_error(self) -> EngineDeadError:
-        if self._error is not None:
-            return EngineDeadError(f"the engine has stopped after an error: {self._error!r}")
-        return EngineDeadError("the engine has shut down")
+        return dead_error(self._error)
 
     # ---- engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -311,7 +301,7 @@ class AsyncEngine:
             self._admission.release(sink)
         return sink
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[Union[RequestOutput, RequestDelta]]) -> None:
         batch: dict[Sink, list] = {}
         for out in outputs:
             sink = self._sinks.get(out.request_id)

@@ -6,7 +6,7 @@
 One turn of the loop::
 
     take inputs   adds, aborts, shutdown (waits for one only when idle: nothing unfinished, no capture)
-    step          LLMEngine.step() -> delta RequestOutputs           (busy)
+    step          LLMEngine.step() -> RequestDeltas                  (busy)
     or capture    one pending CUDA-graph size                        (idle, compile.capture=lazy)
     send          StepOutputs: the deltas, requests taken or refused, stats every STATS_PERIOD_S
 
@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import pickle
+import shutil
 import signal
 import time
 from typing import Callable, Optional
@@ -38,7 +40,7 @@ from kiln.engine.messages import (
     AbortRequests, AddRequest, Ready, Refusal, Shutdown, StartFailed, StepOutputs, Stopped, encoder,
     to_engine_decoder,
 )
-from kiln.outputs import RequestOutput
+from kiln.outputs import RequestDelta
 from kiln.runtime.engine import LLMEngine
 from kiln.runtime.input_processor import TokenizedPrompt
 
@@ -68,15 +70,15 @@ class EngineCore:
         self._next_stats_at = 0.0
         self._next_parent_check_at = 0.0
 
-    def run(self) -> None:
-        """Serve until Shutdown or the parent's exit; a failed step raises."""
+    def run(self) -> bool:
+        """Serve until Shutdown (True) or the parent's exit (False); a failed step raises."""
         engine = self.engine
         while True:
             busy = engine.has_unfinished_requests()
             capturing = not busy and engine.has_pending_captures
             if not self._take_inputs(0 if busy or capturing else IDLE_POLL_MS):
-                return
-            outputs: list[RequestOutput] = []
+                return True
+            outputs: list[RequestDelta] = []
             if engine.has_unfinished_requests():
                 outputs = engine.step()
             elif capturing:
@@ -85,7 +87,7 @@ class EngineCore:
             self._send(outputs, force_stats=busy and not engine.has_unfinished_requests())
             if not self._check_parent():
                 logger.warning("the frontend process is gone; the engine core stops")
-                return
+                return False
 
     def _take_inputs(self, timeout_ms: int) -> bool:
         """Apply every waiting add and abort (waiting up to ``timeout_ms`` for the first); False on Shutdown."""
@@ -117,7 +119,7 @@ class EngineCore:
         else:
             self._accepted.append(message.request_id)
 
-    def _send(self, outputs: list[RequestOutput], force_stats: bool = False) -> None:
+    def _send(self, outputs: list[RequestDelta], force_stats: bool = False) -> None:
         now = time.monotonic()
         stats = None
         if now >= self._next_stats_at or force_stats:
@@ -174,7 +176,8 @@ def _serve(engine: LLMEngine, inputs: zmq.Socket, outputs: zmq.Socket, encode) -
         outputs.send(encode(Ready(pickle.dumps(engine.tokenizer), executor.vocab_size, engine.max_model_len,
                                   list(executor.eos_token_ids), engine.startup)))
         parent = multiprocessing.parent_process()
-        EngineCore(engine, inputs, outputs, parent.is_alive if parent is not None else (lambda: True)).run()
+        if not EngineCore(engine, inputs, outputs, parent.is_alive if parent is not None else (lambda: True)).run():
+            _remove_socket_dir(inputs)  # the frontend that made it cannot
     except BaseException as e:  # noqa: BLE001 - reported to the frontend, which fails what is pending
         logger.exception("the engine core failed")
         error = f"{type(e).__name__}: {e}"
@@ -184,3 +187,9 @@ def _serve(engine: LLMEngine, inputs: zmq.Socket, outputs: zmq.Socket, encode) -
             engine.shutdown()
         except Exception:  # noqa: BLE001 - already on the way out
             logger.exception("engine shutdown failed")
+
+
+def _remove_socket_dir(socket: zmq.Socket) -> None:
+    endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    if endpoint.startswith("ipc://"):
+        shutil.rmtree(os.path.dirname(endpoint.removeprefix("ipc://")), ignore_errors=True)

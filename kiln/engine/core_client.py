@@ -30,7 +30,6 @@ import pickle
 import shutil
 import tempfile
 import threading
-import time
 from typing import Callable, Optional
 
 import zmq
@@ -41,7 +40,8 @@ from kiln.engine.messages import (
     AbortRequests, AddRequest, Ready, Shutdown, StartFailed, StepOutputs, Stopped, encoder, from_engine_decoder,
 )
 from kiln.engine.streams import (
-    ACCEPTED, Admission, EngineDeadError, QueueLimits, RequestFailedError, RequestStream, Sink, post,
+    ACCEPTED, Admission, EngineDeadError, QueueLimits, RequestFailedError, RequestStream, Sink, dead_error, post,
+    wait_ready,
 )
 from kiln.runtime.engine import StartupReport
 from kiln.runtime.input_processor import InputProcessor, Prompt, TokenizedPrompt
@@ -112,18 +112,16 @@ class EngineCoreClient:
         """The engine-core process's id."""
         return self._proc.pid
 
+    @property
+    def ipc_dir(self) -> str:
+        """The directory of the two sockets; removed by ``shutdown``, or by an engine core whose
+        frontend is gone."""
+        return self._ipc_dir
+
     def wait_ready(self, timeout: Optional[float] = None) -> None:
         """Block until the engine is built; re-raise what building it raised (a ValueError says
         what to change), or EngineDeadError once it has stopped."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not (self._ready.is_set() or self._done.is_set()):
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"the engine is not ready after {timeout} s")
-            self._done.wait(0.05)
-        if not self.is_ready():
-            if self._error is not None and not self._ready.is_set():
-                raise self._error
-            raise self._dead_error()
+        wait_ready(self._ready, self._done, lambda: self._error, timeout)
 
     def stats(self) -> dict:
         """The engine's stats as of its latest message (empty before it is ready), and what is
@@ -194,9 +192,7 @@ class EngineCoreClient:
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     def _dead_error(self) -> EngineDeadError:
-        if self._error is not None:
-            return EngineDeadError(f"the engine has stopped after an error: {self._error!r}")
-        return EngineDeadError("the engine has shut down")
+        return dead_error(self._error)
 
     # ---- reader thread --------------------------------------------------------------------------
     def _read(self) -> None:

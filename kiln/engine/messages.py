@@ -6,8 +6,8 @@
 Rules:
 - No pickle on the hot path. ``Ready`` alone carries a pickled tokenizer (once per start, so the
   frontend tokenizes exactly as the engine does without loading the model's files itself).
-- ``StepOutputs.outputs`` are deltas: each ``RequestOutput`` holds what is new since that request's
-  last output (``OutputProcessor(delta=True)``), its prompt fields empty (the frontend has them).
+- ``StepOutputs.outputs`` are ``RequestDelta``s: what is new since that request's last output
+  (``OutputProcessor(delta=True)``), without the prompt (the frontend has it).
 - Every message is a tagged ``msgspec.Struct``, so one decoder per direction reads them all.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 
 import msgspec
 
-from kiln.outputs import RequestOutput
+from kiln.outputs import RequestDelta
 from kiln.runtime.engine import StartupReport
 from kiln.sampling_params import SamplingParams
 
@@ -65,7 +65,7 @@ class Refusal(msgspec.Struct):
 
 
 class StepOutputs(msgspec.Struct, tag=True):
-    outputs: list[RequestOutput] = []
+    outputs: list[RequestDelta] = []
     accepted: list[str] = []  # requests the engine took since its last message
     refused: list[Refusal] = []
     stats: Optional[dict[str, Any]] = None  # LLMEngine.stats() and compile_building, when sent

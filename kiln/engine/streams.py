@@ -7,7 +7,7 @@ caller's event loop) from a thread of their own, one wake-up per event loop per 
 
 Rules:
 - A stream yields cumulative ``RequestOutput``s (everything so far), however the engine sends
-  them. From a delta engine (``deltas=True``) every delta waiting is merged in order, so a consumer
+  them. From a delta engine (``deltas=True``: ``RequestDelta``s) every delta waiting is merged in order, so a consumer
   that fell behind loses nothing and each step costs only what is new; from a cumulative one only
   the newest output waiting is kept.
 - The output a delta stream yields is updated in place by the next ``__anext__``: read it before
@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 from kiln.config import ServerConfig
-from kiln.outputs import CompletionOutput, RequestOutput
+from kiln.outputs import CompletionOutput, RequestDelta, RequestOutput, SampleDelta
 from kiln.sampling_params import SamplingParams
 
 
@@ -58,6 +59,30 @@ class QueueLimits:
 
 
 ACCEPTED = object()  # first item of a stream whose request the engine took
+
+
+def dead_error(error: Optional[BaseException]) -> EngineDeadError:
+    """What a request to an engine that has stopped raises (``error``: what stopped it, if anything)."""
+    if error is not None:
+        return EngineDeadError(f"the engine has stopped after an error: {error!r}")
+    return EngineDeadError("the engine has shut down")
+
+
+def wait_ready(ready: threading.Event, done: threading.Event, error: Callable[[], Optional[BaseException]],
+               timeout: Optional[float]) -> None:
+    """Block until a client's engine is built (``ready``) or has stopped (``done``); re-raise what
+    building it raised (a bad setting's ValueError says what to change), else EngineDeadError."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not (ready.is_set() or done.is_set()):
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"the engine is not ready after {timeout} s")
+        done.wait(0.05)
+    failure = error()
+    if ready.is_set() and failure is None and not done.is_set():
+        return
+    if failure is not None and not ready.is_set():
+        raise failure
+    raise dead_error(failure)
 
 
 class Sink:
@@ -134,7 +159,7 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         item = await self._sink.queue.get()
-        while isinstance(item, RequestOutput):
+        while isinstance(item, (RequestOutput, RequestDelta)):
             if self._deltas:
                 self._merge(item)
             if item.finished or self._sink.queue.empty():
@@ -146,7 +171,7 @@ class RequestStream:
         self.finished = item.finished
         return self._output if self._deltas else item
 
-    def _merge(self, delta: RequestOutput) -> None:
+    def _merge(self, delta: RequestDelta) -> None:
         out = self._output
         if out is None:
             self._output = RequestOutput(
@@ -177,7 +202,7 @@ class RequestStream:
             self._abort(self.request_id)
 
 
-def _copy(c: CompletionOutput) -> CompletionOutput:
+def _copy(c: SampleDelta) -> CompletionOutput:
     return CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
                             list(c.logprobs) if c.logprobs is not None else None, c.cumulative_logprob)
 

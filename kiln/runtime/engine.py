@@ -84,7 +84,7 @@ from typing import Any, Mapping, Optional, Union
 
 from kiln.config import EngineConfig
 from kiln.models.loader import resolve_device, resolve_dtype
-from kiln.outputs import RequestOutput
+from kiln.outputs import RequestDelta, RequestOutput
 from kiln.runtime.executor import make_executor
 from kiln.runtime.input_processor import InputProcessor, TokenizedPrompt
 from kiln.runtime.kv_cache_manager import KVCacheManager
@@ -168,8 +168,9 @@ def start_line(config: EngineConfig) -> str:
 class LLMEngine:
     def __init__(self, config: EngineConfig, overlap: bool = True, delta_outputs: bool = False):
         """``overlap=False`` runs each step to the end before returning (a reference for tests).
-        ``delta_outputs``: each RequestOutput holds only what is new since the request's last one
-        (``OutputProcessor(delta=True)``), as the engine-core process sends them."""
+        ``delta_outputs``: ``step`` and ``abort_request`` return ``RequestDelta``s, each only what is
+        new since the request's last one (``OutputProcessor(delta=True)``), as the engine-core process
+        sends them."""
         t_start = time.perf_counter()
         config = resolve_config(config)  # every `auto` decided here, before anything is built
         logger.info(start_line(config))
@@ -249,7 +250,7 @@ class LLMEngine:
             self.abort_request(request_id)  # the samples already queued give their place back
             raise
 
-    def abort_request(self, request_id: str) -> Optional[RequestOutput]:
+    def abort_request(self, request_id: str) -> Optional[Union[RequestOutput, RequestDelta]]:
         """Finish a user request now (all its samples) and free its blocks."""
         sample_ids = self.output_processor.sample_ids(request_id)
         for sid in sample_ids:
@@ -258,7 +259,7 @@ class LLMEngine:
         return self.output_processor.abort(request_id)
 
     # ---- stepping -------------------------------------------------------------------------------
-    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[Union[RequestOutput, RequestDelta]]:
         """Advance one step; returns the RequestOutputs of the step that completed in this call
         (``finished_only``: of the requests it finished)."""
         if self._capture_held:
@@ -366,7 +367,7 @@ class LLMEngine:
         return self.scheduler.update(sched, result.sampled_token_ids), result.logprobs
 
     def _process(self, updated: list[Request], logprobs: dict[str, Optional[dict[int, float]]],
-                 finished_only: bool = False) -> list[RequestOutput]:
+                 finished_only: bool = False) -> list[Union[RequestOutput, RequestDelta]]:
         outputs, stopped, failed = self.output_processor.process(updated, logprobs, finished_only)
         for sid in stopped:
             self.scheduler.finish_request(sid, RequestStatus.FINISHED_STOPPED)

@@ -2,10 +2,10 @@
 
 It owns one incremental detokenizer per sample and groups the n samples of a user request back
 into one RequestOutput. Text that may still turn into a stop string is held back, so a streamed
-delta never has to be taken back. Outputs are cumulative (each holds everything so far), or with
-``delta=True`` (the engine-core process) hold only what is new since the request's last output:
-new text, token ids and logprobs, the prompt fields left empty (the frontend keeps them), prompt
-logprobs and the embedding once, with the finishing output. It reports which samples hit a stop string; the engine then
+delta never has to be taken back. Outputs are cumulative ``RequestOutput``s (each holds everything
+so far), or with ``delta=True`` (the engine-core process) ``RequestDelta``s: only the new text,
+token ids and logprobs, no prompt (the frontend keeps it), prompt logprobs and the embedding once,
+with the finish. It reports which samples hit a stop string; the engine then
 finishes them in the scheduler (which frees their blocks).
 
 One request's failure stays its own: an exception while taking its token (detokenizer, stop
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
-from kiln.outputs import CompletionOutput, RequestOutput
+from kiln.outputs import CompletionOutput, RequestDelta, RequestOutput, SampleDelta
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.request import Request, RequestStatus
 
@@ -51,17 +51,14 @@ class _Sample:
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
         )
 
-    def delta(self) -> CompletionOutput:
-        """What is new since the last delta (``cumulative_logprob`` is the running total)."""
+    def delta(self) -> SampleDelta:
+        """What is new since the last delta."""
         text = self.detokenizer.text
-        out = CompletionOutput(
-            index=self.index,
-            text=text[self.num_sent_chars:],
-            token_ids=self.request.output_token_ids[self.num_sent_tokens:self.num_taken],
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-            logprobs=self.logprobs[self.num_sent_logprobs:] if self.logprobs is not None else None,
-            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+        out = SampleDelta(
+            self.index, text[self.num_sent_chars:], self.request.output_token_ids[self.num_sent_tokens:self.num_taken],
+            self.finish_reason, self.stop_reason,
+            self.logprobs[self.num_sent_logprobs:] if self.logprobs is not None else None,
+            self.cumulative_logprob if self.logprobs is not None else None,
         )
         self.num_sent_chars, self.num_sent_tokens = len(text), self.num_taken
         self.num_sent_logprobs = len(self.logprobs) if self.logprobs is not None else 0
@@ -97,18 +94,13 @@ class _UserRequest:
             embedding=self.embedding,
         )
 
-    def delta(self) -> RequestOutput:
+    def delta(self) -> RequestDelta:
         finished = self.finished
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=None,
-            prompt_token_ids=[],
-            outputs=[s.delta() for s in self.samples],
-            finished=finished,
-            num_cached_tokens=self.samples[0].request.num_cached_tokens,
-            error=self.error,
-            prompt_logprobs=list(self.prompt_logprobs) if finished and self.prompt_logprobs is not None else None,
-            embedding=self.embedding if finished else None,
+        return RequestDelta(
+            self.request_id, [s.delta() for s in self.samples], finished,
+            self.samples[0].request.num_cached_tokens, self.error,
+            list(self.prompt_logprobs) if finished and self.prompt_logprobs is not None else None,
+            self.embedding if finished else None,
         )
 
 
@@ -164,7 +156,7 @@ class OutputProcessor:
 
     def process(
         self, updated: list[Request], logprobs: dict[str, Optional[dict[int, float]]], finished_only: bool = False
-    ) -> tuple[list[RequestOutput], list[str], list[str]]:
+    ) -> tuple[list[Union[RequestOutput, RequestDelta]], list[str], list[str]]:
         """Take this step's new tokens; return outputs, the sample ids that hit a stop string and
         the sample ids of requests that failed (each failed request's output has ``error`` set).
         ``finished_only``: outputs of finished requests only (a caller that reads nothing else
@@ -229,7 +221,7 @@ class OutputProcessor:
                 s.finish_reason = "error"
         return [s.request.request_id for s in user.samples]
 
-    def abort(self, request_id: str) -> Optional[RequestOutput]:
+    def abort(self, request_id: str) -> Optional[Union[RequestOutput, RequestDelta]]:
         user = self._users.get(request_id)
         if user is None:
             return None
@@ -238,7 +230,7 @@ class OutputProcessor:
                 s.finish_reason = "abort"
         return self._emit(user)
 
-    def _emit(self, user: _UserRequest) -> RequestOutput:
+    def _emit(self, user: _UserRequest) -> Union[RequestOutput, RequestDelta]:
         out = user.delta() if self.delta else user.output()
         if out.finished:
             self._users.pop(user.request_id, None)
