@@ -9,7 +9,8 @@ request asking for exactly ``--output-len`` tokens with ``ignore_eos``, greedy):
    workload (lazy CUDA-graph captures happen there), then one pass not streamed and one streamed.
    The load comes from ``--client-procs`` client processes started together, each sending its share
    of the requests at once; output tokens are counted from each answer's ``usage``.
-Prints a table (output tok/s, the ratio to offline, the server's mean TPOT from ``/metrics``, TTFT
+With ``--core-client``, also the engine-core process driven by ``EngineCoreClient`` in a
+child process, without HTTP (the split's own cost). Prints a table (output tok/s, the ratio to offline, the server's mean TPOT from ``/metrics``, TTFT
 p50/p99) and writes one JSON record to ``--out``.
 
     python benchmarks/serve_split.py --model random:tiny --num-requests 64 --input-len 64 --output-len 64
@@ -47,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engine", default="{}", help="JSON of EngineConfig keywords beside the model (both paths)")
     p.add_argument("--baseline-tree", action="append", default=[], help="another kiln checkout's root to serve too")
     p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--skip-server", action="store_true", help="not this tree's server (baseline trees still run)")
+    p.add_argument("--core-client", action="store_true",
+                   help="also the engine-core process driven by its client without HTTP (this tree only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default: results/serve_split-<model>-<device>.json)")
     p.add_argument("--client", default=None, help=argparse.SUPPRESS)  # a load client's job file
@@ -82,11 +86,44 @@ print("RESULT " + json.dumps({"tokens": sum(len(o.outputs[0].token_ids) for o in
 """
 
 
-def run_offline(args, prompts, tree: Path) -> dict:
+# The engine-core process without HTTP: the split's own cost, apart from the frontend's.
+CORE_CLIENT = """
+import asyncio, json, sys, time
+from kiln.config import EngineConfig
+from kiln.engine.core_client import EngineCoreClient
+from kiln.sampling_params import SamplingParams
+if __name__ == "__main__":
+    job = json.loads(open(sys.argv[1]).read())
+    client = EngineCoreClient(EngineConfig.from_kwargs(**job["engine"]))
+    client.wait_ready()
+    params = SamplingParams(max_tokens=job["output_len"], temperature=0.0, ignore_eos=True)
+
+    async def run(tag):
+        async def one(i, prompt):
+            final = None
+            async for out in await client.add_request(f"{tag}-{i}", prompt, params):
+                final = out
+            return len(final.outputs[0].token_ids)
+        return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(job["prompts"]))))
+
+    while client.stats().get("compile_building", 1):  # as the servers wait for a background build
+        time.sleep(0.5)
+    asyncio.run(run("warm"))
+    t0 = time.perf_counter()
+    tokens = asyncio.run(run("timed"))
+    elapsed = time.perf_counter() - t0
+    client.shutdown()
+    print("RESULT " + json.dumps({"tokens": tokens, "elapsed_s": elapsed}))
+"""
+
+
+def run_offline(args, prompts, tree: Path, script: str = OFFLINE) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job.json"
         job.write_text(json.dumps({"engine": engine_kwargs(args), "prompts": prompts, "output_len": args.output_len}))
-        out = subprocess.run([sys.executable, "-c", OFFLINE, str(job)], capture_output=True, text=True,
+        path = Path(tmp) / "run.py"  # a file, so the engine-core process can be spawned from it
+        path.write_text(script)
+        out = subprocess.run([sys.executable, str(path), str(job)], capture_output=True, text=True,
                              env=_env(tree), timeout=1800)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
@@ -211,11 +248,18 @@ def main(argv=None) -> None:
     if not args.skip_offline:
         record["offline"] = run_offline(args, prompts, ROOT)
         print(f"offline: {record['offline']['output_tok_s']:.0f} output tok/s", flush=True)
-    for name, tree in [("this", ROOT)] + [(t, Path(t).resolve()) for t in args.baseline_tree]:
+    if args.core_client:
+        record["core_client"] = run_offline(args, prompts, ROOT, CORE_CLIENT)
+        print(f"engine-core process, no HTTP: {record['core_client']['output_tok_s']:.0f} output tok/s", flush=True)
+    trees = ([] if args.skip_server else [("this", ROOT)]) + [(t, Path(t).resolve()) for t in args.baseline_tree]
+    for name, tree in trees:
         record["servers"][name] = run_server_tree(args, prompts, tree)
         print(f"server {name}: {json.dumps(record['servers'][name])}", flush=True)
     offline = record["offline"]["output_tok_s"] if record["offline"] else None
     rows = [["offline LLM.generate", f"{offline:.0f}" if offline else "-", "1.00", "", "", ""]] if offline else []
+    if record.get("core_client"):
+        x = record["core_client"]["output_tok_s"]
+        rows.append(["EngineCoreClient, no HTTP", f"{x:.0f}", f"{x / offline:.2f}" if offline else "-", "", "", ""])
     for name, r in record["servers"].items():
         for kind in ("not_streamed", "streamed"):
             x = r[kind]
