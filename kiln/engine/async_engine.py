@@ -6,9 +6,8 @@
         print(out.outputs[0].text)     # cumulative (kiln.engine.streams)
 
 The server runs its engine in a process of its own (``EngineCoreClient``), with the same interface;
-this client serves engines that live in the caller's process (stand-in engines in tests, and the
-one-process baseline that ``benchmarks/serve.py`` measures the split against). The engine thread
-shares the caller's GIL.
+this client serves engines that live in the caller's process: stand-in engines in tests, and tests
+that reach into a real engine (a monkeypatch, its log). The engine thread shares the caller's GIL.
 
 Threads and rules:
 - The engine thread is the only one that touches the LLMEngine (it builds it, steps it, shuts it

@@ -68,6 +68,8 @@ class EngineCoreClient:
         self._done = threading.Event()
         self._error: Optional[BaseException] = None
         self._stopping = False
+        self._shutdown_lock = threading.Lock()
+        self._shut = False
         self._stats: dict = {}
         self._inputs: Optional[InputProcessor] = None
         self.tokenizer = None
@@ -171,7 +173,15 @@ class EngineCoreClient:
             self._admission.release(sink)
 
     def shutdown(self, timeout: Optional[float] = 30.0) -> None:
-        """Fail unfinished requests, stop the engine-core process and wait for it."""
+        """Fail unfinished requests, stop the engine-core process and wait for it. Safe from any
+        thread and more than once (the server's drain timer and its exit both call it): a second
+        call waits for the first to end."""
+        with self._shutdown_lock:
+            if not self._shut:
+                self._shutdown(timeout)
+                self._shut = True
+
+    def _shutdown(self, timeout: Optional[float]) -> None:
         with self._lock:
             if not (self._done.is_set() or self._stopping):
                 self._stopping = True
