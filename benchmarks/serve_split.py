@@ -10,7 +10,10 @@ request asking for exactly ``--output-len`` tokens with ``ignore_eos``, greedy):
    The load comes from ``--client-procs`` client processes started together, each sending its share
    of the requests at once; output tokens are counted from each answer's ``usage``.
 With ``--core-client``, also the engine-core process driven by ``EngineCoreClient`` in a
-child process, without HTTP (the split's own cost). Prints a table (output tok/s, the ratio to offline, the server's mean TPOT from ``/metrics``, TTFT
+child process, without HTTP (the split's own cost). ``--mixed-rates 4,16,64`` then loads each
+server with a mixed, streamed workload (prompts of 64-1,024 tokens, 32-384 output tokens, Poisson
+arrivals at each rate): TTFT and TPOT (client-side: from the first chunk to the last over the
+tokens between) p50/p99. Prints a table (output tok/s, the ratio to offline, the server's mean TPOT from ``/metrics``, TTFT
 p50/p99) and writes one JSON record to ``--out``.
 
     python benchmarks/serve_split.py --model random:tiny --num-requests 64 --input-len 64 --output-len 64
@@ -47,7 +50,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--client-procs", type=int, default=4, help="load client processes")
     p.add_argument("--engine", default="{}", help="JSON of EngineConfig keywords beside the model (both paths)")
     p.add_argument("--baseline-tree", action="append", default=[], help="another kiln checkout's root to serve too")
+    p.add_argument("--mixed-rates", type=lambda v: [float(x) for x in v.split(",")], default=[],
+                   help="also a mixed workload (prompts 64-1,024, outputs 32-384) at these Poisson rates, e.g. 4,16,64")
+    p.add_argument("--mixed-requests", type=int, default=128, help="requests per mixed-workload rate")
     p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--skip-uniform", action="store_true", help="servers: only the warm pass and the mixed workload")
     p.add_argument("--skip-server", action="store_true", help="not this tree's server (baseline trees still run)")
     p.add_argument("--core-client", action="store_true",
                    help="also the engine-core process driven by its client without HTTP (this tree only)")
@@ -138,52 +145,77 @@ async def _client_job(job: dict) -> list[dict]:
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=job["url"], timeout=3600, limits=limits) as http:
-        await asyncio.sleep(max(0.0, job["start_at"] - time.time()))
 
-        async def one(prompt: list[int]) -> dict:
-            body = {"model": job["model"], "prompt": prompt, "max_tokens": job["output_len"], "temperature": 0.0,
-                    "ignore_eos": True, "stream": job["stream"]}
+        async def one(request: dict) -> dict:
+            await asyncio.sleep(max(0.0, job["start_at"] + request["delay_s"] - time.time()))
+            body = {"model": job["model"], "prompt": request["prompt"], "max_tokens": request["max_tokens"],
+                    "temperature": 0.0, "ignore_eos": True, "stream": job["stream"]}
             t0 = time.time()
             if not job["stream"]:
                 r = await http.post("/v1/completions", json=body)
                 r.raise_for_status()
-                return {"tokens": r.json()["usage"]["completion_tokens"], "ttft_s": None, "end": time.time()}
+                return {"tokens": r.json()["usage"]["completion_tokens"], "ttft_s": None, "tpot_s": None,
+                        "end": time.time()}
             body["stream_options"] = {"include_usage": True}
-            ttft, tokens = None, 0
+            first, tokens = None, 0
             async with http.stream("POST", "/v1/completions", json=body) as r:
                 r.raise_for_status()
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
-                    if ttft is None and chunk.get("choices"):
-                        ttft = time.time() - t0
+                    if first is None and chunk.get("choices"):
+                        first = time.time()
                     if chunk.get("usage"):
                         tokens = chunk["usage"]["completion_tokens"]
-            return {"tokens": tokens, "ttft_s": ttft, "end": time.time()}
+            end = time.time()
+            return {"tokens": tokens, "ttft_s": first - t0, "end": end,
+                    "tpot_s": (end - first) / (tokens - 1) if tokens > 1 else None}
 
-        return await asyncio.gather(*(one(p) for p in job["prompts"]))
+        return await asyncio.gather(*(one(r) for r in job["requests"]))
 
 
-def load(url: str, model: str, prompts, args, stream: bool) -> dict:
-    """Send every prompt from ``--client-procs`` processes at once; output tok/s over the wall time."""
+def uniform_requests(args, prompts) -> list[dict]:
+    return [{"prompt": p, "max_tokens": args.output_len, "delay_s": 0.0} for p in prompts]
+
+
+def mixed_requests(args, rate: float) -> list[dict]:
+    """Prompts of 64-1,024 random tokens, 32-384 output tokens, Poisson arrivals at ``rate`` per second."""
+    rng = random.Random(args.seed + int(rate * 1000))
+    t, requests = 0.0, []
+    for _ in range(args.mixed_requests):
+        t += rng.expovariate(rate)
+        prompt = [rng.randrange(1000, 20000) for _ in range(rng.randint(64, 1024))]
+        requests.append({"prompt": prompt, "max_tokens": rng.randint(32, 384), "delay_s": t})
+    return requests
+
+
+def _percentiles(name: str, values: list[float]) -> dict:
+    if not values:
+        return {}
+    return {f"{name}_ms_p50": float(np.percentile(values, 50)) * 1e3,
+            f"{name}_ms_p99": float(np.percentile(values, 99)) * 1e3}
+
+
+def load(url: str, model: str, requests: list[dict], args, stream: bool) -> dict:
+    """Send the requests from ``--client-procs`` processes (each at its ``delay_s`` after a common
+    start); output tok/s over the wall time, TTFT and TPOT percentiles when streamed."""
     start_at = time.time() + 3.0  # every client is up and waiting by then
-    shares = [prompts[i::args.client_procs] for i in range(args.client_procs)]
+    shares = [requests[i::args.client_procs] for i in range(args.client_procs)]
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         for i, share in enumerate(shares):
             job = Path(tmp) / f"client{i}.json"
-            job.write_text(json.dumps({"url": url, "model": model, "prompts": share, "output_len": args.output_len,
-                                       "stream": stream, "start_at": start_at}))
+            job.write_text(json.dumps({"url": url, "model": model, "requests": share, "stream": stream,
+                                       "start_at": start_at}))
             procs.append(subprocess.Popen([sys.executable, __file__, "--client", str(job)], stdout=subprocess.PIPE,
                                           text=True))
         results = [r for p in procs for r in json.loads(p.communicate(timeout=3600)[0])]
     tokens = sum(r["tokens"] for r in results)
     elapsed = max(r["end"] for r in results) - start_at
-    ttfts = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
     out = {"output_tok_s": tokens / elapsed, "tokens": tokens, "elapsed_s": elapsed}
-    if ttfts:
-        out.update(ttft_ms_p50=float(np.percentile(ttfts, 50)) * 1e3, ttft_ms_p99=float(np.percentile(ttfts, 99)) * 1e3)
+    out.update(_percentiles("ttft", [r["ttft_s"] for r in results if r["ttft_s"] is not None]))
+    out.update(_percentiles("tpot", [r["tpot_s"] for r in results if r["tpot_s"] is not None]))
     return out
 
 
@@ -221,14 +253,18 @@ def run_server_tree(args, prompts, tree: Path) -> dict:
             wait_healthy(url, proc, 900)
             results["startup_s"] = time.perf_counter() - t0
             results["build_wait_s"] = wait_built(url, proc, 900)
-            load(url, args.model, prompts, args, stream=True)  # warm: lazy captures, allocator
-            for stream in (False, True):
+            requests = uniform_requests(args, prompts)
+            load(url, args.model, requests, args, stream=True)  # warm: lazy captures, allocator
+            for stream in () if args.skip_uniform else (False, True):
                 before = _tpot_sum_count(url)
-                r = load(url, args.model, prompts, args, stream)
+                r = load(url, args.model, requests, args, stream)
                 after = _tpot_sum_count(url)
                 if after[1] > before[1]:
                     r["tpot_ms_mean"] = (after[0] - before[0]) / (after[1] - before[1]) * 1e3
                 results["streamed" if stream else "not_streamed"] = r
+            for rate in args.mixed_rates:
+                results[f"mixed_{rate:g}_req_s"] = load(url, args.model, mixed_requests(args, rate), args, stream=True)
+                print(f"  mixed at {rate:g} req/s: {json.dumps(results[f'mixed_{rate:g}_req_s'])}", flush=True)
         finally:
             proc.terminate()
             try:
@@ -260,14 +296,23 @@ def main(argv=None) -> None:
     if record.get("core_client"):
         x = record["core_client"]["output_tok_s"]
         rows.append(["EngineCoreClient, no HTTP", f"{x:.0f}", f"{x / offline:.2f}" if offline else "-", "", "", ""])
+    mixed = []
     for name, r in record["servers"].items():
-        for kind in ("not_streamed", "streamed"):
+        for kind in [k for k in r if k.startswith("mixed_")]:
+            x = r[kind]
+            mixed.append([f"server ({name})", kind.removeprefix("mixed_").replace("_", " "), f"{x['output_tok_s']:.0f}",
+                          *(f"{x.get(k, float('nan')):.0f}" for k in ("ttft_ms_p50", "ttft_ms_p99",
+                                                                         "tpot_ms_p50", "tpot_ms_p99"))])
+        for kind in [k for k in ("not_streamed", "streamed") if k in r]:
             x = r[kind]
             rows.append([f"server ({name}) {kind.replace('_', ' ')}", f"{x['output_tok_s']:.0f}",
                          f"{x['output_tok_s'] / offline:.2f}" if offline else "-",
                          f"{x.get('tpot_ms_mean', float('nan')):.1f}",
                          f"{x.get('ttft_ms_p50', float('nan')):.0f}", f"{x.get('ttft_ms_p99', float('nan')):.0f}"])
     print(console_table(["path", "output tok/s", "x offline", "TPOT ms (mean)", "TTFT p50 ms", "TTFT p99 ms"], rows))
+    if mixed:
+        print(console_table(["server", "rate", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
+                             "TPOT p99 ms"], mixed))
     device = "".join(c if c.isalnum() or c in "-_." else "_" for c in device_name())
     out = Path(args.out) if args.out else RESULTS_DIR / f"serve_split-{args.model.replace(':', '_')}-{device}.json"
     config = {k: v for k, v in vars(args).items() if k != "client"}
