@@ -42,8 +42,8 @@ from typing import AsyncIterator, Callable, Optional, Union
 
 from kiln.config import EngineConfig
 from kiln.engine.streams import (
-    ACCEPTED, Admission, EngineDeadError, QueueFullError, QueueLimits, RequestFailedError, RequestStream, Sink,
-    dead_error, post, wait_ready,
+    ACCEPTED, ClientState, EngineDeadError, QueueFullError, QueueLimits, RequestFailedError, RequestStream, Sink,
+    post,
 )
 from kiln.outputs import RequestDelta, RequestOutput
 from kiln.runtime.input_processor import TokenizedPrompt
@@ -76,24 +76,17 @@ class _Stop:
     pass
 
 
-class AsyncEngine:
+class AsyncEngine(ClientState):
     def __init__(self, make_engine: Callable[[], object], model_name: Optional[str] = None,
                  limits: QueueLimits = QueueLimits(), deltas: bool = False):
         """``make_engine`` builds the LLMEngine; it runs on the engine thread, which then owns it.
         ``deltas``: the engine's outputs are deltas (``LLMEngine(delta_outputs=True)``)."""
         self._make_engine = make_engine
+        super().__init__(limits)  # its _sinks: the engine thread's only
         self.model_name = model_name
-        self.limits = limits
         self._deltas = deltas
-        self._admission = Admission(limits)
         self._input_processor = None  # the engine's InputProcessor, once built: safe from any thread
         self._inputs: queue.Queue = queue.Queue()
-        self._lock = self._admission.lock  # orders "submit" against "the thread has died"
-        self._ready = threading.Event()
-        self._done = threading.Event()
-        self._error: Optional[BaseException] = None
-        self._stopping = False
-        self._sinks: dict[str, Sink] = {}  # engine thread only
         self._stats: dict = {}
         self._building = lambda: False  # the engine's live LLMEngine.building, once it exists
         self.tokenizer = None
@@ -109,23 +102,6 @@ class AsyncEngine:
                    limits=QueueLimits.from_server(config.server), deltas=True)
 
     # ---- state ----------------------------------------------------------------------------------
-    def is_ready(self) -> bool:
-        """The engine is built and its thread is running."""
-        return self._ready.is_set() and self.is_healthy()
-
-    def is_healthy(self) -> bool:
-        """False once the thread has crashed or been shut down."""
-        return self._error is None and not self._done.is_set()
-
-    @property
-    def error(self) -> Optional[BaseException]:
-        return self._error
-
-    def wait_ready(self, timeout: Optional[float] = None) -> None:
-        """Block until the engine is built; re-raise what building it raised (a bad setting's
-        ValueError, as ``LLMEngine`` raises it), or EngineDeadError once it has stopped."""
-        wait_ready(self._ready, self._done, lambda: self._error, timeout)
-
     def stats(self) -> dict:
         """LLMEngine.stats() as of the engine thread's latest turn (empty before it is ready), and
         what is admitted now against the queue limits (``num_queued_seqs``, ``num_queued_tokens``), and
@@ -209,9 +185,6 @@ class AsyncEngine:
             if reserve is not None:
                 self._admission.reserve(reserve)
             self._inputs.put(message)
-
-    def _dead_error(self) -> EngineDeadError:
-        return dead_error(self._error)
 
     # ---- engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -317,20 +290,18 @@ class AsyncEngine:
                     self._inputs.put(_Abort(rid))
 
     def _close(self, error: EngineDeadError) -> None:
-        """Stop taking requests and fail every pending one with ``error``."""
-        with self._lock:
-            self._done.set()
-            batch: dict[Sink, list] = {sink: [error] for sink in self._sinks.values()}
-            self._sinks.clear()
-            self._admission.clear()
-            while True:
-                try:
-                    message = self._inputs.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(message, _Add):
-                    batch[message.sink] = [error]
-        post(batch)
+        super()._close(error, self._take_queued_adds)
+
+    def _take_queued_adds(self) -> list[Sink]:
+        """The sinks of adds still in the input queue (emptied), which the engine never saw."""
+        sinks = []
+        while True:
+            try:
+                message = self._inputs.get_nowait()
+            except queue.Empty:
+                return sinks
+            if isinstance(message, _Add):
+                sinks.append(message.sink)
 
 
 def _num_tokens(prompt: Prompt) -> int:

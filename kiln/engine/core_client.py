@@ -40,8 +40,7 @@ from kiln.engine.messages import (
     AbortRequests, AddRequest, Ready, Shutdown, StartFailed, StepOutputs, Stopped, encoder, from_engine_decoder,
 )
 from kiln.engine.streams import (
-    ACCEPTED, Admission, EngineDeadError, QueueLimits, RequestFailedError, RequestStream, Sink, dead_error, post,
-    wait_ready,
+    ACCEPTED, ClientState, EngineDeadError, QueueLimits, RequestFailedError, RequestStream, Sink, post,
 )
 from kiln.runtime.engine import StartupReport
 from kiln.runtime.input_processor import InputProcessor, Prompt, TokenizedPrompt
@@ -53,21 +52,14 @@ logger = logging.getLogger(__name__)
 LIVENESS_POLL_MS = 200  # how often the reader checks the process while the engine is silent
 
 
-class EngineCoreClient:
+class EngineCoreClient(ClientState):
     def __init__(self, config: EngineConfig, model_name: Optional[str] = None,
                  limits: QueueLimits = QueueLimits(), on_dead: Optional[Callable[[], None]] = None):
         """Start the engine-core process for ``config``; ``on_dead`` runs (on the reader thread)
         if the engine stops without being asked to."""
+        super().__init__(limits)  # its _lock also guards the input socket
         self.model_name = model_name or config.model.model
-        self.limits = limits
-        self._admission = Admission(limits)
-        self._lock = self._admission.lock  # the sinks, the input socket, "the engine has stopped"
-        self._sinks: dict[str, Sink] = {}
         self._on_dead = on_dead
-        self._ready = threading.Event()
-        self._done = threading.Event()
-        self._error: Optional[BaseException] = None
-        self._stopping = False
         self._shutdown_lock = threading.Lock()
         self._shut = False
         self._stats: dict = {}
@@ -95,16 +87,6 @@ class EngineCoreClient:
         self._reader.start()
 
     # ---- state ----------------------------------------------------------------------------------
-    def is_ready(self) -> bool:
-        return self._ready.is_set() and self.is_healthy()
-
-    def is_healthy(self) -> bool:
-        return self._error is None and not self._done.is_set()
-
-    @property
-    def error(self) -> Optional[BaseException]:
-        return self._error
-
     @property
     def grammars(self) -> Optional[GrammarCompiler]:
         return self._inputs.grammars if self._inputs is not None else None
@@ -119,11 +101,6 @@ class EngineCoreClient:
         """The directory of the two sockets; removed by ``shutdown``, or by an engine core whose
         frontend is gone."""
         return self._ipc_dir
-
-    def wait_ready(self, timeout: Optional[float] = None) -> None:
-        """Block until the engine is built; re-raise what building it raised (a ValueError says
-        what to change), or EngineDeadError once it has stopped."""
-        wait_ready(self._ready, self._done, lambda: self._error, timeout)
 
     def stats(self) -> dict:
         """The engine's stats as of its latest message (empty before it is ready), and what is
@@ -200,9 +177,6 @@ class EngineCoreClient:
             self._from_engine.close(linger=0)
             self._ctx.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
-
-    def _dead_error(self) -> EngineDeadError:
-        return dead_error(self._error)
 
     # ---- reader thread --------------------------------------------------------------------------
     def _read(self) -> None:
@@ -282,12 +256,3 @@ class EngineCoreClient:
         if lost:  # their event loop is gone, so nobody will read them
             for request_id in [rid for rid, s in list(self._sinks.items()) if s in lost]:
                 self.abort(request_id)
-
-    def _close(self, error: EngineDeadError) -> None:
-        """Stop taking requests and fail every pending one with ``error``."""
-        with self._lock:
-            self._done.set()
-            batch: dict[Sink, list] = {sink: [error] for sink in self._sinks.values()}
-            self._sinks.clear()
-            self._admission.clear()
-        post(batch)

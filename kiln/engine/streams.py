@@ -61,30 +61,6 @@ class QueueLimits:
 ACCEPTED = object()  # first item of a stream whose request the engine took
 
 
-def dead_error(error: Optional[BaseException]) -> EngineDeadError:
-    """What a request to an engine that has stopped raises (``error``: what stopped it, if anything)."""
-    if error is not None:
-        return EngineDeadError(f"the engine has stopped after an error: {error!r}")
-    return EngineDeadError("the engine has shut down")
-
-
-def wait_ready(ready: threading.Event, done: threading.Event, error: Callable[[], Optional[BaseException]],
-               timeout: Optional[float]) -> None:
-    """Block until a client's engine is built (``ready``) or has stopped (``done``); re-raise what
-    building it raised (a bad setting's ValueError says what to change), else EngineDeadError."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while not (ready.is_set() or done.is_set()):
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"the engine is not ready after {timeout} s")
-        done.wait(0.05)
-    failure = error()
-    if ready.is_set() and failure is None and not done.is_set():
-        return
-    if failure is not None and not ready.is_set():
-        raise failure
-    raise dead_error(failure)
-
-
 class Sink:
     """Where a client's thread delivers one request's items: an asyncio queue on its event loop.
     It also carries the request's share of the queue limits while it holds one, and its prompt
@@ -139,6 +115,63 @@ class Admission:
     def counts(self) -> dict:
         with self.lock:
             return {"num_queued_seqs": self.num_queued_seqs, "num_queued_tokens": self.num_queued_tokens}
+
+
+class ClientState:
+    """What both engine clients keep and report: whether the engine is ready or has stopped (and
+    the error that stopped it), and the sinks of the requests it holds, counted in ``Admission``.
+    ``_lock`` (the admission lock) orders "a request was submitted" against "the engine stopped"."""
+
+    def __init__(self, limits: QueueLimits):
+        self.limits = limits
+        self._admission = Admission(limits)
+        self._lock = self._admission.lock
+        self._sinks: dict[str, Sink] = {}
+        self._ready = threading.Event()
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._stopping = False
+
+    def is_ready(self) -> bool:
+        """The engine is built and takes requests."""
+        return self._ready.is_set() and self.is_healthy()
+
+    def is_healthy(self) -> bool:
+        """False once the engine has crashed or been shut down."""
+        return self._error is None and not self._done.is_set()
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        return self._error
+
+    def wait_ready(self, timeout: Optional[float] = None) -> None:
+        """Block until the engine is built; re-raise what building it raised (a bad setting's
+        ValueError says what to change), or EngineDeadError once it has stopped."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not (self._ready.is_set() or self._done.is_set()):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the engine is not ready after {timeout} s")
+            self._done.wait(0.05)
+        if self.is_ready():
+            return
+        if self._error is not None and not self._ready.is_set():
+            raise self._error
+        raise self._dead_error()
+
+    def _dead_error(self) -> EngineDeadError:
+        if self._error is not None:
+            return EngineDeadError(f"the engine has stopped after an error: {self._error!r}")
+        return EngineDeadError("the engine has shut down")
+
+    def _close(self, error: EngineDeadError, also: Callable[[], list[Sink]] = list) -> None:
+        """Stop taking requests and fail every pending one with ``error`` (and the sinks ``also``
+        returns, called under the lock: requests submitted but not yet seen by the engine)."""
+        with self._lock:
+            self._done.set()
+            batch: dict[Sink, list] = {sink: [error] for sink in [*self._sinks.values(), *also()]}
+            self._sinks.clear()
+            self._admission.clear()
+        post(batch)
 
 
 class RequestStream:
