@@ -126,14 +126,7 @@ class AsyncEngine(ClientState):
         sink = Sink(asyncio.get_running_loop(), params.n, params.n * _num_tokens(prompt),
                     *((prompt.text, prompt.token_ids) if isinstance(prompt, TokenizedPrompt) else ()))
         self._submit(_Add(request_id, prompt, params, priority, add_special_tokens, sink, pooling), reserve=sink)
-        try:
-            first = await sink.queue.get()
-        except BaseException:
-            self.abort(request_id)  # cancelled while waiting: the engine may still take it
-            raise
-        if isinstance(first, BaseException):
-            raise first
-        return RequestStream(self.abort, request_id, sink, self._deltas)
+        return await self._accepted(request_id, sink, self._deltas)
 
     @property
     def grammars(self):

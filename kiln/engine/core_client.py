@@ -131,14 +131,7 @@ class EngineCoreClient(ClientState):
             self._admission.reserve(sink)
             self._sinks[request_id] = sink
             self._to_engine.send(self._encode(message), copy=False)
-        try:
-            first = await sink.queue.get()
-        except BaseException:
-            self.abort(request_id)  # cancelled while waiting: the engine may still take it
-            raise
-        if isinstance(first, BaseException):
-            raise first
-        return RequestStream(self.abort, request_id, sink, deltas=True)
+        return await self._accepted(request_id, sink, True)
 
     def abort(self, request_id: str) -> None:
         """Finish a request now and free its blocks. Safe from any thread; unknown ids are ignored."""

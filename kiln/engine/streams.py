@@ -158,6 +158,20 @@ class ClientState:
             raise self._error
         raise self._dead_error()
 
+    async def _accepted(self, request_id: str, sink: Sink, deltas: bool) -> "RequestStream":
+        """The stream of a submitted request, once the engine has taken it (its refusal raised)."""
+        try:
+            first = await sink.queue.get()
+        except BaseException:
+            self.abort(request_id)  # cancelled while waiting: the engine may still take it
+            raise
+        if isinstance(first, BaseException):
+            raise first
+        return RequestStream(self.abort, request_id, sink, deltas)
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
     def _dead_error(self) -> EngineDeadError:
         if self._error is not None:
             return EngineDeadError(f"the engine has stopped after an error: {self._error!r}")
