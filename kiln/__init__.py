@@ -1,5 +1,6 @@
 """kiln: an LLM serving engine whose core is a compiler."""
 
+import kiln.clock  # noqa: F401 - first: start-up phases count from here (kiln.clock.KILN_IMPORTED)
 from kiln.sampling_params import SamplingParams, StructuredOutputsParams
 from kiln.outputs import CompletionOutput, RequestOutput
 from kiln.version import __version__

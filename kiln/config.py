@@ -142,14 +142,28 @@ class SchedulerConfig:
 
 COMPILE_MODES = ("auto", "eager", "stock", "kiln")
 CUDAGRAPH_MODES = ("auto", "none", "piecewise", "full", "full_and_piecewise")
-# When CUDA graphs are captured: every capture size before the engine is ready ("startup"), or only
-# those up to max_startup_capture_size, the rest between engine steps once serving ("lazy").
-CAPTURE_MODES = ("auto", "startup", "lazy")
-# When kiln's forward is built (captured and compiled, or loaded from the compile cache): before the
-# engine is ready ("startup"), or on a thread while the model serves eagerly, the steps switching to
-# the compiled forward once it is built ("background"; on CUDA with compile.capture=lazy, since CUDA
-# graphs are captured over the built forward between steps).
-BUILD_MODES = ("auto", "startup", "background")
+# What is ready before the engine says ready (compile.startup); docs/decisions/startup-policy.md.
+# complete: kiln's forward built (or loaded from the compile cache) and every CUDA graph captured.
+# fast: ready once the weights are placed; the forward builds on a thread while steps run eagerly,
+#   and CUDA graphs are captured between steps once it is built.
+# auto: the forward before ready when the compile cache holds it (a warm start loads it in about a
+#   second), else on a thread (a cold start serves eagerly while it compiles); the smallest decode
+#   graphs before ready, every other size captured between steps, first the sizes a step asked for.
+STARTUP_POLICIES = ("auto", "complete", "fast")
+# Keys compile.startup replaced; naming one is an error that says so.
+REPLACED_BY_STARTUP = ("capture", "build", "max_startup_capture_size")
+# How a resolved config builds kiln's forward (ResolvedCompileConfig.build).
+BUILD_PLANS = ("startup", "background", "background_when_cold")
+# Capture sizes up to this are captured before ready where the rest wait for the steps (the first
+# requests' decodes).
+STARTUP_CAPTURE_MAX = 8
+
+
+def replaced_by_startup(key: str) -> str:
+    """The error for one of the keys compile.startup replaced."""
+    return (f"{key} is gone: set compile.startup, which says what is built before ready (complete: "
+            f"everything, as build=startup capture=startup did; fast: ready once the weights are placed, "
+            f"as build=background capture=lazy did; auto: the default)")
 
 
 @dataclass(frozen=True)
@@ -163,22 +177,17 @@ class CompileConfig:
     cudagraph: str = "auto"  # auto: full_and_piecewise on CUDA, none on the CPU
     sizes: tuple[int, ...] = ()  # extra sizes Inductor specializes for
     capture_sizes: Optional[tuple[int, ...]] = None  # None: default_capture_sizes(max_num_seqs, max tokens)
-    capture: str = "auto"  # CAPTURE_MODES; auto: lazy where the engine runs the model in its own process (LLM: startup)
-    max_startup_capture_size: int = 8  # lazy: sizes up to this are captured before the engine is ready
+    startup: str = "auto"  # STARTUP_POLICIES: what is built before the engine is ready
     # kiln mode: cut the graph at every split_every-th attention call (0: never; one piece), the
     # others compiled inside the pieces. 1 (every call) is what piecewise CUDA graphs need. None:
     # decided per device (default_split_every).
     split_every: Optional[int] = None
-    build: str = "auto"  # BUILD_MODES; auto: background where compile.mode=auto (CUDA: and capture=lazy), else startup
     debug_dump_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_choice("compile", "mode", self.mode, COMPILE_MODES)
         _check_choice("compile", "cudagraph", self.cudagraph, CUDAGRAPH_MODES)
-        _check_choice("compile", "capture", self.capture, CAPTURE_MODES)
-        _check_choice("compile", "build", self.build, BUILD_MODES)
-        if int(self.max_startup_capture_size) < 0:
-            raise ValueError(f"compile.max_startup_capture_size must be >= 0, got {self.max_startup_capture_size}")
+        _check_choice("compile", "startup", self.startup, STARTUP_POLICIES)
         if self.split_every is not None and int(self.split_every) < 0:
             raise ValueError(f"compile.split_every must be >= 0 (0: one piece), got {self.split_every}")
         object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
@@ -190,8 +199,33 @@ class CompileConfig:
 
     @property
     def is_resolved(self) -> bool:
-        return ("auto" not in (self.mode, self.cudagraph, self.build) and self.capture_sizes is not None
-                and self.split_every is not None)
+        return False
+
+
+@dataclass(frozen=True)
+class ResolvedCompileConfig(CompileConfig):
+    """A CompileConfig with every ``auto`` decided for one device and entrypoint (``resolve_for_device``):
+    what every component reads. ``startup`` becomes ``build`` and ``capture``."""
+
+    build: str = "startup"  # BUILD_PLANS: before ready, on a thread, or on a thread only on a cache miss
+    capture: str = "startup"  # startup: every CUDA graph size before ready; lazy: up to startup_capture_max
+    startup_capture_max: int = STARTUP_CAPTURE_MAX
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_choice("compile", "build", self.build, BUILD_PLANS)
+        _check_choice("compile", "capture", self.capture, ("startup", "lazy"))
+        if int(self.startup_capture_max) < 0:
+            raise ValueError(f"startup_capture_max must be >= 0, got {self.startup_capture_max}")
+
+    @property
+    def is_resolved(self) -> bool:
+        return True
+
+    @property
+    def in_background(self) -> bool:
+        """Whether kiln's forward may be built on a thread while steps run eagerly."""
+        return self.build != "startup"
 
 
 @dataclass(frozen=True)
@@ -373,6 +407,8 @@ class EngineConfig:
             if isinstance(value, dict):
                 known = {f.name for f in dataclasses.fields(types[name])}
                 unknown = set(value) - known
+                if name == "compile" and unknown & set(REPLACED_BY_STARTUP):
+                    raise ValueError(replaced_by_startup(f"compile.{sorted(unknown & set(REPLACED_BY_STARTUP))[0]}"))
                 if unknown:
                     raise ValueError(f"unknown {name} option(s) {sorted(unknown)}; choose from {sorted(known)}")
                 value = types[name](**value)
@@ -382,15 +418,13 @@ class EngineConfig:
                 built[name] = value
         return cls(**built)
 
-    def resolved(self, device_type: str) -> "EngineConfig":
-        """This config with every ``auto`` / ``None`` default decided for ``device_type``."""
-        compile = self.compile
-        if compile.capture == "auto":
-            # Lazy capture runs between the engine's steps: only where the model runs in its process.
-            compile = dataclasses.replace(compile, capture="lazy" if self.parallel.backend == "uni" else "startup")
-        compile, scheduler = resolve_for_device(compile, self.scheduler, device_type,
-                                                can_background=self.parallel.backend == "uni"
-                                                and self.speculative.method != "draft")
+    def resolved(self, device_type: str, entrypoint: str = "server") -> "EngineConfig":
+        """This config with every ``auto`` / ``None`` default decided for ``device_type`` and the
+        ``entrypoint`` ("server" or "offline", the ``LLM`` class)."""
+        one_process = self.parallel.backend == "uni"
+        compile, scheduler = resolve_for_device(self.compile, self.scheduler, device_type,
+                                                can_background=one_process and self.speculative.method != "draft",
+                                                lazy_capture=one_process, entrypoint=entrypoint)
         return dataclasses.replace(self, compile=compile, scheduler=scheduler)
 
 
@@ -403,7 +437,7 @@ class EngineConfig:
 # against 12,348 and 16,223 with 2048, 12,402 with 1024, 11,677 with 256 sequences
 # (benchmarks/results/offline_profile-NVIDIA_H100_80GB_HBM3.md). Before mixed steps had piecewise graphs,
 # 8192 tokens lost to 2048 (11,987 against 12,411): a step larger than every capture size ran without
-# graphs. CPU: kiln, built on a thread while the first steps run eagerly (compile.build=background), so
+# graphs. CPU: kiln, built on a thread while the first steps run eagerly (a background build), so
 # a start is as fast as eager's and the steps then run kiln's forward. In three `kiln bench -m
 # compile.mode=eager,stock,kiln` runs on SmolLM2 (2 cores) kiln decoded faster than eager in 8 of 9
 # cells (batch 1, 8, 32), but compiles for 17-36 s on a first start (4.6 s to load once cached), where
@@ -418,7 +452,7 @@ CPU_COMPILE_MODE = "kiln"
 # builds once and groups of layers share a build), which the background build hides behind eager steps (README, "Defaults: fast with no options"). CUDA cuts at every call: piecewise
 # graphs capture the pieces between attention calls.
 CPU_SPLIT_EVERY = 10
-# CUDA_BUILD: where graphs are captured between steps (compile.capture=lazy, the server's default),
+# CUDA_BUILD: where graphs are captured between steps (lazy capture, the server's default),
 # compile.mode=auto also builds kiln's forward in the background: the engine is ready once the weights
 # are placed, steps run eagerly, and a first start sizes the KV cache after the eager forward and a
 # guess of the graphs' memory (ModelRunner._profile_memory). From a Llama-3-8B checkpoint on an H200,
@@ -456,55 +490,68 @@ def default_split_every(device_type: str) -> int:
     return 1 if device_type == "cuda" else CPU_SPLIT_EVERY
 
 
+ENTRYPOINTS = ("server", "offline")
+
+
 def resolve_for_device(compile: CompileConfig, scheduler: SchedulerConfig, device_type: str,
-                       can_background: bool = True) -> tuple[CompileConfig, SchedulerConfig]:
+                       can_background: bool = True, lazy_capture: bool = True,
+                       entrypoint: str = "server") -> tuple[ResolvedCompileConfig, SchedulerConfig]:
     """``compile`` and ``scheduler`` with their ``auto`` / ``None`` fields decided for ``device_type``
-    ("cuda" or "cpu"); fields the user set are kept. Idempotent. ``can_background``: the model may be
-    built in the background: it runs in this process as one rank (parallel.backend=uni) and is not a
-    speculative draft (two Dynamo captures must not run at once). Where it cannot,
-    ``compile.mode=auto`` on the CPU is eager."""
+    ("cuda" or "cpu") and ``entrypoint`` (ENTRYPOINTS); fields the user set are kept. Idempotent.
+    ``can_background``: the model may be built on a thread: it runs in this process as one rank
+    (parallel.backend=uni) and is not a speculative draft (two Dynamo captures must not run at once);
+    where it cannot, ``compile.mode=auto`` on the CPU is eager. ``lazy_capture``: CUDA graphs may be
+    captured between steps (the model runs in the engine's process)."""
+    _check_choice("resolve_for_device", "entrypoint", entrypoint, ENTRYPOINTS)
     mode, cudagraph, seqs, tokens = DEVICE_DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
-    if compile.mode == "auto":
-        if device_type != "cuda" and not can_background:
-            mode = "eager"
-        # CUDA_BUILD: graphs are captured over the built forward, so a start that captures before its
-        # first step builds first
-        graphs_first = device_type == "cuda" and compile.capture != "lazy" and compile.cudagraph != "none"
-        if compile.build == "auto" and mode == "kiln" and can_background and not graphs_first:
-            compile = dataclasses.replace(compile, build="background")
     scheduler = dataclasses.replace(
         scheduler,
         max_num_seqs=scheduler.max_num_seqs if scheduler.max_num_seqs is not None else seqs,
         max_num_batched_tokens=(scheduler.max_num_batched_tokens if scheduler.max_num_batched_tokens is not None
                                 else tokens))
-    if compile.mode == "auto":
-        compile = dataclasses.replace(compile, mode=mode)
+    if compile.is_resolved:
+        return compile, scheduler
+    mode_chosen = compile.mode == "auto"  # a mode named explicitly is built before ready (below)
+    if mode_chosen and device_type != "cuda" and not can_background:
+        mode = "eager"
+    mode = mode if mode_chosen else compile.mode
     if compile.cudagraph == "auto":
         # Piecewise graphs need kiln's split forward: other modes on CUDA get full graphs alone.
-        compile = dataclasses.replace(compile, cudagraph=cudagraph if compile.mode == "kiln" or
-                                      device_type != "cuda" else "full")
-    if compile.capture_sizes is None:
-        compile = dataclasses.replace(compile, capture_sizes=default_capture_sizes(
-            scheduler.max_num_seqs, scheduler.max_num_batched_tokens))
-    if compile.build == "auto":
-        compile = dataclasses.replace(compile, build="startup")
-    if compile.split_every is None:
-        compile = dataclasses.replace(compile, split_every=default_split_every(device_type))
-    if compile.build == "background" and not can_background:
-        raise ValueError("compile.build=background needs one process and no speculative draft (the ranks of "
-                         "parallel.backend mp or ray must switch at the same step; two captures must not run "
-                         "at once): set compile.build=startup")
-    if (compile.build == "background" and device_type == "cuda" and compile.cudagraph != "none"
-            and compile.capture != "lazy"):
-        raise ValueError(f"compile.build=background captures CUDA graphs between steps once kiln's forward is "
-                         f"built: set compile.capture=lazy (or compile.build=startup, or compile.cudagraph=none); "
-                         f"compile.capture={compile.capture}")
-    if compile.build == "background" and compile.mode != "kiln":
-        raise ValueError(f"compile.build=background builds kiln's forward; set compile.mode=kiln (or auto), "
-                         f"or compile.build=startup (compile.mode={compile.mode})")
-    if (compile.split_every != 1 and compile.mode == "kiln" and device_type == "cuda"
-            and compile.cudagraph in ("piecewise", "full_and_piecewise")):
-        raise ValueError(f"compile.split_every={compile.split_every} leaves attention calls inside the pieces, "
+        cudagraph = cudagraph if mode == "kiln" or device_type != "cuda" else "full"
+    else:
+        cudagraph = compile.cudagraph
+    split_every = compile.split_every if compile.split_every is not None else default_split_every(device_type)
+    capture_sizes = compile.capture_sizes if compile.capture_sizes is not None else default_capture_sizes(
+        scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
+    build, capture = startup_plan(compile.startup, device_type, entrypoint, mode, cudagraph,
+                                  can_background and mode == "kiln", lazy_capture, mode_chosen)
+    fields = {f.name: getattr(compile, f.name) for f in dataclasses.fields(CompileConfig)}
+    fields.update(mode=mode, cudagraph=cudagraph, split_every=split_every, capture_sizes=capture_sizes)
+    resolved = ResolvedCompileConfig(**fields, build=build, capture=capture)
+    if (resolved.split_every != 1 and resolved.mode == "kiln" and device_type == "cuda"
+            and resolved.cudagraph in ("piecewise", "full_and_piecewise")):
+        raise ValueError(f"compile.split_every={resolved.split_every} leaves attention calls inside the pieces, "
                          f"which piecewise CUDA graphs cannot capture: set compile.cudagraph=full (or none), "
                          f"or compile.split_every=1")
-    return compile, scheduler
+    return resolved, scheduler
+
+
+def startup_plan(policy: str, device_type: str, entrypoint: str, mode: str, cudagraph: str,
+                 can_background: bool, lazy_capture: bool, mode_chosen: bool = True) -> tuple[str, str]:
+    """``compile.startup`` as (build, capture) of a ResolvedCompileConfig. ``can_background``: kiln's
+    forward may be built on a thread (kiln mode, one process, no draft); ``lazy_capture``: graphs may
+    be captured between steps; ``mode_chosen``: compile.mode was auto (a mode named explicitly is
+    built before ready under ``auto``, so a benchmark of modes times each at its own speed)."""
+    graphs = device_type == "cuda" and cudagraph != "none"
+    # auto offline on CUDA is complete: a batch job's steps use many graph sizes from the first one,
+    # and no idle moment comes to capture them (docs/decisions/startup-policy.md).
+    if policy == "complete" or (policy == "auto" and entrypoint == "offline" and device_type == "cuda"):
+        return "startup", "startup"
+    capture = "lazy" if graphs and lazy_capture else "startup"
+    if policy == "fast":
+        return ("background" if can_background else "startup"), capture
+    if not (can_background and mode_chosen):
+        return "startup", capture
+    if device_type != "cuda":
+        return "background", capture  # no compile-cache check on the CPU (its key costs 0.3-0.4 s)
+    return "background_when_cold", capture  # CUDA, a server

@@ -438,3 +438,18 @@ def test_every_precisions_captured_graph_is_one_the_compile_cache_stores(device,
             targets.add(str(node.target))
     if quantization != "none":  # the quantized GEMMs are in the graph, not a dequantized weight
         assert any(f"linear_{quantization}" in t for t in targets), sorted(targets)
+
+
+def test_a_built_forward_is_noted_for_the_next_start(tmp_path, monkeypatch):
+    """compile.startup=auto loads a forward before ready only where the cache says it was built
+    here before (ArtifactCache.note_forward); a read-only cache notes nothing."""
+    from kiln.compiler.artifact_cache import READ_ONLY_ENV, ArtifactCache
+
+    cache = ArtifactCache(str(tmp_path), "random:tiny")
+    assert not cache.has_forward("abc") and not cache.has_forward(None)
+    cache.note_forward("abc")
+    assert cache.has_forward("abc") and not cache.has_forward("abd")
+    assert cache.entry_dirs() == []  # the notes are no entry
+    monkeypatch.setenv(READ_ONLY_ENV, "1")
+    cache.note_forward("xyz")
+    assert not cache.has_forward("xyz")

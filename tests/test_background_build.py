@@ -1,4 +1,4 @@
-"""compile.build=background (the default on the CPU, and for the server on CUDA): kiln's forward is built on a thread while the model
+"""A background build (compile.startup=fast; auto on the CPU, and for a cold server on CUDA): kiln's forward is built on a thread while the model
 serves eagerly, and the step after the build switches to it. (The build beside eager steps of the
 same model: tests/test_compiler.py.)"""
 
@@ -16,7 +16,7 @@ from kiln.compiler.compiled_model import BackgroundBuild
 from kiln.config import CompileConfig
 from kiln.models.llama import LlamaForCausalLM
 
-BACKGROUND = CompileConfig(mode="kiln", build="background")
+BACKGROUND = CompileConfig(mode="kiln", startup="fast")
 PROMPTS = [[5, 17, 3, 99, 42, 7], [8, 8, 1]]
 
 
@@ -54,7 +54,7 @@ def test_steps_run_eagerly_while_the_forward_loads_from_the_compile_cache(eager_
     """A warm start: the build reads the saved graph (an FX trace, which patches ``nn.Module.__call__``
     process-wide) while eager steps run; every step gives eager's tokens. The trace is slowed down
     (2 ms a node) so that steps surely fall inside it."""
-    LLM(model="random:tiny", compile=CompileConfig(mode="kiln", build="startup"))  # the entry exists
+    LLM(model="random:tiny", compile=CompileConfig(mode="kiln"))  # the entry exists (built before ready)
     create_proxy = torch.fx.Tracer.create_proxy
 
     def slow_create_proxy(self, *args, **kwargs):
@@ -169,7 +169,7 @@ eager = LLM(model="random:tiny", compile={"mode": "eager"})
 eager.generate([[5, 17, 3]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
 print("EAGER", [m for m in HEAVY if m in sys.modules])
 with compiled_model._ONE_BUILD:  # the background build waits before importing anything of its own
-    llm = LLM(model="random:tiny", compile={"mode": "kiln", "build": "background"})
+    llm = LLM(model="random:tiny", compile={"mode": "kiln", "startup": "fast"})
     llm.generate([[5, 17, 3]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     print("BACKGROUND", [m for m in HEAVY if m in sys.modules])
 """
@@ -192,9 +192,9 @@ def test_a_start_that_serves_eagerly_leaves_dynamo_and_inductor_to_the_build():
 
 @pytest.mark.gpu
 def test_cuda_starts_serve_eagerly_then_capture_over_kiln_and_keep_the_graphs_memory(tmp_path, caplog):
-    """compile.build=background on CUDA. A first start starts the build as the weights load, sizes
+    """compile.startup=fast on CUDA. A first start starts the build as the weights load, sizes
     the KV cache after the eager forward and a guess of the graphs' memory, and serves eagerly while
-    kiln's forward compiles; once built, the sizes up to max_startup_capture_size are captured
+    kiln's forward compiles; once built, the sizes up to startup_capture_max (8) are captured
     between steps, smallest first, then the rest, and what the graphs took is kept. A warm start
     reads that profile, starts the build once ready, serves eagerly while the forward loads from
     the compile cache, then captures over it."""
@@ -205,7 +205,7 @@ def test_cuda_starts_serve_eagerly_then_capture_over_kiln_and_keep_the_graphs_me
     sizes = [1, 2, 4, 8, 16]
     options = dict(model="random:tiny", device="cuda", dtype="float32", max_model_len=256,
                    cache={"dir": str(tmp_path)},
-                   compile={"mode": "kiln", "build": "background", "capture": "lazy", "capture_sizes": sizes})
+                   compile={"mode": "kiln", "startup": "fast", "capture_sizes": sizes})
     for start in ("first", "warm"):
         caplog.clear()
         with caplog.at_level(logging.INFO), compiled_model._ONE_BUILD:  # the build waits: steps surely run eagerly
@@ -246,9 +246,10 @@ def test_cuda_starts_serve_eagerly_then_capture_over_kiln_and_keep_the_graphs_me
 
 @pytest.mark.gpu
 def test_the_cuda_server_answers_while_kiln_builds_then_captures_when_idle(tmp_path):
-    """kiln serve's defaults on CUDA (compile.mode=auto, lazy capture): the engine answers eagerly
-    while kiln's forward builds; once built, the idle engine captures every size over it and keeps
-    the graphs' memory for the next start; it answers with the same tokens."""
+    """kiln serve's defaults on CUDA (compile.startup=auto): a cold engine answers eagerly while kiln's
+    forward builds; once built, the idle engine captures every size over it and keeps the graphs'
+    memory for the next start; it answers with the same tokens. The next start (warm) loads the
+    forward from the compile cache before ready: no eager step, the same tokens."""
     import asyncio
 
     from kiln.compiler import compiled_model
@@ -257,7 +258,7 @@ def test_the_cuda_server_answers_while_kiln_builds_then_captures_when_idle(tmp_p
 
     config = EngineConfig(model=ModelConfig("random:tiny", device="cuda", dtype="float32", max_model_len=256),
                           cache=CacheConfig(dir=str(tmp_path)), compile=CompileConfig(capture_sizes=(1, 2, 4, 8)))
-    assert config.resolved("cuda").compile.build == "background"
+    assert config.resolved("cuda").compile.build == "background_when_cold"
 
     async def tokens(engine, request_id: str) -> list[int]:
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -277,6 +278,13 @@ def test_the_cuda_server_answers_while_kiln_builds_then_captures_when_idle(tmp_p
         assert len(eager) == 6 and asyncio.run(tokens(engine, "kiln")) == eager
     finally:
         engine.shutdown()
+    warm = AsyncEngine.from_config(config)
+    try:
+        warm.wait_ready(timeout=300)
+        assert warm.stats()["compile_building"] == 0  # built (loaded) before ready
+        assert asyncio.run(tokens(warm, "warm")) == eager
+    finally:
+        warm.shutdown()
 
 
 def test_the_eager_warm_up_writes_only_the_null_block():
@@ -500,7 +508,7 @@ def test_a_first_cuda_start_that_fails_stops_its_build(tmp_path):
     from kiln.compiler import compiled_model
 
     options = dict(model="random:tiny", device="cuda", dtype="float32", max_model_len=256,
-                   compile={"mode": "kiln", "build": "background", "capture": "lazy", "capture_sizes": [1, 2, 4]})
+                   compile={"mode": "kiln", "startup": "fast", "capture_sizes": [1, 2, 4]})
     with pytest.raises(ValueError, match="fewer than 2 blocks"):
         LLM(**options, cache={"dir": str(tmp_path), "kv_cache_memory_gib": 1e-6})
     assert compiled_model._ONE_BUILD.acquire(timeout=5), "the failed start's build still holds the lock"

@@ -135,6 +135,16 @@ def test_typo_names_the_closest_key_and_exits_2(capsys):
         "kiln: error: unknown key zzz; `kiln <command> --help` lists every key\n")
 
 
+def test_the_replaced_startup_keys_exit_2_naming_compile_startup(capsys):
+    for key in ("compile.build=background", "compile.capture=lazy", "compile.max_startup_capture_size=8"):
+        code, out, err = exit_of(["serve", key], capsys)
+        assert code == 2 and not out
+        assert err.startswith(f"kiln: error: {key.split('=')[0]} is gone: set compile.startup"), err
+    assert OmegaConf.to_object(composed(["compile.startup=fast"])).compile.startup == "fast"
+    with pytest.raises(ValueError, match="compile.startup"):
+        OmegaConf.to_object(composed(["compile.startup=later"]))
+
+
 def test_serve_on_a_port_in_use_fails_before_loading_the_model(capsys, monkeypatch):
     """A port another process holds is refused at once with what to change (exit 1), before the
     engine (the model's start-up) is built; the port is free again afterwards."""

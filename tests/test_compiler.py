@@ -103,7 +103,7 @@ def test_kiln_matches_eager(model, kiln_forward):
 
 
 def test_eager_steps_run_while_the_forward_is_captured_and_compiled(model, kiln_forward):
-    """compile.build=background: the build's Dynamo capture and Inductor compile run on a thread
+    """A background build: the build's Dynamo capture and Inductor compile run on a thread
     beside eager steps of the same model; the steps stay eager's, the capture happens once, and the
     built forward gives eager's logits. (``kiln_forward`` first: its builds are cached.)"""
     steps = _schedule(ARCH.vocab_size)

@@ -50,39 +50,57 @@ def test_cpu_defaults_build_kiln_in_the_background():
     assert EngineConfig(parallel=ParallelConfig(backend="mp")).resolved("cpu").compile.mode == "eager"
     draft = EngineConfig(speculative=SpeculativeConfig(method="draft", draft_model="random:tiny")).resolved("cpu")
     assert (draft.compile.mode, draft.compile.build) == ("eager", "startup")
-    assert EngineConfig(compile=CompileConfig(build="startup")).resolved("cpu").compile.build == "startup"
+    assert EngineConfig(compile=CompileConfig(startup="complete")).resolved("cpu").compile.build == "startup"
     compile, _ = resolve_for_device(CompileConfig(mode="kiln"), SchedulerConfig(), "cpu")
     assert (compile.mode, compile.build) == ("kiln", "startup")
     assert resolve_for_device(compile, SchedulerConfig(), "cpu")[0] == compile
 
 
-def test_cuda_serves_eagerly_while_kiln_builds_where_graphs_are_captured_between_steps():
-    # The server's default (lazy capture) serves while kiln's forward builds; graphs captured before
-    # the first step (LLM's default), several ranks, or a compile.mode set by hand build first.
-    assert EngineConfig().resolved("cuda").compile.build == "background"
-    assert EngineConfig(compile=CompileConfig(capture="startup")).resolved("cuda").compile.build == "startup"
-    assert EngineConfig(compile=CompileConfig(mode="kiln")).resolved("cuda").compile.build == "startup"
-    assert EngineConfig(parallel=ParallelConfig(backend="mp")).resolved("cuda").compile.build == "startup"
+def plan(entrypoint="server", **compile):
+    c = EngineConfig(compile=CompileConfig(**compile)).resolved("cuda", entrypoint).compile
+    return c.build, c.capture
+
+
+def test_startup_policies_on_cuda():
+    # auto: a server loads a cached forward before ready and builds an uncached one on a thread (the
+    # runner decides which from the compile cache); an offline batch job builds and captures first.
+    assert plan() == ("background_when_cold", "lazy")
+    assert plan("offline") == ("startup", "startup")
+    assert plan(startup="complete") == plan("offline", startup="complete") == ("startup", "startup")
+    assert plan(startup="fast") == plan("offline", startup="fast") == ("background", "lazy")
+    # A compile.mode set by hand is built before ready under auto (a sweep of modes times each one);
+    # fast still builds it on a thread.
+    assert plan(mode="kiln") == ("startup", "lazy")
+    assert plan(mode="kiln", startup="fast") == ("background", "lazy")
+    # Without graphs nothing is captured between steps.
+    assert plan(startup="fast", cudagraph="none") == ("background", "startup")
+    # Only kiln's forward is built on a thread; other modes are ready at once anyway.
+    assert plan(mode="eager", startup="fast") == ("startup", "lazy")
+
+
+def test_startup_policies_that_need_one_process_fall_back():
+    # Several ranks must switch at the same step and cannot capture between steps; a draft model
+    # must not be captured while the target builds.
+    mp = EngineConfig(compile=CompileConfig(startup="fast"), parallel=ParallelConfig(backend="mp"))
+    assert (mp.resolved("cuda").compile.build, mp.resolved("cuda").compile.capture) == ("startup", "startup")
+    assert mp.resolved("cpu").compile.build == "startup"
     draft = SpeculativeConfig(method="draft", draft_model="random:tiny")
-    assert EngineConfig(speculative=draft).resolved("cuda").compile.build == "startup"
-    explicit = EngineConfig(compile=CompileConfig(mode="kiln", build="background")).resolved("cuda").compile
-    assert (explicit.build, explicit.capture) == ("background", "lazy")
-    assert resolve_for_device(explicit, SchedulerConfig(), "cuda")[0] == explicit
-    # Without graphs nothing waits for the build, so any capture mode goes.
-    no_graphs = CompileConfig(mode="kiln", build="background", cudagraph="none", capture="startup")
-    assert resolve_for_device(no_graphs, SchedulerConfig(), "cuda")[0].build == "background"
+    for policy in ("auto", "fast"):
+        resolved = EngineConfig(compile=CompileConfig(startup=policy), speculative=draft).resolved("cuda").compile
+        assert resolved.build == "startup"
+    explicit = EngineConfig(compile=CompileConfig(startup="fast")).resolved("cuda").compile
+    assert resolve_for_device(explicit, SchedulerConfig(), "cuda")[0] == explicit  # idempotent
 
 
 @pytest.mark.cpu_default
-def test_a_background_build_that_cannot_run_is_refused():
-    with pytest.raises(ValueError, match="set compile.capture=lazy"):
-        resolve_for_device(CompileConfig(build="background", capture="startup"), SchedulerConfig(), "cuda")
-    with pytest.raises(ValueError, match="compile.build=background needs one process"):
-        EngineConfig(compile=CompileConfig(mode="kiln", build="background"), parallel=ParallelConfig(backend="mp")).resolved("cpu")
-    with pytest.raises(ValueError, match="set compile.mode=kiln"):
-        resolve_for_device(CompileConfig(mode="eager", build="background"), SchedulerConfig(), "cpu")
-    with pytest.raises(ValueError, match="compile.build"):
-        CompileConfig(build="later")
+def test_the_replaced_startup_keys_name_compile_startup():
+    for key in ("build", "capture", "max_startup_capture_size"):
+        with pytest.raises(ValueError, match=f"compile.{key} is gone: set compile.startup"):
+            EngineConfig.from_kwargs(compile={key: "startup"})
+    with pytest.raises(ValueError, match="compile.startup='later' is not allowed"):
+        CompileConfig(startup="later")
+    with pytest.raises(TypeError):
+        CompileConfig(build="background")  # the resolved type's field, not the user's
 
 
 def test_tests_resolve_the_cpu_default_to_eager():

@@ -168,12 +168,12 @@ MIXED_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)
 
 
 def _mixed_llm(mode: str, cudagraph: str, device: str = "cuda", dtype: str = "float32", model: str = "random:tiny",
-               capture: str = "auto"):
+               startup: str = "auto"):
     """A 64-token step budget with capture sizes up to 32: steps of 33-64 tokens run without graphs."""
     from kiln import LLM
 
     return LLM(model=model, dtype=dtype, device=device, max_model_len=1024,
-               compile={"mode": mode, "cudagraph": cudagraph, "capture_sizes": MIXED_CAPTURE_SIZES, "capture": capture},
+               compile={"mode": mode, "cudagraph": cudagraph, "capture_sizes": MIXED_CAPTURE_SIZES, "startup": startup},
                cache={"kv_cache_memory_gib": 1.0}, scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 64})
 
 
@@ -348,7 +348,7 @@ def test_full_graphs_match_hf_float32():
 @pytest.mark.parametrize("cudagraph", ["piecewise", "full_and_piecewise"])
 def test_piecewise_graphs_match_no_graphs_float32(cudagraph, dispatch_log):
     want = _mixed_workload(_mixed_llm("kiln", "none"), 49152)
-    llm = _mixed_llm("kiln", cudagraph, capture="startup")  # every size before the first step (lazy: test_lazy_capture)
+    llm = _mixed_llm("kiln", cudagraph, startup="complete")  # every size before the first step (lazy: test_lazy_capture)
     runner = llm.engine.executor.runner
     graphs = runner.compiled.piecewise_graphs
     assert graphs is not None and graphs.captured_sizes == set(MIXED_CAPTURE_SIZES)
@@ -477,15 +477,16 @@ def test_weak_ref_aliases_cuda_memory_without_owning_it():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_default_config_captures_every_size_and_sizes_the_kv_cache_after_the_graphs(caplog):
-    """No options on a GPU: kiln mode, full graphs at 1, 2, 4, 8, ..., 512 and piece graphs, every size
-    captured at start-up (LLM's compile.capture); the graph memory of every size is profiled before the
+    """The default modes on a GPU with compile.startup=complete: kiln mode, full graphs at 1, 2, 4, 8, ...,
+    512 and piece graphs, every size captured at start-up; the graph memory of every size is profiled before the
     KV cache is sized, and the tokens match the run without graphs."""
     import logging
 
     from kiln import LLM
 
     with caplog.at_level(logging.INFO, logger="kiln"):
-        llm = LLM(model="random:tiny", dtype="float32", max_model_len=1024, cache={"gpu_memory_fraction": 0.5})
+        llm = LLM(model="random:tiny", dtype="float32", max_model_len=1024, cache={"gpu_memory_fraction": 0.5},
+                  compile={"startup": "complete"})
     runner = llm.engine.executor.runner
     assert (runner.compile_config.mode, runner.compile_config.cudagraph) == ("kiln", "full_and_piecewise")
     assert runner.compiled.full_graphs.sizes == list((1, 2, 4) + tuple(range(8, 513, 8)))

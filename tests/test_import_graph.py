@@ -19,7 +19,7 @@ from pathlib import Path
 import kiln
 
 ROOT = Path(kiln.__file__).parent
-LEAVES = ("config", "errors", "forward_context", "outputs", "progress", "sampling_params", "version", "_C")  # _C: the C++ extension
+LEAVES = ("clock", "config", "errors", "forward_context", "outputs", "progress", "sampling_params", "version", "_C")  # _C: the C++ extension
 LAYERS = {"ops": 1, "passes": 2, "models": 2, "compiler": 3, "runtime": 4, "engine": 5, "entrypoints": 6, "bench": 6}
 TOP = 6
 

@@ -9,27 +9,27 @@ import torch
 
 from kiln import SamplingParams
 from kiln.compiler.cudagraph import GraphMode
-from kiln.config import CompileConfig, EngineConfig, ParallelConfig
+from kiln.config import CompileConfig, EngineConfig, ParallelConfig, ResolvedCompileConfig
 from tests.test_cuda_graphs import (MIXED_CAPTURE_SIZES, _agreeing_prefix, _greedy, _mixed_llm, _mixed_workload,
                                     _prompts, dispatch_log, emulated_graph)  # noqa: F401 - dispatch_log is a fixture
 
 def test_capture_resolves_to_lazy_only_in_the_engine_process():
     assert EngineConfig().resolved("cuda").compile.capture == "lazy"
+    assert EngineConfig().resolved("cuda", "offline").compile.capture == "startup"  # a batch job's sizes
     assert EngineConfig(parallel=ParallelConfig(backend="mp")).resolved("cuda").compile.capture == "startup"
-    assert EngineConfig(compile=CompileConfig(capture="startup")).resolved("cuda").compile.capture == "startup"
-    with pytest.raises(ValueError, match="compile.capture"):
-        CompileConfig(capture="later")
-    with pytest.raises(ValueError, match="max_startup_capture_size"):
-        CompileConfig(max_startup_capture_size=-1)
+    assert EngineConfig(compile=CompileConfig(startup="complete")).resolved("cuda").compile.capture == "startup"
+    with pytest.raises(ValueError, match="startup_capture_max"):
+        ResolvedCompileConfig(startup_capture_max=-1)
 
 
-def test_offline_llm_captures_at_startup_unless_told():
-    """LLM (offline batches) turns auto into startup; an explicit choice is kept."""
+def test_offline_llm_resolves_for_its_entrypoint():
+    """LLM resolves compile.startup=auto as a batch job: kiln's forward and every graph before the first step."""
     from kiln import LLM
 
     tiny = {"model": "random:tiny", "device": "cpu", "max_model_len": 256}
-    assert LLM(**tiny, compile={"mode": "eager"}).config.compile.capture == "startup"
-    assert LLM(**tiny, compile={"mode": "eager", "capture": "lazy"}).config.compile.capture == "lazy"
+    llm = LLM(**tiny, compile={"mode": "eager", "startup": "fast"})
+    assert llm.engine.config.compile.build == "startup"  # eager: nothing to build
+    assert EngineConfig().resolved("cuda", "offline").compile.build == "startup"
 
 
 def _lazy_pieces_on_cpu(llm, max_size: int):
@@ -62,17 +62,15 @@ def test_lazy_piece_graphs_capture_small_sizes_first_and_the_rest_largest_first(
 
 
 def test_engine_captures_between_steps_with_none_in_flight(dispatch_log, monkeypatch):
-    """The engine captures the pending sizes one per call, never before the first step has
-    completed and never with a step in flight; the tokens match the run without graphs, and
-    batches of a size not captured yet run on the next captured size up or without graphs."""
-    import kiln.runtime.engine as engine_module
-
+    """A busy engine captures only the sizes batches ran without, one per call, never before the
+    first step has completed and never with a step in flight; the tokens match the run without
+    graphs, and batches of a size not captured yet run on the next captured size up or without
+    graphs. The sizes no batch asked for wait for an idle engine."""
     llm = _mixed_llm("kiln", "none", device="cpu")
     vocab = llm.engine.executor.vocab_size
     want = _mixed_workload(llm, vocab)
     runner, graphs = _lazy_pieces_on_cpu(llm, max_size=2)
     engine, executor = llm.engine, llm.engine.executor
-    monkeypatch.setattr(engine_module, "CAPTURE_SHARE", 1.0)  # no pause between captures
     seen = []
     capture_pending = executor.capture_pending
 
@@ -83,35 +81,33 @@ def test_engine_captures_between_steps_with_none_in_flight(dispatch_log, monkeyp
     monkeypatch.setattr(executor, "capture_pending", spy)
     dispatch_log.clear()
     assert _mixed_workload(llm, vocab) == want
-    assert len(seen) == 4 and graphs.captured_sizes == set(MIXED_CAPTURE_SIZES)
-    assert all(steps >= 1 and in_flight == 0 for steps, in_flight, _ in seen), seen
-    assert [n for _, _, n in seen] == [2, 3, 4, 5]
-    assert not engine.has_pending_captures
+    assert seen and all(steps >= 1 and in_flight == 0 for steps, in_flight, _ in seen), seen
+    assert [n for _, _, n in seen] == list(range(2, 2 + len(seen)))  # one size a call
     # the first step (5 prompts, 64 tokens) runs before any capture: no graph holds it
     assert dispatch_log[0][0] is GraphMode.NONE
     assert any(mode is GraphMode.PIECEWISE for mode, *_ in dispatch_log)
+    while engine.capture_idle():
+        pass
+    assert graphs.captured_sizes == set(MIXED_CAPTURE_SIZES) and not engine.has_pending_captures
+    assert _mixed_workload(llm, vocab) == want
 
 
 def test_engine_captures_the_sizes_batches_ran_without_first(dispatch_log, monkeypatch):
-    """With the pause between unasked captures made endless, only the first capture (due at once)
-    and the sizes batches asked for are captured: each at the step boundary after a batch ran
-    without it; the sizes no batch needed stay pending."""
-    import kiln.runtime.engine as engine_module
+    """Only the sizes batches asked for are captured while the engine is busy: each at the step
+    boundary after a batch ran without it; the sizes no batch needed stay pending."""
     from kiln.compiler.inputs import next_capture_size
 
     llm = _mixed_llm("kiln", "none", device="cpu")
     vocab = llm.engine.executor.vocab_size
     want = _mixed_workload(llm, vocab)
     runner, graphs = _lazy_pieces_on_cpu(llm, max_size=1)
-    monkeypatch.setattr(engine_module, "CAPTURE_SHARE", 1e-12)
     captured = []
     capture_next = runner.compiled.capture_next
     monkeypatch.setattr(runner.compiled, "capture_next", lambda: captured.append(capture_next()) or captured[-1])
     dispatch_log.clear()
     assert _mixed_workload(llm, vocab) == want
     asked = {next_capture_size(list(MIXED_CAPTURE_SIZES), n) for _, n, _, _ in dispatch_log} - {None, 1}
-    assert captured[0] == 32  # the first capture, due at once: a batch's size if one asked, else the largest
-    assert set(captured[1:]) <= asked and len(captured) >= 2, (captured, asked)
+    assert captured and set(captured) <= asked, (captured, asked)
     assert graphs.captured_sizes == {1} | set(captured) and graphs.pending_sizes  # sizes no batch asked for wait
     replayed = {padded for mode, _, padded, _ in dispatch_log if mode is GraphMode.PIECEWISE}
     assert replayed and replayed <= graphs.captured_sizes
@@ -131,8 +127,9 @@ def _lazy_llm(model: str, dtype: str, capture: str, max_startup: int = 2, **extr
     from kiln import LLM
 
     return LLM(model=model, dtype=dtype, device="cuda", max_model_len=1024,
-               compile={"mode": "kiln", "cudagraph": "full_and_piecewise", "capture_sizes": MIXED_CAPTURE_SIZES,
-                        "capture": capture, "max_startup_capture_size": max_startup},
+               compile=ResolvedCompileConfig(mode="kiln", cudagraph="full_and_piecewise", split_every=1,
+                                             capture_sizes=MIXED_CAPTURE_SIZES, capture=capture,
+                                             startup_capture_max=max_startup),
                cache={"kv_cache_memory_gib": 1.0}, scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 64},
                **extra)
 

@@ -15,6 +15,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from kiln import LLM
+from kiln.clock import process_age_s
 from kiln.compiler.piece import PieceCompiler
 from kiln.entrypoints.openai.api_server import _DrainingServer, api_url
 from kiln.entrypoints.openai.metrics import ServerMetrics
@@ -62,10 +63,15 @@ def test_ready_line_counts_usable_blocks(started):
     ready = [line for line in lines if line.startswith("kiln: ready")]
     assert len(ready) == 1 and lines[-1] == ready[0]
     pattern = (rf"kiln: ready — KV cache {NUM_USABLE * BLOCK_SIZE} tokens \({NUM_USABLE} blocks of {BLOCK_SIZE}\), "
-               r"start-up \d+\.\d s \(load weights \d+\.\d s, compile \d+\.\d s, "
-               r"CUDA graphs \d+\.\d s, KV \d+\.\d s\)$")
+               r"\d+\.\d s from launch \(interpreter \d+\.\d s, imports and config \d+\.\d s[^()]*\)$")
     assert re.match(pattern, ready[0]), ready[0]
     report = llm.engine.startup
+    # Every second from the process's launch is in one phase: they add up to its age when ready.
+    assert report.since_launch_s == pytest.approx(sum(s for _, s in report.timeline))
+    assert [name for name, _ in report.timeline[:3]] == ["interpreter", "imports and config", "load weights"]
+    assert all(s >= 0 for _, s in report.timeline) and report.timeline[-1][0] == "other"
+    assert report.since_launch_s <= process_age_s()
+    assert report.timeline[-1][1] <= report.startup_s
     assert report.num_usable_blocks == NUM_USABLE == llm.engine.kv_manager.num_usable_blocks
     assert report.num_kv_tokens == NUM_USABLE * BLOCK_SIZE
     kv = [line for line in lines if line.startswith("KV cache:")]
@@ -82,15 +88,25 @@ def test_kv_numbers_in_log_and_metrics_agree(started):
 
 
 def test_ready_line_format():
-    phases = {"load_weights_s": 1.04, "dynamo_s": 2.0, "inductor_s": 5.0, "cache_load_s": 0.0, "cudagraph_s": 0.5,
+    phases = {"load_weights_s": 3.0, "load_call_s": 0.64, "weights_wait_s": 0.4, "dynamo_s": 2.0, "inductor_s": 5.0, "cache_load_s": 0.0, "cudagraph_s": 0.5,
               "kv_alloc_s": 0.26, "ready_s": 9.0}
-    report = StartupReport(1455, 16, 9.04, phases)
+    report = StartupReport.measured(1455, 16, 9.04, phases, False, age_at_import=0.3, age_at_engine=2.5)
     assert report.ready_line("http://127.0.0.1:8000/v1") == (
-        "kiln: ready at http://127.0.0.1:8000/v1 — KV cache 23280 tokens (1455 blocks of 16), start-up 9.0 s "
-        "(load weights 1.0 s, compile 7.0 s, CUDA graphs 0.5 s, KV 0.3 s)")
-    # Ranks in other processes: only what the engine measured itself.
-    assert StartupReport(1455, 16, 12.0, {}).ready_line() == (
-        "kiln: ready — KV cache 23280 tokens (1455 blocks of 16), start-up 12.0 s")
+        "kiln: ready at http://127.0.0.1:8000/v1 — KV cache 23280 tokens (1455 blocks of 16), 11.5 s from launch "
+        "(interpreter 0.3 s, imports and config 2.2 s, load weights 1.0 s, Dynamo 2.0 s, Inductor 5.0 s, "
+        "CUDA graphs 0.5 s, KV cache 0.3 s, other 0.2 s)")
+    assert report.since_launch_s == pytest.approx(2.5 + 9.04)
+    # Ranks in other processes: what the engine measured itself, as one phase.
+    elsewhere = StartupReport.measured(1455, 16, 12.0, {}, True, age_at_import=0.3, age_at_engine=2.5)
+    assert elsewhere.ready_line() == (
+        "kiln: ready — KV cache 23280 tokens (1455 blocks of 16), 14.5 s from launch (interpreter 0.3 s, "
+        "imports and config 2.2 s, engine 12.0 s); kiln's forward is built in the background")
+    # The server's frontend: its own start, the engine core's phases, the hand-over.
+    seen = report.seen_from(age_at_spawn=1.5, age_now=13.4)
+    assert [name for name, _ in seen.timeline][:3] == ["frontend start", "engine core: interpreter",
+                                                       "engine core: imports and config"]
+    assert seen.timeline[-1] == ("hand-over", pytest.approx(13.4 - 1.5 - 11.54))
+    assert seen.since_launch_s == pytest.approx(13.4)
 
 
 def test_api_url():

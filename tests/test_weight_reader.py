@@ -434,7 +434,7 @@ def test_a_cuda_start_that_fails_during_the_read_leaves_no_reading_thread(tmp_pa
     monkeypatch.setattr(model_runner, "forward_profile_key", fail)
     with pytest.raises(RuntimeError, match="while the weights are read"):
         LLM(model=str(ckpt), device="cuda", cache={"dir": str(tmp_path / "cache")},
-            compile={"mode": "kiln", "build": "background", "capture": "lazy"})
+            compile={"mode": "kiln", "startup": "fast"})
     readers = [t.name for t in threading.enumerate() if t.name in ("kiln-load-weights", "kiln-read-ahead")]
     num_read = len(read)
     time.sleep(0.5)

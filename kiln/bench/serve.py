@@ -3,7 +3,7 @@
     python -m kiln.bench.serve CONFIG.json   # the child: run_server(EngineConfig)
 
 Measures ``server_startup_s`` (spawn to a healthy ``GET /health``); then, where kiln's forward is
-built in the background (``compile.build=background``, the CPU default), waits until ``/metrics``
+built in the background (``compile.startup=auto`` on the CPU, or ``fast``), waits until ``/metrics``
 reports ``kiln_compile_building 0`` (``build_wait_s``), so that the load runs the built forward, as
 the in-process benchmarks do; then for each batch size sends ``num_requests`` completions that many
 at a time: output tokens/s and request latency percentiles.

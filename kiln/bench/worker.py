@@ -7,7 +7,7 @@ one-line reason (the traceback goes to ``error.txt`` beside RESULT), so a sweep 
 Start-up (``startup_s``: ``LLM`` construction, loading and compiling included) is measured apart
 from generation; the first, untimed-for-throughput generate (``warmup_s``) absorbs lazy compilation.
 Throughput and latency runs measure the steady state: where kiln's forward is built in the background
-(``compile.build=background``, the CPU default), they wait for it first (``build_wait_s``, after start-up).
+(``compile.startup=auto`` on the CPU, or ``fast``), they wait for it first (``build_wait_s``, after start-up).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def build_llm(engine: EngineConfig):
 
 
 def wait_for_build(llm) -> dict:
-    """Wait for a background build (compile.build=background) to end: its seconds after start-up."""
+    """Wait for a background build (compile.startup=auto on a cold start, or fast) to end: its seconds after start-up."""
     t0 = time.perf_counter()
     llm.engine.wait_for_build()
     return {"build_wait_s": time.perf_counter() - t0}

@@ -66,6 +66,7 @@ READ_ONLY_ENV = "KILN_CACHE_READ_ONLY"
 TEST_FACTORS_ENV = "KILN_TEST_KEY_FACTORS"
 KIND = "compile"  # the entries' directory under the cache dir
 FACTORS, MANIFEST = "factors.json", "manifest.json"
+FORWARDS = ".forwards"  # one empty file per forward_key built or loaded here (ArtifactCache.note_forward)
 
 
 # ---- the key ------------------------------------------------------------------------------------
@@ -89,7 +90,7 @@ def key_factors(model: torch.nn.Module, model_name: str, config: CompileConfig, 
         "dtype": str(param.dtype if param is not None else None),
         # When graphs are captured, or the forward built, changes no compiled artifact.
         "compile": {k: v for k, v in dataclasses.asdict(config).items()
-                    if k not in ("debug_dump_dir", "capture", "max_startup_capture_size", "build")},
+                    if k not in ("debug_dump_dir", "startup", "capture", "build")},
         "capture_num_tokens": capture_num_tokens,
         **({"passes": {p.name: p.uuid() for p in passes.passes} | {"PassManager": passes.uuid()}}
            if passes is not None else {}),
@@ -278,6 +279,21 @@ class ArtifactCache:
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
         return os.access(existing, os.W_OK | os.X_OK)
+
+    def has_forward(self, forward_key: Optional[str]) -> bool:
+        """Whether a forward of ``forward_key`` (``forward_key()``) was built or loaded here before
+        (``note_forward``): a start that finds it expects a compile-cache hit."""
+        return forward_key is not None and (self.dir / FORWARDS / forward_key).exists()
+
+    def note_forward(self, forward_key: Optional[str]) -> None:
+        """Remember that the forward of ``forward_key`` is in the cache (best effort)."""
+        if forward_key is None or not self.writable():
+            return
+        try:
+            (self.dir / FORWARDS).mkdir(parents=True, exist_ok=True)
+            (self.dir / FORWARDS / forward_key).touch()
+        except OSError as e:
+            logger.debug("could not note the built forward %s: %s", forward_key, e)
 
     def entry(self, factors: dict[str, Any]) -> "CacheEntry":
         return CacheEntry(self, factors)

@@ -1,6 +1,6 @@
 """Stopping a background build at its safe points.
 
-A ``compile.build=background`` build runs on a thread of its own (``BackgroundBuild``); a start-up
+A a background build (``compile.startup``) build runs on a thread of its own (``BackgroundBuild``); a start-up
 that fails after it began (a KV cache that does not fit, a checkpoint that lacks a weight) cancels
 it, so that its thread, the model it holds and the one-build-at-a-time lock are let go within
 seconds rather than when the build would have ended. Python cannot stop a thread from outside, so

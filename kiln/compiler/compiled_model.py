@@ -1,18 +1,18 @@
 """``CompiledModel``: the one object between the runtime and the compiler.
 
-Built once at start-up from the loaded model, the ``CompileConfig`` and a ``KernelSet``; the
+Built once at start-up from the loaded model, the ``ResolvedCompileConfig`` and a ``KernelSet``; the
 runtime then only writes steps into ``inputs`` and calls ``run``::
 
     runtime                                   CompiledModel
     ───────                                   ─────────────
     CompiledModel(model, config, kernels,  ─> build the forward (eager | stock | kiln: capture,
                   limits, max_model_len)       passes with the KernelSet's ops, split, Inductor)
-                                               and the persistent InputBuffers; compile.build=
-                                               background: kiln's forward on a thread, eager until then
+                                               and the persistent InputBuffers; a background
+                                               build: kiln's forward on a thread, eager until then
     set_verify_shape(VerifyShape)          ─> (speculative decoding) full graphs for k + 1 tokens a request
     bind_kv_caches(kv_caches, kv_scales)   ─> the caches (and FP8 scales) every forward context carries
     capture_graphs(max_size)               ─> full / piecewise CUDA graphs, as compile.cudagraph asks
-                                               (all sizes, or those up to max_size: compile.capture=lazy;
+                                               (all sizes, or those up to max_size: lazy capture;
                                                none yet while a background build runs)
     start_build()                          ─> (background) the build's thread starts
     capture_next()                         ─> (lazy) one more size, between steps, until none is pending
@@ -65,7 +65,7 @@ from kiln.compiler.cudagraph import FullCUDAGraphs, GraphMode, piecewise_capture
 from kiln.compiler.forward import build_forward, build_now, compile_seconds
 from kiln.compiler.inputs import InputBuffers, InputLimits, ModelInputs, VerifyShape, next_capture_size
 from kiln.compiler.piecewise import GraphRecorder, PiecewiseCUDAGraphs
-from kiln.config import CompileConfig
+from kiln.config import ResolvedCompileConfig
 from kiln.forward_context import ForwardContext, forward_context
 from kiln.models.loader import Background, quick_gil_handoff
 from kiln.ops.registry import KernelSet
@@ -149,9 +149,11 @@ class CompiledModel:
     GUESS_PIECE_OUTPUTS = 4.0  # hidden states a token and piece the largest size's graphs hold
     GUESS_BYTES_PER_GRAPH = 2**18
 
-    def __init__(self, model: nn.Module, config: CompileConfig, kernels: KernelSet, limits: InputLimits,
-                 max_model_len: int, artifact_cache: Optional[ArtifactCache] = None) -> None:
+    def __init__(self, model: nn.Module, config: ResolvedCompileConfig, kernels: KernelSet, limits: InputLimits,
+                 max_model_len: int, artifact_cache: Optional[ArtifactCache] = None,
+                 forward_key: Optional[str] = None) -> None:
         self.model, self.config, self.kernels = model, config, kernels
+        self._artifacts, self._forward_key = artifact_cache, forward_key  # note_forward once built
         self.max_model_len = max_model_len
         param = next(model.parameters(), None)
         self.device = param.device if param is not None else torch.device("cpu")
@@ -164,10 +166,10 @@ class CompiledModel:
                 pass_config = PassConfig(kernels=kernels)
             return build_forward(model, config, pass_config, artifact_cache)
 
-        self._building: Optional[BackgroundBuild] = None  # compile.build=background, until switched to
+        self._building: Optional[BackgroundBuild] = None  # a background build, until switched to
         background = config.build == "background" and config.mode == "kiln"
         if background and getattr(model, "capture_scope", None) is not None:
-            logger.info("compile.build=background: this model runs attention differently while it is "
+            logger.info("background build: this model runs attention differently while it is "
                         "captured, so it is built now, before serving")
             background = False
         if background:
@@ -176,6 +178,7 @@ class CompiledModel:
             self.forward = make_forward()
             with _ONE_BUILD:  # kiln: load the compiled forward from the cache, or compile it
                 build_now(self.forward, self.device)
+            self._note_built()
         self.inputs = InputBuffers(limits, self.device)
         self.kv_caches: list[torch.Tensor] = []
         self.kv_scales: Optional[list[torch.Tensor]] = None  # an FP8 cache's, one [2] tensor per layer
@@ -185,8 +188,8 @@ class CompiledModel:
         self.verify_shape: Optional[VerifyShape] = None
         self.piecewise_graphs: Optional[PiecewiseCUDAGraphs] = None  # any batch up to the largest size
         self._graph_pool: Optional[tuple] = None  # the one pool every graph is captured into
-        self._any_pending = False  # planned sizes not captured yet (compile.capture=lazy)
-        # compile.build=background on CUDA: capture_graphs was called while building; its modes (None:
+        self._any_pending = False  # planned sizes not captured yet (lazy capture)
+        # a background build on CUDA: capture_graphs was called while building; its modes (None:
         # the config's) wait until capture_next plans the graphs over the built forward
         self._graphs_deferred = False
         self._deferred_modes: Optional[set[GraphMode]] = None
@@ -198,7 +201,7 @@ class CompiledModel:
     # ---- start-up ---------------------------------------------------------------------------------
     @property
     def building(self) -> bool:
-        """Whether steps still run eagerly while kiln's forward is built (compile.build=background)."""
+        """Whether steps still run eagerly while kiln's forward is built (a background build)."""
         return self._building is not None
 
     @torch.inference_mode()
@@ -237,7 +240,7 @@ class CompiledModel:
         seconds) for its thread to let go of the model and of the one-build lock."""
         building, self._building = self._building, None
         if building is not None and not building.cancel(timeout):
-            logger.warning("compile.build=background: the build of kiln's forward had not stopped %.0f s after "
+            logger.warning("background build: the build of kiln's forward had not stopped %.0f s after "
                            "start-up failed; it ends on its own", timeout)
 
     def wait_for_build(self, timeout: Optional[float] = None) -> bool:
@@ -251,13 +254,18 @@ class CompiledModel:
             return
         self._building = None
         if building.error is not None:
-            logger.warning("compile.build=background: building kiln's forward failed, so the model keeps "
+            logger.warning("background build: building kiln's forward failed, so the model keeps "
                            "running eagerly: %s: %s", type(building.error).__name__, building.error)
             return
         self.forward = building.forward
-        logger.info("compile.build=background: kiln's forward is %s after %.1f s; steps run it from now on",
+        self._note_built()
+        logger.info("background build: kiln's forward is %s after %.1f s; steps run it from now on",
                     "loaded from the compile cache" if building.forward.cache_hit else "built",
                     building.seconds)
+
+    def _note_built(self) -> None:
+        if isinstance(self.forward, KilnForward) and self._artifacts is not None:
+            self._artifacts.note_forward(self._forward_key)
 
     def set_verify_shape(self, shape: Optional[VerifyShape]) -> None:
         """Also capture full graphs for batches of ``shape.query_len`` tokens per request, up to
@@ -329,12 +337,14 @@ class CompiledModel:
 
     @property
     def has_wanted_captures(self) -> bool:
-        """Whether a batch ran without the graph it would replay were every size captured."""
-        return bool(self._wanted)
+        """Whether a batch ran without the graph it would replay were every size captured, or a
+        background build has ended and the graphs over its forward wait to be planned."""
+        building = self._building
+        return bool(self._wanted) or (self._graphs_deferred and (building is None or building.done))
 
     def capture_next(self) -> Optional[int]:
         """Capture one pending size: first one a batch asked for (``has_wanted_captures``), then (once
-        a background build ends) those up to ``max_startup_capture_size``, smallest first, else the
+        a background build ends) those up to ``config.startup_capture_max``, smallest first, else the
         largest pending full-graph size, then verify graphs', then piece graphs' (largest first, as
         in one capture call, so a size reuses the larger one's memory). Only between steps, with
         none in flight: capture rewrites the input buffers and overwrites graph outputs in the pool.
@@ -349,9 +359,9 @@ class CompiledModel:
             if modes is not None and not isinstance(self.forward, KilnForward):  # the build failed
                 modes = modes - {GraphMode.PIECEWISE}
             self.capture_graphs(modes=modes, max_size=0)
-            # First the sizes a start that captures before ready takes (compile.max_startup_capture_size:
-            # the first requests' decodes), smallest first; then the rest, largest first.
-            small = self.config.max_startup_capture_size
+            # First the sizes a start that captures before ready takes (the first requests' decodes),
+            # smallest first; then the rest, largest first.
+            small = self.config.startup_capture_max
             self._small_first = [(g, s) for g in self._graph_sets() for s in sorted(g.pending_sizes) if s <= small]
             return None
         nxt = self._next_capture()
@@ -646,7 +656,7 @@ class StepGate:
 
 class BackgroundBuild:
     """``make_forward()`` and its ``build(device)`` on a thread (``kiln.models.loader.Background``;
-    compile.build=background), under inference mode, at a lower CPU priority than the steps (the C++
+    a background build), under inference mode, at a lower CPU priority than the steps (the C++
     compiler processes it starts inherit it). Not the lowest: on a busy machine the build still gets
     about a quarter of a core it shares. Making the forward imports kiln's passes, Inductor and
     Dynamo, and the passes trace their patterns: all of it inside the trace lock.
@@ -674,7 +684,7 @@ class BackgroundBuild:
         """Start the build's thread (once; later calls do nothing)."""
         with self._start_lock:
             if self._task is None:
-                logger.info("compile.build=background: building kiln's forward on a thread; steps run eagerly "
+                logger.info("background build: building kiln's forward on a thread; steps run eagerly "
                             "until then")
                 self._task = Background(self._build, "kiln-build")
 

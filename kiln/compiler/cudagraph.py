@@ -14,7 +14,7 @@ What this module owns:
   ``piecewise`` graphs (the pieces between attention ops, ``compile.mode=kiln`` only) live in
   ``kiln.compiler.piecewise``; which one a batch replays is ``kiln.compiler.compiled_model.dispatch``.
 
-Rules kept here: captures happen at start-up, or (``compile.capture=lazy``) between engine steps,
+Rules kept here: captures happen at start-up, or (lazy capture (``compile.startup`` auto or fast)) between engine steps,
 never while a step is in flight; a batch only ever replays a captured size (``padded_size`` looks
 at ``captured_sizes``), so sizes not captured yet run on the next captured size up or without
 graphs; all graphs share one memory pool and each call captures from the largest size down, so

@@ -11,7 +11,7 @@
 
 kiln's passes and backend (and with them ``torch._inductor`` and ``torch._dynamo``, seconds of
 imports) are imported by ``build_kiln_forward`` alone, so a process that serves eagerly first
-(``compile.build=background``) leaves them to the build's thread.
+(a background build (``compile.startup``)) leaves them to the build's thread.
 """
 
 from __future__ import annotations

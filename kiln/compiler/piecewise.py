@@ -20,7 +20,7 @@ padded to the next capture size ``S``::
 
 Rules kept here:
 - Captures happen at start-up (``capture``, once the KV cache exists) or, with
-  ``compile.capture=lazy``, between engine steps; each call captures largest size first, all piece
+  lazy capture (``compile.startup`` auto or fast), between engine steps; each call captures largest size first, all piece
   graphs in one memory pool. A batch replays only a captured size (``padded_size``). Outside
   ``replaying`` and ``capture`` every wrapper calls straight through: that is the no-graph path,
   and the capture of full graphs, which must not nest.

@@ -209,7 +209,7 @@ class AsyncEngine(ClientState):
     def _loop(self, engine) -> None:
         while True:
             busy = engine.has_unfinished_requests()
-            # Idle with CUDA graphs left to capture (compile.capture=lazy): one size, then the inputs again.
+            # Idle with CUDA graphs left to capture (lazy capture): one size, then the inputs again.
             capturing = not busy and getattr(engine, "has_pending_captures", False)
             if not self._take_inputs(engine, block=not busy and not capturing):
                 return

@@ -7,7 +7,7 @@ One turn of the loop::
 
     take inputs   adds, aborts, shutdown (waits for one only when idle: nothing unfinished, no capture)
     step          LLMEngine.step() -> RequestDeltas                  (busy)
-    or capture    one pending CUDA-graph size                        (idle, compile.capture=lazy)
+    or capture    one pending CUDA-graph size                        (idle, lazy capture)
     send          StepOutputs: the deltas, requests taken or refused, stats every STATS_PERIOD_S
 
 Rules:

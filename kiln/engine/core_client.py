@@ -34,6 +34,7 @@ from typing import Callable, Optional
 
 import zmq
 
+from kiln.clock import process_age_s
 from kiln.config import EngineConfig
 from kiln.engine.core import run_engine_core
 from kiln.engine.messages import (
@@ -82,6 +83,7 @@ class EngineCoreClient(ClientState):
         self._proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, name="kiln-engine-core",
             args=(config, f"ipc://{self._ipc_dir}/in", f"ipc://{self._ipc_dir}/out", log_level))
+        self.age_at_spawn = process_age_s()  # where the engine core's own start-up clock begins
         self._proc.start()
         self._reader = threading.Thread(target=self._read, name="kiln-engine-client", daemon=True)
         self._reader.start()
@@ -214,7 +216,7 @@ class EngineCoreClient(ClientState):
         self._inputs = InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len, grammars)
         self.tokenizer = tokenizer
         self.max_model_len = ready.max_model_len
-        self.startup = ready.startup
+        self.startup = ready.startup.seen_from(self.age_at_spawn, process_age_s())
         self._ready.set()
 
     def _deliver(self, message: StepOutputs) -> None:

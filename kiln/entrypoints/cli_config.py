@@ -28,8 +28,9 @@ from typing import NoReturn
 
 from kiln.bench.sweep import BENCH_KINDS, BenchConfig
 from kiln.config import (
-    API_KEY_ENV, BUILD_MODES, CAPTURE_MODES, COMPILE_MODES, CUDAGRAPH_MODES, REDACTED, CacheConfig, CompileConfig, EngineConfig,
-    ModelConfig, QUANTIZATIONS, ParallelConfig, SchedulerConfig, ServerConfig, SPECULATIVE_METHODS, SpeculativeConfig,
+    API_KEY_ENV, COMPILE_MODES, CUDAGRAPH_MODES, REDACTED, CacheConfig, CompileConfig, EngineConfig,
+    ModelConfig, QUANTIZATIONS, REPLACED_BY_STARTUP, ParallelConfig, SchedulerConfig, ServerConfig, SPECULATIVE_METHODS,
+    STARTUP_POLICIES, SpeculativeConfig, replaced_by_startup,
 )
 
 # The Hydra YAML is package data (kiln/configs/), so a wheel install finds it as a checkout does.
@@ -91,16 +92,14 @@ FIELD_HELP = {
     "compile.sizes": "extra batch sizes (tokens) Inductor specializes for",
     "compile.capture_sizes": "batch sizes (tokens) captured as CUDA graphs; a batch is padded up to one; "
                              "null: 1, 2, 4, then every 8 up to scheduler.max_num_seqs",
-    "compile.capture": "when CUDA graphs are captured: startup: every size before ready; lazy: sizes up to "
-                       "compile.max_startup_capture_size before ready, the rest between steps; auto: lazy "
-                       "for the server with parallel.backend=uni, else startup (offline LLM: startup)",
-    "compile.max_startup_capture_size": "compile.capture=lazy: capture sizes up to this before ready",
+    "compile.startup": "what is built before ready. complete: the compiled forward and every CUDA graph; "
+                       "fast: ready once the weights are placed, the forward built on a thread while steps "
+                       "run eagerly, graphs captured between steps; auto: the forward before ready when "
+                       "the compile cache holds it (else fast's thread), the smallest graphs before ready "
+                       "and the rest between steps",
     "compile.split_every": "mode kiln: cut the graph at every Nth attention call, the others compiled inside "
                            "the pieces (0: one piece); fewer, larger pieces run faster and compile slower; "
                            "null: 10 on the CPU, 1 on a GPU (other values need compile.cudagraph=full or none)",
-    "compile.build": "when kiln's forward is built: startup: before ready; background (CPU, one process): on a "
-                     "thread while the model serves eagerly, switching once built; auto: background for "
-                     "compile.mode=auto on the CPU, else startup",
     "compile.debug_dump_dir": "write the bytecode and the graphs before and after each pass here; null: off",
     "server.host": "address to listen on; 0.0.0.0: every interface",
     "server.port": "TCP port",
@@ -158,8 +157,7 @@ CHOICES: dict[str, tuple] = {
     "scheduler.policy": ("fcfs", "priority"),
     "compile.mode": COMPILE_MODES,
     "compile.cudagraph": CUDAGRAPH_MODES,
-    "compile.capture": CAPTURE_MODES,
-    "compile.build": BUILD_MODES,
+    "compile.startup": STARTUP_POLICIES,
     "parallel.backend": ("uni", "mp", "ray"),
     "parallel.all_reduce": ("nccl", "symm_mem"),
     "parallel.placement_strategy": ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),
@@ -253,6 +251,8 @@ def _check_key(override) -> None:
                 raise ValueError(f"unknown {key} option {name}; "
                                  + _did_you_mean(name, options, f"choose one of {', '.join(options)}"))
         return
+    if key in {f"compile.{name}" for name in REPLACED_BY_STARTUP}:
+        raise ValueError(replaced_by_startup(key))
     sections = config_keys()
     known = [k for keys in sections.values() for k in keys]
     if key in known or key in sections or any(key.startswith(k + ".") for k in known):

@@ -6,8 +6,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import itertools
 import logging
 from typing import Any, Optional, Sequence, Union
@@ -40,13 +38,8 @@ class LLM:
         elif model_kwargs:
             raise ValueError(f"pass {sorted(model_kwargs)} inside the model config, not beside it")
         config = EngineConfig.from_kwargs(model=model, **kwargs)
-        if config.compile.capture == "auto":
-            # Offline batches use many graph sizes from their first step: capture every size before the
-            # first one (lazy capture, the server's default, left 512 x 256/256 on llama3-8b at 12,603
-            # tok/s against 13,818 on an H100; benchmarks/results/offline_capture-*.md).
-            config = dataclasses.replace(config, compile=dataclasses.replace(config.compile, capture="startup"))
         self.config = config
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine(self.config, entrypoint="offline")
         logger.info(self.engine.startup.ready_line())
         self._ids = itertools.count()
 

@@ -32,15 +32,15 @@ stopped by a token in step k holds a wasted row in step k+1, as one stopped by a
 Blocks freed while two steps are queued may be handed out again at once: the device runs the steps
 in order on one stream, so a later step's writes always come after the earlier step's.
 
-Lazy CUDA-graph capture (``compile.capture=lazy``): the sizes the runner did not capture at
+Lazy CUDA-graph capture (``compile.startup`` auto or fast): the sizes the runner did not capture at
 start-up are captured one at a time between steps, with no step in flight (a capture rewrites the
 input buffers and graph outputs a step reads): a call whose capture is due waits for the step in
 flight, returns its outputs without submitting another, and the next call captures one size
 before it submits. Never before the first step; a size a batch ran without (it would have
-replayed that graph were every size captured) at the next step boundary, the others in at most
-``CAPTURE_SHARE`` of a busy engine's time; an idle server captures in its loop (``capture_idle``).
-While kiln's forward is built in the background (``compile.build=background`` on CUDA) every size
-waits for it: no capture is due, and the steps run the model eagerly without graphs.
+replayed that graph were every size captured) at the next step boundary; the others only while
+the engine is idle (``capture_idle``, which the engine core's loop calls), so a busy engine's steps
+never wait for a graph they do not use. While kiln's forward is built in the background on CUDA
+every size waits for it: no capture is due, and the steps run the model eagerly without graphs.
 
 ``schedule`` needs only what ``update`` knows (token ids, eos, max_tokens), never the text.
 ``overlap=False`` (tests' reference) runs each step to the end instead: schedule, submit, wait,
@@ -82,6 +82,7 @@ import logging
 import time
 from typing import Any, Mapping, Optional, Union
 
+from kiln.clock import age_at_kiln_import, process_age_s
 from kiln.config import EngineConfig
 from kiln.models.loader import resolve_device, resolve_dtype
 from kiln.outputs import RequestDelta, RequestOutput
@@ -100,36 +101,68 @@ logger = logging.getLogger(__name__)
 
 Prompt = Union[str, list[int], TokenizedPrompt]
 
-CAPTURE_SHARE = 0.1  # of a busy engine's wall time, at most, spent capturing sizes no batch asked for yet
 # An idle engine whose graphs wait for a background build waits this long for it per capture_idle call
 # (then takes new requests): a loop that calls it does not spin.
 BUILD_POLL_S = 0.05
 
 
+# The runner's start-up phases (ModelRunner.startup_seconds), in the ready line's words; each is
+# time on the start's own thread, so they do not overlap (the weights: building the model and
+# waiting for the read; the rest of the read ran on threads beside the other phases).
+RUNNER_PHASES = (("load weights", ("load_call_s", "weights_wait_s")), ("Dynamo", "dynamo_s"), ("Inductor", "inductor_s"),
+                 ("compile cache load", "cache_load_s"), ("CUDA graphs", "cudagraph_s"),
+                 ("memory profile", "profile_s"), ("KV cache", "kv_alloc_s"), ("tokenizer wait", "tokenizer_wait_s"),
+                 ("eager warm-up", "eager_warm_up_s"))
+SHOWN_S = 0.05  # the ready line leaves out phases shorter than this
+
+
 @dataclasses.dataclass(frozen=True)
 class StartupReport:
-    """What the ready line says: the KV cache requests can use and where start-up time went."""
+    """What the ready line says: the KV cache requests can use and where start-up time went, from
+    the launch of the process (``timeline``: phases that add up to ``since_launch_s``)."""
 
     num_usable_blocks: int  # block 0, the pool's null block, excluded (as /metrics counts them)
     block_size: int
     startup_s: float  # building the engine, wall clock
     phases_s: Mapping[str, float]  # ModelRunner.startup_seconds of a runner in this process, else empty
-    building: bool = False  # kiln's forward is still being built in the background (compile.build)
+    building: bool = False  # kiln's forward is still being built in the background (compile.startup)
+    timeline: tuple[tuple[str, float], ...] = ()  # (phase, seconds) from the process's launch to ready
+    since_launch_s: float = 0.0  # the process's age when it was ready
 
     @property
     def num_kv_tokens(self) -> int:
         return self.num_usable_blocks * self.block_size
 
+    @classmethod
+    def measured(cls, num_usable_blocks: int, block_size: int, startup_s: float, phases_s: Mapping[str, float],
+                 building: bool, age_at_import: float, age_at_engine: float) -> "StartupReport":
+        """The report of an engine built ``startup_s`` seconds from when this process was
+        ``age_at_engine`` seconds old (``kiln`` imported at ``age_at_import``)."""
+        rows = [("interpreter", age_at_import), ("imports and config", max(0.0, age_at_engine - age_at_import))]
+        if phases_s:
+            runner = [(name, sum(phases_s.get(k, 0.0) for k in ((key,) if isinstance(key, str) else key)))
+                      for name, key in RUNNER_PHASES]
+            rows += runner + [("other", max(0.0, startup_s - sum(s for _, s in runner)))]
+        else:  # the ranks run elsewhere: each logs its own phases
+            rows.append(("engine", startup_s))
+        return cls(num_usable_blocks, block_size, startup_s, dict(phases_s), building, tuple(rows),
+                   sum(s for _, s in rows))
+
+    def seen_from(self, age_at_spawn: float, age_now: float) -> "StartupReport":
+        """This report (an engine-core process's) as its frontend sees it: the frontend's own start
+        until it spawned the engine core, then the core's phases, then the hand-over until now."""
+        rows = (("frontend start", age_at_spawn),) + tuple((f"engine core: {name}", s) for name, s in self.timeline)
+        rows += (("hand-over", max(0.0, age_now - age_at_spawn - self.since_launch_s)),)
+        return dataclasses.replace(self, timeline=rows, since_launch_s=sum(s for _, s in rows))
+
     def ready_line(self, url: Optional[str] = None) -> str:
         line = (f"kiln: ready{f' at {url}' if url else ''} — KV cache {self.num_kv_tokens} tokens "
-                f"({self.num_usable_blocks} blocks of {self.block_size}), start-up {self.startup_s:.1f} s")
-        p = self.phases_s
-        if not p:  # the ranks run elsewhere: each logs its own phases
-            return line
-        compile_s = p["dynamo_s"] + p["inductor_s"] + p["cache_load_s"]
-        compiled = "compile in the background" if self.building else f"compile {compile_s:.1f} s"
-        return line + (f" (load weights {p['load_weights_s']:.1f} s, {compiled}, "
-                       f"CUDA graphs {p['cudagraph_s']:.1f} s, KV {p['kv_alloc_s']:.1f} s)")
+                f"({self.num_usable_blocks} blocks of {self.block_size}), ")
+        if not self.timeline:
+            return line + f"start-up {self.startup_s:.1f} s"
+        shown = ", ".join(f"{name} {s:.1f} s" for name, s in self.timeline if s >= SHOWN_S)
+        building = "; kiln's forward is built in the background" if self.building else ""
+        return line + f"{self.since_launch_s:.1f} s from launch ({shown}){building}"
 
 
 def engine_device_type(config: EngineConfig) -> str:
@@ -140,9 +173,15 @@ def engine_device_type(config: EngineConfig) -> str:
     return resolve_device(config.model.device).type
 
 
-def resolve_config(config: EngineConfig) -> EngineConfig:
-    """``config`` with its ``auto`` defaults decided for the engine's device (kiln.config.resolve_for_device)."""
-    return config.resolved(engine_device_type(config))
+def resolve_config(config: EngineConfig, entrypoint: str = "server") -> EngineConfig:
+    """``config`` with its ``auto`` defaults decided for the engine's device and ``entrypoint``
+    (kiln.config.resolve_for_device)."""
+    return config.resolved(engine_device_type(config), entrypoint)
+
+
+# How the start line says when kiln's forward is built (ResolvedCompileConfig.build).
+BUILD_WORDS = {"startup": "", "background": " (built in the background)",
+               "background_when_cold": " (loaded before ready when cached, else built in the background)"}
 
 
 def start_line(config: EngineConfig) -> str:
@@ -156,7 +195,7 @@ def start_line(config: EngineConfig) -> str:
         dtype = str(resolve_dtype(model.dtype, device)).removeprefix("torch.")
     sched, sizes = config.scheduler, modes.capture_sizes
     line = (f"kiln: model {model.model}, {dtype} on {device}, compile.mode={modes.mode}"
-            f"{' (built in the background)' if modes.build == 'background' else ''}, "
+            f"{BUILD_WORDS[modes.build]}, "
             f"compile.cudagraph={modes.cudagraph}")
     if sched.is_resolved:
         line += f", max_num_seqs={sched.max_num_seqs}, max_num_batched_tokens={sched.max_num_batched_tokens}"
@@ -166,13 +205,15 @@ def start_line(config: EngineConfig) -> str:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, overlap: bool = True, delta_outputs: bool = False):
+    def __init__(self, config: EngineConfig, overlap: bool = True, delta_outputs: bool = False,
+                 entrypoint: str = "server"):
         """``overlap=False`` runs each step to the end before returning (a reference for tests).
+        ``entrypoint``: what drives it ("server" or "offline", the ``LLM`` class), for ``compile.startup=auto``.
         ``delta_outputs``: ``step`` and ``abort_request`` return ``RequestDelta``s, each only what is
         new since the request's last one (``OutputProcessor(delta=True)``), as the engine-core process
         sends them."""
-        t_start = time.perf_counter()
-        config = resolve_config(config)  # every `auto` decided here, before anything is built
+        t_start, age_at_engine = time.perf_counter(), process_age_s()
+        config = resolve_config(config, entrypoint)  # every `auto` decided here, before anything is built
         logger.info(start_line(config))
         self.config = config
         self._overlap = overlap
@@ -197,12 +238,12 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenizer, self.executor.vocab_size, self.max_model_len, self.grammars)
         self._captures_pending = self.executor.has_pending_captures
         self._capture_held = False  # the last step() left nothing in flight: capture before the next step
-        self._next_capture_at = 0.0  # time.perf_counter(); 0: after the first step
         self._num_steps_done = 0
         phases = dict(runner.startup_seconds) if runner is not None else {}
-        self.startup = StartupReport(self.kv_manager.num_usable_blocks, config.cache.block_size,
-                                     time.perf_counter() - t_start, phases,
-                                     building=runner is not None and runner.compiled.building)
+        self.startup = StartupReport.measured(self.kv_manager.num_usable_blocks, config.cache.block_size,
+                                              time.perf_counter() - t_start, phases,
+                                              runner is not None and runner.compiled.building,
+                                              age_at_kiln_import(), age_at_engine)
 
     # ---- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: Union[str, list[int]], add_special_tokens: bool = True) -> list[int]:
@@ -298,11 +339,11 @@ class LLMEngine:
 
     @property
     def has_pending_captures(self) -> bool:
-        """CUDA-graph sizes still to capture (``compile.capture=lazy``)."""
+        """CUDA-graph sizes still to capture (lazy capture (``compile.startup`` auto or fast))."""
         return self._captures_pending
 
     def wait_for_build(self, timeout: Optional[float] = None) -> bool:
-        """``compile.build=background``: block until kiln's forward is built (or ``timeout`` seconds
+        """a background build (``compile.startup``): block until kiln's forward is built (or ``timeout`` seconds
         pass); the next step runs it. Returns whether no build is still running (always, without one)."""
         runner = getattr(self.executor, "runner", None)  # a background build needs the one-process executor
         return runner is None or runner.compiled.wait_for_build(timeout)
@@ -324,15 +365,13 @@ class LLMEngine:
         return self._captures_pending
 
     def _capture_due(self) -> bool:
-        return (self._captures_pending and self._num_steps_done > 0
-                and (self.executor.has_wanted_captures or time.perf_counter() >= self._next_capture_at)
+        # Busy: only a size a batch asked for (one capture, then every such step replays it); the
+        # rest wait for an idle engine, so no decode waits behind a capture it does not use.
+        return (self._captures_pending and self._num_steps_done > 0 and self.executor.has_wanted_captures
                 and not self.building)  # graphs are captured over kiln's forward once it is built
 
     def _capture_between_steps(self) -> None:
-        t0 = time.perf_counter()
         self._captures_pending = self.executor.capture_pending()
-        t1 = time.perf_counter()
-        self._next_capture_at = t1 + (t1 - t0) * (1 - CAPTURE_SHARE) / CAPTURE_SHARE
 
     def _can_schedule_ahead(self, in_flight: SchedulerOutput) -> bool:
         """Whether the step after ``in_flight`` may be scheduled before its tokens are back."""

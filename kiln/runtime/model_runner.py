@@ -11,7 +11,7 @@ sample, then the sampler.
 Start-up is a list of phases (``__init__``): choose the device and its ``KernelSet``; load the
 weights; build the ``CompiledModel`` (compile, or load compiled artifacts); on CUDA profile the
 largest step's activations; size and allocate the KV cache (``kiln.runtime.kv_sizing``); capture
-CUDA graphs over it; make the sampler. With ``compile.build=background`` the build starts last, once
+CUDA graphs over it; make the sampler. With a background build (``compile.startup``) the build starts last, once
 all of that is done (on CUDA after a warm-up of the eager forward), except on a first CUDA start (no
 memory profile kept), where it starts as the weights start loading; graphs are captured between steps
 once it ends. Each phase's time lands in ``startup_seconds``.
@@ -19,6 +19,7 @@ once it ends. Each phase's time lands in ``startup_seconds``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import Future
@@ -30,7 +31,8 @@ import torch
 from kiln.compiler import ArtifactCache, CompiledModel, InputLimits, VerifyShape, forward_profile_key
 from kiln.compiler.artifact_cache import use_kernel_caches
 from kiln.compiler.saved_forward import prefetch_source_keys, prefetch_triton_key
-from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, resolve_for_device
+from kiln.config import (CacheConfig, CompileConfig, ModelConfig, SchedulerConfig,
+                         SpeculativeConfig, resolve_for_device)
 from kiln.models.loader import LoadedModel, kv_cache_dtype, load_model, resolve_device, resolve_dtype
 from kiln.models.parallel import SINGLE, TensorParallel, local_num_kv_heads, min_over_ranks
 from kiln.ops.registry import select_kernels
@@ -125,13 +127,13 @@ class ModelRunner:
         if self.device.type == "cuda":  # before anything JIT-compiles: kernels land in kiln's cache dir
             use_kernel_caches(cache_config.resolved_dir)
             prefetch_triton_key()  # what the first launch of a Triton kernel hashes, while the weights load
-            if compile_config.mode == "kiln" and compile_config.build != "background":  # (a build's thread does)
+            if compile_config.mode == "kiln" and compile_config.build == "startup":  # (a build's thread does)
                 prefetch_source_keys()  # what loading compiled pieces hashes, while the weights load
         t0 = time.perf_counter()
         # A checkpoint's weights may still be read while the model compiles (a cold start).
         self.loaded: LoadedModel = load_model(model_config, cache_config.resolved_dir, self.device, self.dtype, tp,
                                              self.kernels, background=True)
-        load_seconds = time.perf_counter() - t0
+        load_seconds = load_call_seconds = time.perf_counter() - t0
         self.model, self.arch = self.loaded.model, self.loaded.arch
         self.max_model_len = self.loaded.max_model_len
         sched = scheduler_config
@@ -146,14 +148,22 @@ class ModelRunner:
         self._profile_artifacts = artifacts
         self._verify = verify_shape(speculative, sched) if speculative.enabled else None
         self._has_draft = speculative.method == "draft"
-        self.compile_config = compile_config
-        limits = InputLimits(sched.max_num_batched_tokens, sched.max_num_seqs, -(-self.max_model_len // self.block_size))
-        self.compiled = CompiledModel(self.model, compile_config, self.kernels, limits, self.max_model_len, artifacts)
         want_graphs = cache_config.num_blocks is None and cache_config.kv_cache_memory_gib is None
         profile_cache = self._memory_profile_cache(sched, want_graphs) if self.device.type == "cuda" else None
         kept_profile = profile_cache.load() if profile_cache is not None else None
+        if compile_config.build == "background_when_cold":
+            # compile.startup=auto: this forward was built here before, so the compile cache holds it
+            # and loading it before ready costs about a second; else it compiles on a thread.
+            warm = artifacts.has_forward(self._profile_key)
+            compile_config = dataclasses.replace(compile_config, build="startup" if warm else "background")
+            if compile_config.mode == "kiln" and compile_config.build == "startup":
+                prefetch_source_keys()
+        self.compile_config = compile_config
+        limits = InputLimits(sched.max_num_batched_tokens, sched.max_num_seqs, -(-self.max_model_len // self.block_size))
+        self.compiled = CompiledModel(self.model, compile_config, self.kernels, limits, self.max_model_len, artifacts,
+                                      forward_key=self._profile_key)
         if self.device.type == "cuda" and kept_profile is None:
-            # compile.build=background on a first start: the build compiles for tens of seconds, so it
+            # a background build on a first start: the build compiles for tens of seconds, so it
             # starts beside the weight read. A warm start's build loads from the compile cache in seconds
             # of Python that would slow the read and the warm-up more than that gains: after ready.
             self.compiled.start_build()
@@ -186,10 +196,10 @@ class ModelRunner:
         kv_seconds = time.perf_counter() - t_kv
         self.compiled.bind_kv_caches(self.kv_caches, self.kv_scales,
                                      calibrate_kv_scales=cache_config.calculate_kv_scales)
-        # compile.capture=lazy: the smallest sizes now (the first requests' decodes), the rest between
+        # lazy capture: the smallest sizes now (the first requests' decodes), the rest between
         # steps (capture_pending); the KV cache was sized after the memory of every size all the same.
         self.lazy_capture = compile_config.capture == "lazy" and self.device.type == "cuda"
-        startup_max_size = compile_config.max_startup_capture_size if self.lazy_capture else None
+        startup_max_size = compile_config.startup_capture_max if self.lazy_capture else None
         try:
             self.compiled.capture_graphs(max_size=startup_max_size)
         except torch.OutOfMemoryError as e:
@@ -224,7 +234,8 @@ class ModelRunner:
                     "in %.2f GiB; CUDA graphs %.2f GiB", num_usable, self.block_size, num_usable * self.block_size,
                     self.num_blocks * self.kv_shape.bytes_per_block / 2**30,
                     self.compiled.graph_memory_bytes / 2**30)
-        self.startup_seconds = {"load_weights_s": load_seconds, "weights_wait_s": wait_seconds,
+        self.startup_seconds = {"load_weights_s": load_seconds, "load_call_s": load_call_seconds,
+                                "weights_wait_s": wait_seconds,
                                 **self.compiled.startup_seconds(),
                                 "profile_s": profile_seconds, "kv_alloc_s": kv_seconds,
                                 "tokenizer_wait_s": tokenizer_wait_seconds, "eager_warm_up_s": warm_up_seconds,
@@ -250,7 +261,7 @@ class ModelRunner:
             self.compiled.warm_up()
         return time.perf_counter() - t0
 
-    # ---- lazy CUDA-graph capture (compile.capture=lazy) ------------------------------------------
+    # ---- lazy CUDA-graph capture (lazy capture) ------------------------------------------
     @property
     def has_pending_captures(self) -> bool:
         return self.lazy_capture and self.compiled.has_pending_captures
@@ -326,7 +337,7 @@ class ModelRunner:
             return cached.activation_bytes, cached.graphs
         building = self.compiled.building  # a first start serving eagerly: no built forward to measure
         if building:
-            logger.info("compile.build=background: no memory profile of kiln's forward is kept yet (a first "
+            logger.info("background build: no memory profile of kiln's forward is kept yet (a first "
                         "start): the KV cache is sized after the eager forward and a guess of the CUDA "
                         "graphs; what they take is kept for later starts")
         activation_bytes = kv_sizing.profile_activation_bytes(  # building: the eager forward's peak

@@ -39,8 +39,8 @@ class _EngineCollector:
              s.get("prefix_cache_hit_rate", 0.0)),
             ("kiln_engine_healthy", "1 while the engine thread runs, 0 once it has died or stopped.",
              1 if self._healthy() else 0),
-            ("kiln_compile_building", "1 while kiln's forward is built in the background (compile.build="
-             "background; steps run eagerly until it is built), else 0.", s.get("compile_building", 0)),
+            ("kiln_compile_building", "1 while kiln's forward is built in the background (compile.startup "
+             "fast, or auto on a cold start; steps run eagerly until it is built), else 0.", s.get("compile_building", 0)),
         ]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc)

@@ -63,7 +63,7 @@ class Executor(abc.ABC):
 
     @property
     def has_pending_captures(self) -> bool:
-        """CUDA-graph sizes left for ``capture_pending`` (``compile.capture=lazy``)."""
+        """CUDA-graph sizes left for ``capture_pending`` (lazy capture (``compile.startup`` auto or fast))."""
         return False
 
     @property
