@@ -10,7 +10,7 @@ eagerly and of those run by kiln's forward::
     python benchmarks/background_build.py                      # SmolLM2, fp32, this machine's threads
     python benchmarks/background_build.py --systems auto,eager --seconds 60
 
-Systems: ``auto`` (no compile options: on the CPU kiln, ``compile.build=background``, cut at every
+Systems: ``auto`` (no compile options: on the CPU kiln, a background build (``compile.startup=auto``), cut at every
 10th attention call), ``eager`` (``compile.mode=eager``), ``kiln`` (``compile.mode=kiln``, built before
 ready), and ``auto-split1`` / ``kiln-split1``: the same cut at every attention call
 (``compile.split_every=1``). Each system has
