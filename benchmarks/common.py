@@ -10,6 +10,7 @@ script's history and a sweep can be read, tabulated and plotted by the same code
 from __future__ import annotations
 
 import datetime
+import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -100,6 +101,15 @@ def timed() -> Iterator[dict]:
         yield box
     finally:
         box["s"] = time.perf_counter() - t0
+
+
+def stop_process(proc, timeout: float = 60.0) -> None:
+    """Ask a server process to stop (SIGTERM, so it drains), killing it if it has not within ``timeout`` s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def save_results(

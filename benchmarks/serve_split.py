@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import RESULTS_DIR, console_table, device_name, make_record, write_record
+from common import RESULTS_DIR, console_table, device_name, make_record, stop_process, write_record
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -266,11 +266,7 @@ def run_server_tree(args, prompts, tree: Path) -> dict:
                 results[f"mixed_{rate:g}_req_s"] = load(url, args.model, mixed_requests(args, rate), args, stream=True)
                 print(f"  mixed at {rate:g} req/s: {json.dumps(results[f'mixed_{rate:g}_req_s'])}", flush=True)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc)
     return results
 
 

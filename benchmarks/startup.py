@@ -49,7 +49,7 @@ from typing import Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # benchmarks.common, when run as a script
 
-from benchmarks.common import console_table, make_record, save_results  # noqa: E402
+from benchmarks.common import console_table, make_record, save_results, stop_process  # noqa: E402
 
 SHARED_KINDS = ("models", "tokenizers")  # converted once, linked into every start's cache dir
 PROMPT = [100, 200, 300, 400, 500, 600, 700, 800]
@@ -187,11 +187,7 @@ def serve_start(opts: dict, env: dict, launch_cmd: list[str]) -> dict:
                 "full_speed_s": full_speed_at(samples, steady, window=4), "steady_tok_s": steady,
                 "requests": len(samples), "warm_hit": "loaded from the compile cache" in text}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         log.close()
 
 

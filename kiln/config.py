@@ -222,11 +222,6 @@ class ResolvedCompileConfig(CompileConfig):
     def is_resolved(self) -> bool:
         return True
 
-    @property
-    def in_background(self) -> bool:
-        """Whether kiln's forward may be built on a thread while steps run eagerly."""
-        return self.build != "startup"
-
 
 @dataclass(frozen=True)
 class ServerConfig:
