@@ -9,6 +9,8 @@ request asking for exactly ``--output-len`` tokens with ``ignore_eos``, greedy):
    workload (lazy CUDA-graph captures happen there), then one pass not streamed and one streamed.
    The load comes from ``--client-procs`` client processes started together, each sending its share
    of the requests at once; output tokens are counted from each answer's ``usage``.
+``--variant NAME=JSON`` (repeatable) serves this checkout again with the JSON's EngineConfig
+keywords merged over ``--engine``'s, e.g. ``--variant 'two frontends={"server": {"api_server_count": 2}}'``.
 With ``--core-client``, also the engine-core process driven by ``EngineCoreClient`` in a
 child process, without HTTP (the split's own cost). ``--mixed-rates 4,16,64`` then loads each
 server with a mixed, streamed workload (prompts of 64-1,024 tokens, 32-384 output tokens, Poisson
@@ -56,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-uniform", action="store_true", help="servers: only the warm pass and the mixed workload")
     p.add_argument("--skip-server", action="store_true", help="not this tree's server (baseline trees still run)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                   help="this tree's server again with these EngineConfig keywords merged over --engine's")
+    p.add_argument("--streamed-only", action="store_true", help="uniform workload: the streamed pass only")
     p.add_argument("--core-client", action="store_true",
                    help="also the engine-core process driven by its client without HTTP (this tree only)")
     p.add_argument("--seed", type=int, default=0)
@@ -69,8 +74,11 @@ def make_prompts(args) -> list[list[int]]:
     return [[rng.randrange(1000, 20000) for _ in range(args.input_len)] for _ in range(args.num_requests)]
 
 
-def engine_kwargs(args) -> dict:
-    return {"model": {"model": args.model}, **json.loads(args.engine)}
+def engine_kwargs(args, variant: str = "{}") -> dict:
+    kwargs = {"model": {"model": args.model}, **json.loads(args.engine)}
+    for section, values in json.loads(variant).items():
+        kwargs[section] = {**kwargs.get(section, {}), **values}
+    return kwargs
 
 
 def _env(tree: Path) -> dict:
@@ -233,14 +241,14 @@ def _tpot_sum_count(url: str) -> tuple[float, float]:
     return total, count
 
 
-def run_server_tree(args, prompts, tree: Path) -> dict:
+def run_server_tree(args, prompts, tree: Path, variant: str = "{}") -> dict:
     sys.path.insert(0, str(ROOT))
     from kiln.bench.serve import wait_built, wait_healthy
     from kiln.runtime.worker import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    kwargs = engine_kwargs(args)
+    kwargs = engine_kwargs(args, variant)
     kwargs["server"] = {**kwargs.get("server", {}), "host": "127.0.0.1", "port": port}
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -255,7 +263,7 @@ def run_server_tree(args, prompts, tree: Path) -> dict:
             results["build_wait_s"] = wait_built(url, proc, 900)
             requests = uniform_requests(args, prompts)
             load(url, args.model, requests, args, stream=True)  # warm: lazy captures, allocator
-            for stream in () if args.skip_uniform else (False, True):
+            for stream in () if args.skip_uniform else (True,) if args.streamed_only else (False, True):
                 before = _tpot_sum_count(url)
                 r = load(url, args.model, requests, args, stream)
                 after = _tpot_sum_count(url)
@@ -283,9 +291,10 @@ def main(argv=None) -> None:
     if args.core_client:
         record["core_client"] = run_offline(args, prompts, ROOT, CORE_CLIENT)
         print(f"engine-core process, no HTTP: {record['core_client']['output_tok_s']:.0f} output tok/s", flush=True)
-    trees = ([] if args.skip_server else [("this", ROOT)]) + [(t, Path(t).resolve()) for t in args.baseline_tree]
-    for name, tree in trees:
-        record["servers"][name] = run_server_tree(args, prompts, tree)
+    trees = ([] if args.skip_server else [("this", ROOT, "{}")]) + [(t, Path(t).resolve(), "{}") for t in args.baseline_tree]
+    trees += [(name, ROOT, variant) for name, _, variant in (v.partition("=") for v in args.variant)]
+    for name, tree, variant in trees:
+        record["servers"][name] = run_server_tree(args, prompts, tree, variant)
         print(f"server {name}: {json.dumps(record['servers'][name])}", flush=True)
     offline = record["offline"]["output_tok_s"] if record["offline"] else None
     rows = [["offline LLM.generate", f"{offline:.0f}" if offline else "-", "1.00", "", "", ""]] if offline else []

@@ -14,10 +14,10 @@ KILN_IMPORTED = time.perf_counter()  # kiln/__init__.py imports this module firs
 _AGE_AT_IMPORT = None
 
 
-def process_age_s() -> float:
-    """Seconds since this process started (10 ms resolution on Linux)."""
+def process_age_s(pid: str | int = "self") -> float:
+    """Seconds since this process (or process ``pid``) started (10 ms resolution on Linux)."""
     try:
-        with open("/proc/self/stat") as f:
+        with open(f"/proc/{pid}/stat") as f:
             after_name = f.read().rsplit(")", 1)[1].split()  # the name, in parentheses, may hold spaces
         start_ticks = int(after_name[19])  # field 22, starttime: clock ticks after boot
         with open("/proc/uptime") as f:

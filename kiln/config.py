@@ -252,6 +252,9 @@ class ServerConfig:
     keep_alive_timeout_s: float = 5.0
     # How the model writes tool calls: auto (by its chat template) | hermes | llama3_json.
     tool_call_parser: str = "auto"
+    # Frontend processes (HTTP, tokenizing, detokenizing, SSE) on the one port, all in front of one
+    # engine core; the queue limits above are split evenly between them, and /metrics adds up.
+    api_server_count: int = 1
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in ("auto", "hermes", "llama3_json"):
@@ -265,7 +268,7 @@ class ServerConfig:
         if self.api_key not in (None, "", REDACTED) and self.api_key_file:
             raise ValueError("give server.api_key or server.api_key_file, not both")
         for name in ("max_prompts_per_request", "max_seqs_per_request", "max_queued_seqs", "max_queued_tokens",
-                     "header_read_timeout_s", "body_read_timeout_s", "keep_alive_timeout_s"):
+                     "header_read_timeout_s", "body_read_timeout_s", "keep_alive_timeout_s", "api_server_count"):
             _check_positive("server", name, getattr(self, name))
 
     def resolved_api_key(self) -> Optional[str]:

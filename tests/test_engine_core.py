@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -16,7 +17,7 @@ import pytest
 
 from kiln import LLM, SamplingParams
 from kiln.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig
-from kiln.engine.core_client import EngineCoreClient
+from kiln.engine.core_client import EngineCoreClient, SharedEngineCore
 from kiln.engine.messages import AddRequest, encoder, to_engine_decoder
 from kiln.engine.streams import EngineDeadError, RequestStream, Sink
 from kiln.outputs import RequestDelta, RequestOutput, SampleDelta
@@ -218,6 +219,156 @@ def test_the_server_exits_non_zero_when_its_engine_dies():
         os.kill(_engine_core_pid(proc.pid), signal.SIGKILL)
         assert proc.wait(timeout=30) == 1
         assert "the engine core died" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_frontends_sharing_an_engine_core_get_their_own_outputs():
+    """Two attached clients (server.api_server_count=2): each hears only its requests; one detaching
+    frees its requests' blocks while the other keeps serving; the engine core leaves after the last."""
+    shared = SharedEngineCore(CONFIG, 2)
+    clients = [EngineCoreClient(CONFIG, shared=shared.address(i)) for i in range(2)]
+    try:
+        for c in clients:
+            c.wait_ready(timeout=300)
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+        async def both() -> list[list[RequestOutput]]:
+            return list(await asyncio.gather(*(_finals(c, f"s{i}", params) for i, c in enumerate(clients))))
+
+        got = asyncio.run(both())
+        want = asyncio.run(_finals(clients[0], "alone", params))
+        assert [[_summary(o) for o in g] for g in got] == [[_summary(o) for o in want]] * 2
+
+        async def hold() -> None:
+            stream = await clients[0].add_request("held", "hello", SamplingParams(max_tokens=900, ignore_eos=True))
+            await stream.__anext__()
+
+        asyncio.run(hold())
+        clients[0].shutdown()  # detaches with "held" unfinished
+        deadline = time.monotonic() + 10
+        while clients[1].stats().get("num_free_blocks") != NUM_BLOCKS - 1 or clients[1].stats()["num_running"]:
+            assert time.monotonic() < deadline, clients[1].stats()
+            time.sleep(0.02)
+        assert shared.process.is_alive() and clients[1].is_healthy()
+        assert [_summary(o) for o in asyncio.run(_finals(clients[1], "after", params))] == [_summary(o) for o in want]
+        clients[1].shutdown()
+        shared.process.join(30)
+        assert shared.process.exitcode == 0
+    finally:
+        for c in clients:
+            c.shutdown()
+        shared.stop()
+
+
+def _start_server(port: int, **server) -> subprocess.Popen:
+    code = ("from kiln.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, ServerConfig\n"
+            "from kiln.entrypoints.openai import run_server\n"
+            f"run_server(EngineConfig(model=ModelConfig({TINY!r}), cache=CacheConfig(num_blocks=64), "
+            f"compile=CompileConfig(mode='eager'), server=ServerConfig(port={port}, **{server!r})))\n")
+    log = tempfile.TemporaryFile("w+")  # not a pipe, which a chatty server could fill
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=log, text=True)
+    proc.log = log
+    deadline = time.monotonic() + 300
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+
+
+def _log(proc: subprocess.Popen) -> str:
+    proc.log.seek(0)
+    return proc.log.read()
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _frontend_pids(server_pid: int) -> list[int]:
+    """The server's frontend processes: its spawned children that hold the listening socket's port."""
+    engine = _engine_core_pid(server_pid)
+    pids = []
+    for pid in _children(server_pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as c:
+            if pid != engine and b"spawn_main" in c.read():
+                pids.append(pid)
+    return pids
+
+
+def _established(pid: int, port: int) -> int:
+    """TCP connections to ``port`` that process ``pid`` holds open."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    count = 0
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01" and fields[9] in inodes:
+                    count += 1
+    return count
+
+
+def test_two_frontends_serve_one_engine_core_and_add_up_their_metrics():
+    """server.api_server_count=2: two frontend processes accept on the one port in front of one
+    engine core, answer alike, /metrics sums both, and SIGTERM stops everything with status 0."""
+    port = free_port()
+    proc = _start_server(port, api_server_count=2)
+    url = f"http://127.0.0.1:{port}"
+    clients: list[httpx.Client] = []
+    try:
+        frontends = _frontend_pids(proc.pid)
+        assert len(frontends) == 2
+        # Keep connections open until each frontend holds one; ask every connection the same thing.
+        while not all(_established(pid, port) for pid in frontends):
+            assert len(clients) < 200, "one frontend never accepted a connection"
+            clients.append(httpx.Client(base_url=url, timeout=60))
+            clients[-1].get("/health")
+        body = {"model": TINY, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+        answers = [c.post("/v1/completions", json=body).json() for c in clients]
+        assert {a["choices"][0]["text"] for a in answers} == {answers[0]["choices"][0]["text"]}
+        tokens = sum(a["usage"]["completion_tokens"] for a in answers)
+        for c in clients:  # every frontend's scrape shows the sum over both
+            metrics = c.get("/metrics").text
+            assert f"kiln_generation_tokens_total {float(tokens)}" in metrics
+        engine = _engine_core_pid(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, _log(proc)[-3000:]
+        for pid in [engine, *frontends]:
+            assert _gone(pid)
+    finally:
+        for c in clients:
+            c.close()
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_dead_frontend_stops_the_whole_server():
+    port = free_port()
+    proc = _start_server(port, api_server_count=2)
+    try:
+        engine = _engine_core_pid(proc.pid)
+        frontends = _frontend_pids(proc.pid)
+        os.kill(frontends[1], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+        assert "stopping the server" in _log(proc)
+        deadline = time.monotonic() + 15
+        while not (_gone(engine) and _gone(frontends[0])):
+            assert time.monotonic() < deadline, "a process outlived the server"
+            time.sleep(0.1)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,7 +1,8 @@
 """The engine-core process: one LLMEngine and a busy loop that never waits on a client.
 
-    EngineCoreClient (frontend)  ── AddRequest | AbortRequests | Shutdown ──►  EngineCore.run()
-                                 ◄── Ready, then StepOutputs ... Stopped ────
+    EngineCoreClient (frontend 0)  ── AddRequest | AbortRequests | Shutdown ──►  EngineCore.run()
+    EngineCoreClient (frontend 1)  ◄── Ready, then StepOutputs ... Stopped ────
+    ...                            (one socket pair per frontend: server.api_server_count)
 
 One turn of the loop::
 
@@ -13,6 +14,9 @@ One turn of the loop::
 Rules:
 - Requests arrive tokenized and checked by the frontend (``InputProcessor``); one the engine still
   refuses is answered with a ``Refusal`` and leaves nothing behind. Aborts free blocks at once.
+- Each request's outputs go back to the frontend that sent it; stats, ``Ready`` and ``Stopped`` to
+  every frontend. A frontend's ``Shutdown`` aborts its unfinished requests and answers it
+  ``Stopped``; the process leaves once every frontend has shut down.
 - Nothing here waits on a client: outputs go out on a PUSH socket without a high-water mark, and
   the loop blocks only when it has nothing to run.
 - A failed step ends the process after ``Stopped(error)``, so the frontend fails every pending
@@ -53,9 +57,10 @@ LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # as the CL
 
 
 class EngineCore:
-    """The busy loop over one built LLMEngine (``delta_outputs=True``) and its two sockets."""
+    """The busy loop over one built LLMEngine (``delta_outputs=True``) and one input and one output
+    socket per frontend (``inputs[i]`` and ``outputs[i]`` belong to frontend ``i``)."""
 
-    def __init__(self, engine: LLMEngine, inputs: zmq.Socket, outputs: zmq.Socket,
+    def __init__(self, engine: LLMEngine, inputs: list[zmq.Socket], outputs: list[zmq.Socket],
                  parent_alive: Callable[[], bool] = lambda: True):
         self.engine = engine
         self._inputs = inputs
@@ -64,14 +69,18 @@ class EngineCore:
         self._encode = encoder().encode
         self._decode = to_engine_decoder().decode
         self._poller = zmq.Poller()
-        self._poller.register(inputs, zmq.POLLIN)
-        self._accepted: list[str] = []
-        self._refused: list[Refusal] = []
+        for socket in inputs:
+            self._poller.register(socket, zmq.POLLIN)
+        self._live = set(range(len(inputs)))  # frontends that have not shut down
+        self._owner: dict[str, int] = {}  # request id -> the frontend it came from
+        self._accepted: list[list[str]] = [[] for _ in inputs]
+        self._refused: list[list[Refusal]] = [[] for _ in inputs]
         self._next_stats_at = 0.0
         self._next_parent_check_at = 0.0
 
     def run(self) -> bool:
-        """Serve until Shutdown (True) or the parent's exit (False); a failed step raises."""
+        """Serve until every frontend has shut down (True) or the parent's exit (False); a failed
+        step raises."""
         engine = self.engine
         while True:
             busy = engine.has_unfinished_requests()
@@ -90,34 +99,47 @@ class EngineCore:
                 return False
 
     def _take_inputs(self, timeout_ms: int) -> bool:
-        """Apply every waiting add and abort (waiting up to ``timeout_ms`` for the first); False on Shutdown."""
-        if not self._poller.poll(timeout_ms):
-            return True
-        while True:
-            try:
-                frame = self._inputs.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return True
-            message = self._decode(frame.buffer)
-            if isinstance(message, Shutdown):
-                return False
-            if isinstance(message, AbortRequests):
-                for request_id in message.request_ids:
-                    self.engine.abort_request(request_id)  # its client has stopped listening
-            else:
-                self._add(message)
+        """Apply every waiting add and abort (waiting up to ``timeout_ms`` for the first); False
+        once every frontend has sent Shutdown."""
+        for socket, _ in self._poller.poll(timeout_ms):
+            client = self._inputs.index(socket)
+            while client in self._live:
+                try:
+                    frame = socket.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                message = self._decode(frame.buffer)
+                if isinstance(message, Shutdown):
+                    self._leave(client)
+                elif isinstance(message, AbortRequests):
+                    for request_id in message.request_ids:
+                        self._owner.pop(request_id, None)
+                        self.engine.abort_request(request_id)  # its client has stopped listening
+                else:
+                    self._add(client, message)
+        return bool(self._live)
 
-    def _add(self, message: AddRequest) -> None:
+    def _leave(self, client: int) -> None:
+        """A frontend shut down: its unfinished requests go, and it hears Stopped."""
+        for request_id in [r for r, c in self._owner.items() if c == client]:
+            del self._owner[request_id]
+            self.engine.abort_request(request_id)
+        self._live.discard(client)
+        self._poller.unregister(self._inputs[client])
+        self._outputs[client].send(self._encode(Stopped()))
+
+    def _add(self, client: int, message: AddRequest) -> None:
         try:
             self.engine.add_request(message.request_id, TokenizedPrompt(message.prompt, message.prompt_token_ids),
                                     message.params, message.priority, pooling=message.pooling)
         except ValueError as e:
-            self._refused.append(Refusal(message.request_id, True, str(e)))
+            self._refused[client].append(Refusal(message.request_id, True, str(e)))
         except Exception as e:  # noqa: BLE001 - one request must not stop the engine
             logger.exception("request %s failed while it was added", message.request_id)
-            self._refused.append(Refusal(message.request_id, False, f"{type(e).__name__}: {e}"))
+            self._refused[client].append(Refusal(message.request_id, False, f"{type(e).__name__}: {e}"))
         else:
-            self._accepted.append(message.request_id)
+            self._owner[message.request_id] = client
+            self._accepted[client].append(message.request_id)
 
     def _send(self, outputs: list[RequestDelta], force_stats: bool = False) -> None:
         now = time.monotonic()
@@ -125,11 +147,24 @@ class EngineCore:
         if now >= self._next_stats_at or force_stats:
             self._next_stats_at = now + STATS_PERIOD_S
             stats = {**self.engine.stats(), "compile_building": int(self.engine.building)}
-        if not (outputs or self._accepted or self._refused or stats):
-            return
-        message = StepOutputs(outputs, self._accepted, self._refused, stats)
-        self._accepted, self._refused = [], []
-        self._outputs.send(self._encode(message), copy=False)
+        by_client: dict[int, list[RequestDelta]] = {}
+        for out in outputs:
+            client = self._owner.pop(out.request_id, None) if out.finished else self._owner.get(out.request_id)
+            if client is not None:  # else aborted: its frontend has forgotten it
+                by_client.setdefault(client, []).append(out)
+        for client in self._live:
+            mine = by_client.get(client, [])
+            if not (mine or self._accepted[client] or self._refused[client] or stats):
+                continue
+            message = StepOutputs(mine, self._accepted[client], self._refused[client], stats)
+            self._accepted[client], self._refused[client] = [], []
+            self._outputs[client].send(self._encode(message), copy=False)
+
+    def stopped(self, error: Optional[str]) -> None:
+        """Tell every frontend still listening that the engine core is leaving."""
+        for client in self._live:
+            self._outputs[client].send(self._encode(Stopped(error)))
+        self._live.clear()
 
     def _check_parent(self) -> bool:
         now = time.monotonic()
@@ -139,20 +174,22 @@ class EngineCore:
         return self._parent_alive()
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
-                    log_level: Optional[int] = None) -> None:
-    """The engine-core process's target: build the engine, say Ready (or StartFailed), serve, say Stopped."""
+def run_engine_core(config: EngineConfig, addresses: list[tuple[str, str]], log_level: Optional[int] = None) -> None:
+    """The engine-core process's target: build the engine, say Ready (or StartFailed) to every
+    frontend, serve, say Stopped. ``addresses`` holds each frontend's (input, output) endpoints."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if log_level is not None:
         logging.basicConfig(level=log_level, format=LOG_FORMAT)
     ctx = zmq.Context()
-    inputs = ctx.socket(zmq.PULL)
-    inputs.setsockopt(zmq.RCVHWM, 0)
-    inputs.connect(input_address)
-    outputs = ctx.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.SNDHWM, 0)
-    outputs.connect(output_address)
+    inputs, outputs = [], []
+    for input_address, output_address in addresses:
+        inputs.append(ctx.socket(zmq.PULL))
+        inputs[-1].setsockopt(zmq.RCVHWM, 0)
+        inputs[-1].connect(input_address)
+        outputs.append(ctx.socket(zmq.PUSH))
+        outputs[-1].setsockopt(zmq.SNDHWM, 0)
+        outputs[-1].connect(output_address)
     encode = encoder().encode
     try:
         try:
@@ -160,29 +197,35 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         except BaseException as e:  # noqa: BLE001 - the frontend re-raises it (a ValueError says what to change)
             if not isinstance(e, ValueError):
                 logger.exception("building the engine failed")
-            outputs.send(encode(StartFailed(type(e).__name__, str(e))))
+            for socket in outputs:
+                socket.send(encode(StartFailed(type(e).__name__, str(e))))
             return
         _serve(engine, inputs, outputs, encode)
     finally:
-        inputs.close(linger=0)
-        outputs.close(linger=5000)  # the last messages (Stopped, StartFailed) still go out
+        for socket in inputs:
+            socket.close(linger=0)
+        for socket in outputs:
+            socket.close(linger=5000)  # the last messages (Stopped, StartFailed) still go out
         ctx.term()
 
 
-def _serve(engine: LLMEngine, inputs: zmq.Socket, outputs: zmq.Socket, encode) -> None:
+def _serve(engine: LLMEngine, inputs: list[zmq.Socket], outputs: list[zmq.Socket], encode) -> None:
     error = None
+    parent = multiprocessing.parent_process()
+    core = EngineCore(engine, inputs, outputs, parent.is_alive if parent is not None else (lambda: True))
     try:
         executor = engine.executor
-        outputs.send(encode(Ready(pickle.dumps(engine.tokenizer), executor.vocab_size, engine.max_model_len,
-                                  list(executor.eos_token_ids), engine.startup)))
-        parent = multiprocessing.parent_process()
-        if not EngineCore(engine, inputs, outputs, parent.is_alive if parent is not None else (lambda: True)).run():
-            _remove_socket_dir(inputs)  # the frontend that made it cannot
-    except BaseException as e:  # noqa: BLE001 - reported to the frontend, which fails what is pending
+        ready = encode(Ready(pickle.dumps(engine.tokenizer), executor.vocab_size, engine.max_model_len,
+                             list(executor.eos_token_ids), engine.startup))
+        for socket in outputs:
+            socket.send(ready)
+        if not core.run():
+            _remove_socket_dir(inputs[0])  # the frontend that made it cannot
+    except BaseException as e:  # noqa: BLE001 - reported to the frontends, which fail what is pending
         logger.exception("the engine core failed")
         error = f"{type(e).__name__}: {e}"
     finally:
-        outputs.send(encode(Stopped(error)))  # before the shutdown, which can take a while
+        core.stopped(error)  # before the shutdown, which can take a while
         try:
             engine.shutdown()
         except Exception:  # noqa: BLE001 - already on the way out

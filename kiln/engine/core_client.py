@@ -19,13 +19,19 @@ Threads and rules (the frontend side; the engine side is ``kiln.engine.core``):
 - Every admitted request gets an answer: its outputs, its refusal, or EngineDeadError. When the
   engine-core process dies (a failed step, a kill) every pending and later request fails at once,
   ``is_healthy()`` turns False and ``on_dead`` is called, so the server can exit non-zero.
+- Several frontends can share one engine core (``server.api_server_count``): ``SharedEngineCore``
+  starts it with one socket pair per frontend, and each frontend process attaches its client to
+  its own pair (``EngineCoreClient(config, shared=...)``). The process belongs to whoever started
+  it; an attached client's ``shutdown`` detaches (the engine core leaves after the last).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing
+import os
 import pickle
 import shutil
 import tempfile
@@ -53,11 +59,69 @@ logger = logging.getLogger(__name__)
 LIVENESS_POLL_MS = 200  # how often the reader checks the process while the engine is silent
 
 
+def _addresses(ipc_dir: str, count: int) -> list[tuple[str, str]]:
+    return [(f"ipc://{ipc_dir}/in{i}", f"ipc://{ipc_dir}/out{i}") for i in range(count)]
+
+
+def _log_level() -> Optional[int]:
+    root = logging.getLogger()
+    return root.getEffectiveLevel() if root.handlers else None
+
+
+def _spawn_engine_core(config: EngineConfig, ipc_dir: str, count: int) -> multiprocessing.Process:
+    proc = multiprocessing.get_context("spawn").Process(
+        target=run_engine_core, name="kiln-engine-core", args=(config, _addresses(ipc_dir, count), _log_level()))
+    proc.start()
+    return proc
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCoreAddress:
+    """What a frontend process needs to attach to a shared engine core (picklable)."""
+
+    ipc_dir: str
+    index: int
+    engine_pid: int
+    owner_pid: int  # the process that started the engine core: the start-up clock is its
+    age_at_spawn: float
+
+
+class SharedEngineCore:
+    """One engine-core process for ``count`` frontends, each attaching through ``address(i)``."""
+
+    def __init__(self, config: EngineConfig, count: int):
+        self.ipc_dir = tempfile.mkdtemp(prefix="kiln-engine-")
+        self.age_at_spawn = process_age_s()
+        self.process = _spawn_engine_core(config, self.ipc_dir, count)
+
+    def address(self, index: int) -> EngineCoreAddress:
+        return EngineCoreAddress(self.ipc_dir, index, self.process.pid, os.getpid(), self.age_at_spawn)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Wait for the engine core to leave (its frontends have detached), else kill it."""
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, which still answers signals, has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 class EngineCoreClient(ClientState):
     def __init__(self, config: EngineConfig, model_name: Optional[str] = None,
-                 limits: QueueLimits = QueueLimits(), on_dead: Optional[Callable[[], None]] = None):
-        """Start the engine-core process for ``config``; ``on_dead`` runs (on the reader thread)
-        if the engine stops without being asked to."""
+                 limits: QueueLimits = QueueLimits(), on_dead: Optional[Callable[[], None]] = None,
+                 shared: Optional[EngineCoreAddress] = None):
+        """Start the engine-core process for ``config`` (or, with ``shared``, attach to one that
+        ``SharedEngineCore`` started); ``on_dead`` runs (on the reader thread) if the engine stops
+        without being asked to."""
         super().__init__(limits)  # its _lock also guards the input socket
         self.model_name = model_name or config.model.model
         self._on_dead = on_dead
@@ -70,21 +134,24 @@ class EngineCoreClient(ClientState):
         self.startup: Optional[StartupReport] = None
         self._encode = encoder().encode
 
-        self._ipc_dir = tempfile.mkdtemp(prefix="kiln-engine-")
+        self._shared = shared
+        self._ipc_dir = shared.ipc_dir if shared is not None else tempfile.mkdtemp(prefix="kiln-engine-")
+        input_address, output_address = _addresses(self._ipc_dir, (shared.index if shared else 0) + 1)[-1]
         self._ctx = zmq.Context()
         self._to_engine = self._ctx.socket(zmq.PUSH)
         self._to_engine.setsockopt(zmq.SNDHWM, 0)
-        self._to_engine.bind(f"ipc://{self._ipc_dir}/in")
+        self._to_engine.bind(input_address)
         self._from_engine = self._ctx.socket(zmq.PULL)
         self._from_engine.setsockopt(zmq.RCVHWM, 0)
-        self._from_engine.bind(f"ipc://{self._ipc_dir}/out")
-        root = logging.getLogger()
-        log_level = root.getEffectiveLevel() if root.handlers else None
-        self._proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, name="kiln-engine-core",
-            args=(config, f"ipc://{self._ipc_dir}/in", f"ipc://{self._ipc_dir}/out", log_level))
-        self.age_at_spawn = process_age_s()  # where the engine core's own start-up clock begins
-        self._proc.start()
+        self._from_engine.bind(output_address)
+        self._proc: Optional[multiprocessing.Process] = None
+        if shared is None:
+            self.age_at_spawn = process_age_s()  # where the engine core's own start-up clock begins
+            self._proc = _spawn_engine_core(config, self._ipc_dir, 1)
+            self._engine_pid = self._proc.pid
+        else:
+            self.age_at_spawn = shared.age_at_spawn
+            self._engine_pid = shared.engine_pid
         self._reader = threading.Thread(target=self._read, name="kiln-engine-client", daemon=True)
         self._reader.start()
 
@@ -96,7 +163,13 @@ class EngineCoreClient(ClientState):
     @property
     def pid(self) -> Optional[int]:
         """The engine-core process's id."""
-        return self._proc.pid
+        return self._engine_pid
+
+    def _engine_alive(self) -> bool:
+        return self._proc.is_alive() if self._proc is not None else _running(self._engine_pid)
+
+    def _engine_exit(self) -> str:
+        return f"code {self._proc.exitcode}" if self._proc is not None else f"pid {self._engine_pid}"
 
     @property
     def ipc_dir(self) -> str:
@@ -145,9 +218,9 @@ class EngineCoreClient(ClientState):
             self._admission.release(sink)
 
     def shutdown(self, timeout: Optional[float] = 30.0) -> None:
-        """Fail unfinished requests, stop the engine-core process and wait for it. Safe from any
-        thread and more than once (the server's drain timer and its exit both call it): a second
-        call waits for the first to end."""
+        """Fail unfinished requests, stop the engine-core process and wait for it (an attached
+        client: detach from it). Safe from any thread and more than once (the server's drain timer
+        and its exit both call it): a second call waits for the first to end."""
         with self._shutdown_lock:
             if not self._shut:
                 self._shutdown(timeout)
@@ -160,10 +233,11 @@ class EngineCoreClient(ClientState):
                 self._to_engine.send(self._encode(Shutdown()))
         if self._reader is not threading.current_thread():
             self._reader.join(timeout)
-        self._proc.join(timeout if self._ready.is_set() else 0)
-        if self._proc.is_alive():  # still building (a shutdown during start-up), or stuck
-            self._proc.kill()
-            self._proc.join(10)
+        if self._proc is not None:
+            self._proc.join(timeout if self._ready.is_set() else 0)
+            if self._proc.is_alive():  # still building (a shutdown during start-up), or stuck
+                self._proc.kill()
+                self._proc.join(10)
         self._close(EngineDeadError("the engine has shut down"))
         if self._inputs is not None:
             self._inputs.grammars.shutdown()
@@ -171,7 +245,8 @@ class EngineCoreClient(ClientState):
             self._to_engine.close(linger=0)
             self._from_engine.close(linger=0)
             self._ctx.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._shared is None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     # ---- reader thread --------------------------------------------------------------------------
     def _read(self) -> None:
@@ -181,8 +256,8 @@ class EngineCoreClient(ClientState):
         try:
             while True:
                 if not poller.poll(LIVENESS_POLL_MS):
-                    if not self._proc.is_alive():
-                        raise EngineDeadError(f"the engine-core process exited (code {self._proc.exitcode})")
+                    if not self._engine_alive():
+                        raise EngineDeadError(f"the engine-core process exited ({self._engine_exit()})")
                     continue
                 message = decode(self._from_engine.recv(copy=False).buffer)
                 if isinstance(message, StepOutputs):
@@ -216,7 +291,8 @@ class EngineCoreClient(ClientState):
         self._inputs = InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len, grammars)
         self.tokenizer = tokenizer
         self.max_model_len = ready.max_model_len
-        self.startup = ready.startup.seen_from(self.age_at_spawn, process_age_s())
+        owner = self._shared.owner_pid if self._shared is not None else "self"
+        self.startup = ready.startup.seen_from(self.age_at_spawn, process_age_s(owner))
         self._ready.set()
 
     def _deliver(self, message: StepOutputs) -> None:

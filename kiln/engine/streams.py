@@ -55,7 +55,9 @@ class QueueLimits:
 
     @classmethod
     def from_server(cls, server: ServerConfig) -> "QueueLimits":
-        return cls(server.max_queued_seqs, server.max_queued_tokens)
+        """One frontend's share of the server's limits (``server.api_server_count`` split them)."""
+        count = server.api_server_count
+        return cls(-(-server.max_queued_seqs // count), -(-server.max_queued_tokens // count))
 
 
 ACCEPTED = object()  # first item of a stream whose request the engine took

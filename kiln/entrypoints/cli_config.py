@@ -118,6 +118,8 @@ FIELD_HELP = {
     "server.header_read_timeout_s": "a request's headers must arrive within this, else the connection closes",
     "server.body_read_timeout_s": "a request's body must arrive within this of its start, else HTTP 408",
     "server.keep_alive_timeout_s": "an idle keep-alive connection closes after this",
+    "server.api_server_count": "frontend processes (HTTP, tokenizing, detokenizing) on the one port in front of "
+                               "one engine core; the queue limits are split between them, /metrics adds up",
     "parallel.tensor_parallel_size": "devices the model is split over (tensor parallelism)",
     "parallel.backend": "uni: one process; mp: one process per rank; ray: one Ray actor per rank",
     "parallel.step_timeout_s": "a rank silent this long in one step fails the engine",

@@ -15,6 +15,11 @@ any host), a POST body declared as anything but JSON a 415, and a body over
 (SIGINT/SIGTERM) drains, then shuts the engine-core process down; if that process dies, every
 pending request fails, ``/health`` says 503 and the server exits with status 1, so a supervisor
 restarts it.
+
+With ``server.api_server_count=N`` above 1, this process binds the port, starts the engine core
+(``SharedEngineCore``) and N frontend processes that accept on the one socket, each with its own
+``EngineCoreClient``, and then only supervises: SIGINT/SIGTERM goes to every frontend (each drains,
+then detaches), and a frontend or an engine core that dies ends the whole server with status 1.
 """
 
 from __future__ import annotations
@@ -23,7 +28,13 @@ import contextlib
 import errno
 import hmac
 import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
 import socket
+import tempfile
 import threading
 from typing import Optional
 
@@ -36,7 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kiln.config import EngineConfig, ServerConfig
 from kiln.version import __version__
 from kiln.entrypoints.openai.errors import error_response, install_error_handlers
-from kiln.entrypoints.openai.metrics import ServerMetrics
+from kiln.entrypoints.openai.metrics import MULTIPROCESS_ENV, ServerMetrics
 from kiln.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, ModelCard, ModelList,
     TokenizeRequest,
@@ -47,7 +58,8 @@ from kiln.entrypoints.openai.serving_completions import create_completion
 from kiln.entrypoints.openai.serving_embeddings import create_embeddings
 from kiln.entrypoints.openai.serving_tokens import detokenize, tokenize
 from kiln.entrypoints.openai.timeouts import BodyReadTimeoutMiddleware, uvicorn_options
-from kiln.engine.core_client import EngineCoreClient
+from kiln.engine.core import LOG_FORMAT
+from kiln.engine.core_client import EngineCoreAddress, EngineCoreClient, SharedEngineCore
 from kiln.engine.streams import EngineClient, QueueLimits
 
 logger = logging.getLogger(__name__)
@@ -233,6 +245,17 @@ def run_server(config: EngineConfig, drain_s: float = 5.0) -> None:
     sock = bind_socket(server.host, server.port)  # before a start that may take minutes: fails at once
     if server.host not in _LOOPBACK_HOSTS and not server.resolved_api_key():
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", server.host)
+    with contextlib.closing(sock):
+        if server.api_server_count == 1:
+            _serve(config, sock, drain_s)
+        else:
+            _supervise(config, sock, drain_s)
+
+
+def _serve(config: EngineConfig, sock: socket.socket, drain_s: float,
+           shared: Optional[EngineCoreAddress] = None) -> None:
+    """One frontend: its engine client (its own engine core, or ``shared``'s), the app, uvicorn."""
+    server = config.server
     died = threading.Event()
     uv_server: list[uvicorn.Server] = []
 
@@ -241,25 +264,119 @@ def run_server(config: EngineConfig, drain_s: float = 5.0) -> None:
         if uv_server:
             uv_server[0].should_exit = True
 
-    with contextlib.closing(sock):
-        engine = EngineCoreClient(config, model_name=config.model.model, limits=QueueLimits.from_server(server),
-                                  on_dead=on_dead)
-        try:
-            engine.wait_ready()
-            app = build_app(engine, server)
-            uv_config = uvicorn.Config(app, host=server.host, port=server.port, log_level="info",
-                                       timeout_graceful_shutdown=drain_s + 5.0, **uvicorn_options(server))
+    engine = EngineCoreClient(config, model_name=config.model.model, limits=QueueLimits.from_server(server),
+                              on_dead=on_dead, shared=shared)
+    try:
+        engine.wait_ready()
+        app = build_app(engine, server)
+        uv_config = uvicorn.Config(app, host=server.host, port=server.port, log_level="info",
+                                   timeout_graceful_shutdown=drain_s + 5.0, **uvicorn_options(server))
+        ready_line = ""
+        if shared is None or shared.index == 0:
             ready_line = engine.startup.ready_line(api_url(server.host, server.port))
-            uv_server.append(_DrainingServer(uv_config, engine, drain_s, ready_line))
-            if not died.is_set():
-                uv_server[0].run(sockets=[sock])
-        except KeyboardInterrupt:
-            pass  # uvicorn re-raises the SIGINT it handled; the server has already stopped cleanly
-        finally:
-            engine.shutdown()
+            if shared is not None:
+                ready_line += f"; {server.api_server_count} frontend processes"
+        uv_server.append(_DrainingServer(uv_config, engine, drain_s, ready_line))
+        if not died.is_set():
+            uv_server[0].run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises the SIGINT it handled; the server has already stopped cleanly
+    finally:
+        engine.shutdown()
     if died.is_set():
         logger.error("the engine core died (%s); exiting with status 1", engine.error)
         raise SystemExit(1)
+
+
+def _supervise(config: EngineConfig, sock: socket.socket, drain_s: float) -> None:
+    """``server.api_server_count`` frontend processes over one engine core, until a signal or a death."""
+    count = config.server.api_server_count
+    ctx = multiprocessing.get_context("spawn")
+    start_errors = ctx.SimpleQueue()
+    metrics_dir = tempfile.mkdtemp(prefix="kiln-metrics-")
+    root = logging.getLogger()
+    log_level = root.getEffectiveLevel() if root.handlers else None
+    engine = SharedEngineCore(config, count)
+    frontends: list[multiprocessing.Process] = []
+    stopping = False
+
+    def stop(*_) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            for p in frontends:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGTERM)  # each drains, then detaches from the engine core
+
+    handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    failed = False
+    try:
+        previous = os.environ.get(MULTIPROCESS_ENV)
+        os.environ[MULTIPROCESS_ENV] = metrics_dir  # the frontends inherit it: one set of metric files
+        try:
+            for i in range(count):
+                frontends.append(ctx.Process(target=_frontend_main, name=f"kiln-frontend-{i}",
+                                             args=(config, sock, engine.address(i), drain_s, log_level, start_errors)))
+                frontends[-1].start()
+        finally:
+            if previous is None:
+                del os.environ[MULTIPROCESS_ENV]
+            else:
+                os.environ[MULTIPROCESS_ENV] = previous
+        running = {p.sentinel: p for p in frontends}
+        watched = [*running, engine.process.sentinel]
+        while running:
+            for sentinel in multiprocessing.connection.wait(watched):
+                watched.remove(sentinel)
+                if sentinel == engine.process.sentinel:
+                    engine.process.join()
+                    # Status 0: it did not start (the frontends report why) or it was told to stop.
+                    if engine.process.exitcode != 0 and not stopping:  # the frontends exit 1 too
+                        failed = True
+                        logger.error("the engine core died (exit code %s)", engine.process.exitcode)
+                    continue
+                p = running.pop(sentinel)
+                p.join()  # its sentinel can fire before it is reaped
+                if p.exitcode != 0 and not stopping:
+                    failed = True
+                    logger.error("frontend process %s exited with %s; stopping the server", p.name, p.exitcode)
+                    stop()
+                failed = failed or p.exitcode != 0
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        stop()
+        for p in frontends:
+            p.join(drain_s + 15.0)
+            if p.is_alive():
+                p.kill()
+        engine.stop()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    if not start_errors.empty():
+        error_type, message = start_errors.get()
+        raise ValueError(message) if error_type == "ValueError" else RuntimeError(message)
+    if failed:
+        raise SystemExit(1)
+
+
+def _frontend_main(config: EngineConfig, sock: socket.socket, shared: EngineCoreAddress, drain_s: float,
+                   log_level: Optional[int], start_errors) -> None:
+    """A frontend process of ``_supervise``: serve on the shared socket until SIGTERM."""
+    os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor alone, which passes it on once
+
+    def interrupt(*_) -> None:
+        raise KeyboardInterrupt
+
+    # uvicorn drains on SIGTERM, then raises it again: here that ends _serve, which detaches.
+    signal.signal(signal.SIGTERM, interrupt)
+    if log_level is not None:
+        logging.basicConfig(level=log_level, format=LOG_FORMAT)
+    try:
+        _serve(config, sock, drain_s, shared)
+    except (ValueError, RuntimeError) as e:  # the engine did not start: the supervisor reports it once
+        if shared.index == 0:
+            start_errors.put((type(e).__name__, str(e)))
+        raise SystemExit(2) from None
 
 
 _BIND_HINTS = {

@@ -2,16 +2,23 @@
 
 Engine gauges (running/waiting requests, KV blocks, prefix-cache hit rate) are read from the
 engine's latest stats at scrape time; latencies and token counts are recorded by the handlers as
-each request finishes, through ``RequestTimer``.
+each request finishes, through ``RequestTimer``. Several frontend processes
+(``server.api_server_count``) record into prometheus-client's multiprocess files
+(``MULTIPROCESS_ENV`` names their directory, set before the frontends start), so any frontend's
+``/metrics`` shows the sums over all of them.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+
+MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client when it is first imported
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -73,6 +80,11 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(stats, healthy))
         r = self.registry
+        if os.environ.get(MULTIPROCESS_ENV):
+            # Recorded into the shared files (the metrics below go in a registry nobody reads);
+            # scraped as the sums over every frontend's files.
+            MultiProcessCollector(self.registry)
+            r = CollectorRegistry()
         self.ttft = Histogram("kiln_time_to_first_token_seconds", "Time from arrival to the first token.",
                               buckets=_LATENCY_BUCKETS_S, registry=r)
         self.tpot = Histogram("kiln_time_per_output_token_seconds", "Mean time between output tokens of a request.",
