@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import yaml
 from hydra import compose, initialize_config_dir
-from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from kiln.config import EngineConfig
@@ -120,8 +119,29 @@ def test_bad_value_names_field_and_allowed_values():
 def test_unknown_key_and_wrong_type_refused_at_composition():
     with pytest.raises(ValueError, match="unknown key compile.bogus"):
         composed(["compile.bogus=1"])
-    with pytest.raises(ConfigCompositionException):
+    with pytest.raises(ValueError, match="^server.port takes a whole number, got 'eighty'$"):
         composed(["server.port=eighty"])
+
+
+@pytest.mark.parametrize("override, says", [
+    ("server.port=abc", "server.port takes a whole number, got 'abc'"),
+    ("temperature=hot", "temperature takes a number, got 'hot'"),
+    ("max_tokens=1.5", "max_tokens takes a whole number, got '1.5'"),
+    ("chat=maybe", "chat takes true or false, got 'maybe'"),
+    ("compile.split_every=x", "compile.split_every takes a whole number or null, got 'x'"),
+    ("server.port=null", "server.port takes a whole number, got 'null'"),
+])
+def test_a_value_of_the_wrong_type_is_one_line_in_kilns_words(capsys, override, says):
+    code, out, err = exit_of(["generate", override], capsys)
+    assert (code, out, err) == (2, "", f"kiln: error: {says}\n")
+    assert "HYDRA_FULL_ERROR" not in err
+
+
+def test_values_of_the_right_type_pass_the_check():
+    cli = OmegaConf.to_object(composed(["server.port=9000", "temperature=1", "chat=false",
+                                        "compile.split_every=null", "model.model=123"]))
+    assert (cli.server.port, cli.temperature, cli.chat, cli.compile.split_every, cli.model.model) == (
+        9000, 1.0, False, None, "123")
 
 
 def test_typo_names_the_closest_key_and_exits_2(capsys):

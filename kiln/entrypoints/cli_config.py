@@ -257,11 +257,55 @@ def _check_key(override) -> None:
         raise ValueError(replaced_by_startup(key))
     sections = config_keys()
     known = [k for keys in sections.values() for k in keys]
-    if key in known or key in sections or any(key.startswith(k + ".") for k in known):
-        return  # a key, a whole sub-config, or an element of a list-valued key
+    if key in known:
+        _check_value(key, override)
+        return
+    if key in sections or any(key.startswith(k + ".") for k in known):
+        return  # a whole sub-config, or an element of a list-valued key
     groups = [g.name for g in CONFIG_DIR.iterdir() if g.is_dir()]
     raise ValueError(f"unknown key {key}; "
                      + _did_you_mean(key, known + groups + ["model"], "`kiln <command> --help` lists every key"))
+
+
+# What a scalar field takes, in the words of the error a wrong value gets.
+_KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: "text"}
+
+
+def _field_type(key: str):
+    """The type hint of ``key`` (``section.name`` or a top-level name) in CliConfig."""
+    owner, _, name = key.rpartition(".")
+    cls = typing.get_type_hints(CliConfig)[owner] if owner else CliConfig
+    return typing.get_type_hints(cls)[name]
+
+
+def _check_value(key: str, override) -> None:
+    """A value of the wrong type for a scalar key is a ValueError in kiln's words (Hydra's own
+    message would name OmegaConf's conversion and HYDRA_FULL_ERROR)."""
+    from hydra.core.override_parser.types import ValueType
+
+    if override.is_delete() or override.value_type != ValueType.ELEMENT:
+        return  # a sweep's values are checked per job, when to_object builds the config
+    hint = _field_type(key)
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    if optional:
+        hint = next((a for a in args if a is not type(None)), hint)
+    if hint not in _KINDS:
+        return  # tuples, dicts: Hydra's and the dataclass's to check
+    value = override.value()
+    if value is None:
+        ok = optional
+    elif hint is bool:
+        ok = isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = not isinstance(value, (list, dict))
+    if not ok:
+        raise ValueError(f"{key} takes {_KINDS[hint]}{' or null' if optional else ''}, got "
+                         f"{override.input_line.split('=', 1)[1]!r}")
 
 
 def _element_values(override) -> list[str]:

@@ -16,6 +16,7 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln.engine.streams import EngineDeadError
@@ -36,8 +37,10 @@ _TYPES = {
 }
 
 
-ROUTES = ("GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /version, "
-          "GET /metrics")
+def served_routes(app) -> str:
+    """Every route the app serves, as ``METHOD /path``, for the 404 and 405 messages."""
+    return ", ".join(f"{method} {route.path}" for route in app.routes if isinstance(route, APIRoute)
+                     for method in sorted(route.methods - {"HEAD"}))
 
 
 class APIError(Exception):
@@ -96,9 +99,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = str(exc.detail)
         if exc.status_code == 404 and message == "Not Found":
-            message = f"there is no route {request.method} {request.url.path}; kiln serves {ROUTES}"
+            message = f"there is no route {request.method} {request.url.path}; kiln serves {served_routes(request.app)}"
         elif exc.status_code == 405:
-            message = f"{request.url.path} does not take {request.method}; kiln serves {ROUTES}"
+            message = f"{request.url.path} does not take {request.method}; kiln serves {served_routes(request.app)}"
         return error_response(exc.status_code, message, None, None, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
