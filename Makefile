@@ -28,7 +28,7 @@ serve: setup
 generate: setup
 	$(VENV)/bin/kiln generate $(ARGS)
 
-# One line of dots per test file; 13-22 minutes on two CPU cores (see README).
+# One line of dots per test file; its duration on two CPU cores is in docs/performance.md.
 test: setup
 	$(PY) -m pytest -m "not slow" tests
 

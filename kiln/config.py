@@ -427,36 +427,24 @@ class EngineConfig:
 
 
 # ---- defaults sized for the device ------------------------------------------------------------------
-# Every ``auto`` / ``None`` default of CompileConfig and SchedulerConfig is decided here, and only here.
-# CUDA: kiln's pipeline with full graphs for decode batches and piecewise graphs for mixed ones, and a
-# scheduler wide enough that an offline batch of 512 requests runs as one decode batch; 4096 tokens a
-# step, with piecewise graphs up to that many tokens (default_capture_sizes). One H100 call, 512 x 256/256
-# on random:llama3-8b, best of two runs: 4096 tokens 12,852 output tok/s bf16 and 17,953 fp8 + FP8 KV,
-# against 12,348 and 16,223 with 2048, 12,402 with 1024, 11,677 with 256 sequences
-# (benchmarks/results/offline_profile-NVIDIA_H100_80GB_HBM3.md). Before mixed steps had piecewise graphs,
-# 8192 tokens lost to 2048 (11,987 against 12,411): a step larger than every capture size ran without
-# graphs. CPU: kiln, built on a thread while the first steps run eagerly (a background build), so
-# a start is as fast as eager's and the steps then run kiln's forward. In three `kiln bench -m
-# compile.mode=eager,stock,kiln` runs on SmolLM2 (2 cores) kiln decoded faster than eager in 8 of 9
-# cells (batch 1, 8, 32), but compiles for 17-36 s on a first start (4.6 s to load once cached), where
-# eager starts in about 2 s (README, "Defaults: fast with no options"). A model split over processes
-# (parallel.backend mp or ray) gets eager on the CPU: its ranks could switch at different steps.
+# Every ``auto`` / ``None`` default of CompileConfig and SchedulerConfig is decided here, and only here;
+# the measurements behind each are in docs/decisions/.
+# CUDA: kiln's pipeline with full graphs for decode batches and piecewise graphs for mixed ones
+# (cuda-graphs-full-and-piecewise.md), and a scheduler wide enough that an offline batch of 512
+# requests runs as one decode batch, 4096 tokens a step (cuda-scheduler-limits.md).
+# CPU: kiln, built on a thread while the first steps run eagerly, so a start is as fast as eager's
+# (cpu-compile-mode.md); a model split over processes (parallel.backend mp or ray) gets eager, since
+# its ranks could switch at different steps.
 CPU_COMPILE_MODE = "kiln"
 # On the CPU kiln's forward is cut at every 10th attention call, the calls between compiled inside the
-# pieces: fewer piece calls a step, and Inductor fuses across the layers of a piece. SmolLM2 (30
-# layers): on a 2-core Xeon, batch 1 38.5 tok/s against 31.1 cut at every call and 27.6-28.0 eager;
-# on a 2-vCPU EPYC, a batch-1 step of 67.3 ms against 75.3 and 79.2 (benchmarks/cpu_split_every.py).
-# The first compile takes 74 s / 140 s there against 19 s / 51 s (71-76 s on the EPYC since each piece
-# builds once and groups of layers share a build), which the background build hides behind eager steps (README, "Defaults: fast with no options"). CUDA cuts at every call: piecewise
+# pieces: fewer piece calls a step, and Inductor fuses across the layers of a piece; the longer first
+# compile is hidden by the background build (cpu-split-every.md). CUDA cuts at every call: piecewise
 # graphs capture the pieces between attention calls.
 CPU_SPLIT_EVERY = 10
-# CUDA_BUILD: where graphs are captured between steps (lazy capture, the server's default),
-# compile.mode=auto also builds kiln's forward in the background: the engine is ready once the weights
-# are placed, steps run eagerly, and a first start sizes the KV cache after the eager forward and a
-# guess of the graphs' memory (ModelRunner._profile_memory). From a Llama-3-8B checkpoint on an H200,
-# same call: first token 22.7 s cold and 9.6 s warm against 48.8 s and 19.5 s built before ready,
-# kiln's forward from 40.7 s and 15.2 s against 48.8 s and 19.5 s
-# (benchmarks/results/startup-background-default-NVIDIA_H200.md).
+# Where graphs are captured between steps (lazy capture), compile.mode=auto on a cold CUDA start also
+# builds kiln's forward in the background: ready once the weights are placed, steps eager until built,
+# the KV cache sized after the eager forward and a guess of the graphs' memory
+# (ModelRunner._profile_memory; background-build.md, startup-policy.md).
 DEVICE_DEFAULTS = {  # device type -> (mode, cudagraph, max_num_seqs, max_num_batched_tokens)
     "cuda": ("kiln", "full_and_piecewise", 512, 4096),
     "cpu": (CPU_COMPILE_MODE, "none", 128, 2048),
@@ -472,9 +460,8 @@ def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: Optional[in
     then every 8 up to ``max_num_seqs`` (and itself), so a decode batch pads by at most 7 rows; then,
     for the mixed steps of prefill chunks and decodes, which only piecewise graphs take, every
     ``PIECEWISE_SIZE_STEP`` tokens up to ``max_num_batched_tokens`` (and itself). Without those, a
-    full step of chunked prefill (thousands of tokens, larger than any decode batch) runs the compiled
-    pieces without graphs: on an H100, 31 ms of host time to launch a step of llama3-8b against 12 ms
-    replayed, and 4% more offline throughput (benchmarks/results/offline_profile-*)."""
+    full step of chunked prefill (larger than any decode batch) runs the compiled pieces without
+    graphs, at several times the host time (docs/decisions/cuda-graphs-full-and-piecewise.md)."""
     limit = max_num_seqs if max_num_batched_tokens is None else min(max_num_seqs, max_num_batched_tokens)
     sizes = {s for s in (1, 2, 4) if s <= limit} | set(range(8, limit + 1, 8)) | {limit}
     if max_num_batched_tokens is not None and max_num_batched_tokens > limit:

@@ -81,7 +81,7 @@ FIELD_HELP = {
                    "with per-layer k/v scales (the checkpoint's k_scale/v_scale, else 1)",
     "cache.calculate_kv_scales": "fp8 cache: set the k/v scales from the first prefill's amax, then keep them",
     "scheduler.max_num_seqs": "most requests in one step; null: 512 on GPU, 128 on CPU",
-    "scheduler.max_num_batched_tokens": "most tokens in one step (decodes and prefill chunks); null: 2048",
+    "scheduler.max_num_batched_tokens": "most tokens in one step (decodes and prefill chunks); null: 4096 on GPU, 2048 on CPU",
     "scheduler.enable_chunked_prefill": "split a long prompt over several steps",
     "scheduler.policy": "fcfs: by arrival; priority: lower priority value first, then by arrival",
     "compile.mode": "auto: kiln (on the CPU built in the background; eager with parallel.backend mp/ray); "
@@ -91,7 +91,8 @@ FIELD_HELP = {
                          "ops (mode kiln), or both; auto: full_and_piecewise on GPU (full for other modes)",
     "compile.sizes": "extra batch sizes (tokens) Inductor specializes for",
     "compile.capture_sizes": "batch sizes (tokens) captured as CUDA graphs; a batch is padded up to one; "
-                             "null: 1, 2, 4, then every 8 up to scheduler.max_num_seqs",
+                             "null: 1, 2, 4, then every 8 up to scheduler.max_num_seqs, then every 256 up to "
+                             "scheduler.max_num_batched_tokens (piecewise graphs only)",
     "compile.startup": "what is built before ready. complete: the compiled forward and every CUDA graph; "
                        "fast: ready once the weights are placed, the forward built on a thread while steps "
                        "run eagerly, graphs captured between steps; auto: the forward before ready when "
