@@ -32,6 +32,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DIR_ENV = "KILN_TEST_SHARED_DIR"
 
+# The shared helpers' asserts (assert_error, mixed_workload, ...) explain a failure as a test's do.
+pytest.register_assert_rewrite("tests.helpers")
+
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
