@@ -200,7 +200,7 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="time LaunchConfig variants instead of the benchmark")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        log("attention_kernels: needs CUDA (the CPU path is tests/test_triton_attention.py)")
+        log("attention_kernels: needs CUDA (the CPU path is tests/ops/test_triton_attention.py)")
         return 2
     import triton
 

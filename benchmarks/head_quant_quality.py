@@ -4,7 +4,7 @@
 embedded model) ties its head to the embedding and runs on the CPU, where the rule does not apply,
 so this untie the head (a copy of the embedding), applies ``quantize_lm_head`` as on CUDA with the
 reference kernels, and measures perplexity over ``tests/data/python_execution_model.txt`` (one
-prefill, as ``tests/test_quant_quality.py``) for fp32 and int4 weights, each with both heads.
+prefill, as ``tests/models/test_quant_quality.py``) for fp32 and int4 weights, each with both heads.
 
 On the CPU a quantized model's one-row logits go through a Q8_0 head (the GGUF's own blocks,
 ``kiln.ops.cpu_linear.Q8Head``, activations quantized per block of 32 as llama.cpp does). The same
@@ -30,7 +30,7 @@ from kiln.models.quantize import quantize_lm_head, read_gguf_head_q8_0  # noqa: 
 from kiln.models.registry import REGISTERED_MODELS  # noqa: E402
 from kiln.ops.cpu_linear import q8_0_head  # noqa: E402
 from kiln.ops.registry import reference_kernels  # noqa: E402
-from tests.test_quant_quality import TEXT, perplexity  # noqa: E402
+from tests.helpers.perplexity import TEXT, perplexity  # noqa: E402
 
 
 def untie(model) -> None:

@@ -1,6 +1,6 @@
 // One-row bfloat16 and float32 GEMVs on CPU: torch.ops.kiln_cpu.gemv_bf16 and gemv_f32 (built into kiln._C with
 // paged_attention.cpp). Python side and when it runs: kiln/ops/cpu_linear.py; tests:
-// tests/test_cpu_linear.py; timing: benchmarks/quant_cpu.py.
+// tests/ops/test_cpu_linear.py; timing: benchmarks/quant_cpu.py.
 //
 //   y[m, n] = sum_k x[m, k] * w[n, k]     x [M, K] bf16, w [N, K] bf16 (rows contiguous), y float32
 //

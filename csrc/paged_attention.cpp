@@ -10,7 +10,7 @@
 // per-tensor scales kv_scale = (k_scale, v_scale) (1 when not given); rows are dequantized on load
 // (fp8_row_to_float), k_scale is folded into q's pre-scale and v_scale into the output.
 // Python side (fake impl, the kiln_cpu::attend_paged op, the correctness check):
-// kiln/ops/cpu_attention.py; tests: tests/test_cpu_attention.py; timing: benchmarks/cpu_attention.py.
+// kiln/ops/cpu_attention.py; tests: tests/ops/test_cpu_attention.py; timing: benchmarks/cpu_attention.py.
 //
 // Layouts (element strides; only the last dim must be contiguous):
 //

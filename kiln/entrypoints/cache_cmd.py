@@ -44,7 +44,7 @@ from kiln.errors import first_line
 KINDS = ("models", "tokenizers", "compile", "memory", "kernels")
 USAGE = "usage: kiln cache <ls | inspect KEY | clear [KEY] | export PATH> [cache.dir=PATH] [other overrides]"
 _TARBALL_SUFFIXES = (".tar", ".tar.gz", ".tgz")
-FACTORS_FILE = "factors.json"  # kiln.compiler.artifact_cache.FACTORS (tests/test_cli.py checks they agree)
+FACTORS_FILE = "factors.json"  # kiln.compiler.artifact_cache.FACTORS (tests/entrypoints/test_cli.py checks they agree)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ Rules kept here:
   a .gguf file and ``random:<preset>`` all reach ``model.model`` as typed.
 - A key or group option that does not exist is refused here, naming the closest valid one, before
   Hydra could suggest ``+key=...`` (which would add a key nothing reads).
-- ``FIELD_HELP`` and ``CHOICES`` cover every field of ``CliConfig``; tests/test_cli.py checks both
+- ``FIELD_HELP`` and ``CHOICES`` cover every field of ``CliConfig``; tests/entrypoints/test_cli.py checks both
   against the dataclasses, so they cannot drift from kiln/config.py.
 - A secret never reaches Hydra: ``extract_secrets`` swaps ``server.api_key=VALUE`` for
   ``server.api_key='***'`` and hands VALUE back for the environment ($KILN_API_KEY), so what Hydra

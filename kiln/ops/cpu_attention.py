@@ -17,7 +17,7 @@ forward context. This module:
 - gives the C++ ops their fake impls, so they can appear in a traced graph;
 - defines ``kiln_cpu::attend_paged_py``, the Python path over the forward context;
 - ``kiln.ops.registry`` selects ``kiln_cpu::attend_paged`` on CPU when ``load_extension()`` succeeds;
-- the correctness check (``check_against_reference``) used by ``tests/test_cpu_attention.py``;
+- the correctness check (``check_against_reference``) used by ``tests/ops/test_cpu_attention.py``;
   timing is ``benchmarks/cpu_attention.py``.
 
 q, k and v may be row-strided views of one fused qkv projection: the kernel reads them in place.

@@ -47,7 +47,7 @@ saves the model's rotary kernel a layer; other batches are rotated first (``kiln
 compiler swaps in on CUDA); ``kiln.ops.registry`` selects it, with ``static_decode_splits`` as the
 context CUDA-graph capture enters.
 
-Correctness check: ``check_against_reference`` below (used by ``tests/test_triton_attention.py``
+Correctness check: ``check_against_reference`` below (used by ``tests/ops/test_triton_attention.py``
 and ``benchmarks/attention_kernels.py --check``); timing: ``benchmarks/attention_kernels.py``.
 """
 

@@ -14,7 +14,7 @@ rotary kernel Inductor made of the model's own ops did::
     partner(d) = (d + R / 2) mod R
 
 The products are float32, rounded once to x's dtype, as Inductor's kernel and the reference do.
-Correctness check: ``tests/test_triton_attention.py``.
+Correctness check: ``tests/ops/test_triton_attention.py``.
 """
 
 from __future__ import annotations
