@@ -338,7 +338,6 @@ def _supervise(config: EngineConfig, sock: socket.socket, drain_s: float) -> Non
                 p = running.pop(sentinel)
                 p.join()  # its sentinel can fire before it is reaped
                 if p.exitcode != 0 and not stopping:
-                    failed = True
                     logger.error("frontend process %s exited with %s; stopping the server", p.name, p.exitcode)
                     stop()
                 failed = failed or p.exitcode != 0
@@ -350,7 +349,8 @@ def _supervise(config: EngineConfig, sock: socket.socket, drain_s: float) -> Non
             p.join(drain_s + 15.0)
             if p.is_alive():
                 p.kill()
-        engine.stop()
+        # A frontend that died never detached, so the engine core would wait for it: not long, then.
+        engine.stop(timeout=2.0 if failed else 30.0)
         shutil.rmtree(metrics_dir, ignore_errors=True)
     if not start_errors.empty():
         error_type, message = start_errors.get()
