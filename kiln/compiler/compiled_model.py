@@ -241,7 +241,7 @@ class CompiledModel:
         building, self._building = self._building, None
         if building is not None and not building.cancel(timeout):
             logger.warning("background build: the build of kiln's forward had not stopped %.0f s after "
-                           "start-up failed; it ends on its own", timeout)
+                           "it was cancelled; it ends on its own", timeout)
 
     def wait_for_build(self, timeout: Optional[float] = None) -> bool:
         """Block until a background build ends (or ``timeout`` seconds pass); the next ``run`` then

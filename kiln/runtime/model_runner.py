@@ -20,6 +20,7 @@ once it ends. Each phase's time lands in ``startup_seconds``.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 from concurrent.futures import Future
@@ -555,8 +556,17 @@ class ModelRunner:
             self.proposer.forget(request_id)
 
     def shutdown(self) -> None:
-        """Stop the runner's helper thread (the grammar bitmask worker)."""
+        """Stop the runner's helper thread (the grammar bitmask worker) and any background build, and
+        let go of the device memory the runner holds (weights, KV cache, CUDA graphs), so a later
+        engine in the same process sizes its KV cache against a free device."""
         self.bitmasks.shutdown()
+        if self.compiled is not None:
+            self.compiled.cancel_build()
+        self.compiled = self.model = self.proposer = self.input_batch = None
+        self.kv_caches = self.draft_kv_caches = None
+        if self.device.type == "cuda":
+            gc.collect()  # the graphs and caches sit in reference cycles (forward contexts, closures)
+            torch.cuda.empty_cache()
 
 
 def verify_shape(spec: SpeculativeConfig, sched: SchedulerConfig) -> VerifyShape:

@@ -509,7 +509,7 @@ def test_a_first_cuda_start_that_fails_stops_its_build(tmp_path):
 
     options = dict(model="random:tiny", device="cuda", dtype="float32", max_model_len=256,
                    compile={"mode": "kiln", "startup": "fast", "capture_sizes": [1, 2, 4]})
-    with pytest.raises(ValueError, match="fewer than 2 blocks"):
+    with pytest.raises(ValueError, match="fewer than 2 blocks|short of one request"):  # the KV or graph check
         LLM(**options, cache={"dir": str(tmp_path), "kv_cache_memory_gib": 1e-6})
     assert compiled_model._ONE_BUILD.acquire(timeout=5), "the failed start's build still holds the lock"
     compiled_model._ONE_BUILD.release()
