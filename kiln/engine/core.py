@@ -56,6 +56,12 @@ PARENT_CHECK_S = 1.0
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # as the CLI's (hydra/job_logging=stdout)
 
 
+def inherited_log_level() -> Optional[int]:
+    """The level a spawned child (engine core, frontend) logs at: the caller's, once logging is set up."""
+    root = logging.getLogger()
+    return root.getEffectiveLevel() if root.handlers else None
+
+
 class EngineCore:
     """The busy loop over one built LLMEngine (``delta_outputs=True``) and one input and one output
     socket per frontend (``inputs[i]`` and ``outputs[i]`` belong to frontend ``i``)."""

@@ -42,7 +42,7 @@ import zmq
 
 from kiln.clock import process_age_s
 from kiln.config import EngineConfig
-from kiln.engine.core import run_engine_core
+from kiln.engine.core import inherited_log_level, run_engine_core
 from kiln.engine.messages import (
     AbortRequests, AddRequest, Ready, Shutdown, StartFailed, StepOutputs, Stopped, encoder, from_engine_decoder,
 )
@@ -59,18 +59,14 @@ logger = logging.getLogger(__name__)
 LIVENESS_POLL_MS = 200  # how often the reader checks the process while the engine is silent
 
 
-def _addresses(ipc_dir: str, count: int) -> list[tuple[str, str]]:
-    return [(f"ipc://{ipc_dir}/in{i}", f"ipc://{ipc_dir}/out{i}") for i in range(count)]
-
-
-def _log_level() -> Optional[int]:
-    root = logging.getLogger()
-    return root.getEffectiveLevel() if root.handlers else None
+def _address(ipc_dir: str, index: int) -> tuple[str, str]:
+    """Frontend ``index``'s (input, output) endpoints in ``ipc_dir``."""
+    return f"ipc://{ipc_dir}/in{index}", f"ipc://{ipc_dir}/out{index}"
 
 
 def _spawn_engine_core(config: EngineConfig, ipc_dir: str, count: int) -> multiprocessing.Process:
     proc = multiprocessing.get_context("spawn").Process(
-        target=run_engine_core, name="kiln-engine-core", args=(config, _addresses(ipc_dir, count), _log_level()))
+        target=run_engine_core, name="kiln-engine-core", args=(config, [_address(ipc_dir, i) for i in range(count)], inherited_log_level()))
     proc.start()
     return proc
 
@@ -136,7 +132,7 @@ class EngineCoreClient(ClientState):
 
         self._shared = shared
         self._ipc_dir = shared.ipc_dir if shared is not None else tempfile.mkdtemp(prefix="kiln-engine-")
-        input_address, output_address = _addresses(self._ipc_dir, (shared.index if shared else 0) + 1)[-1]
+        input_address, output_address = _address(self._ipc_dir, shared.index if shared is not None else 0)
         self._ctx = zmq.Context()
         self._to_engine = self._ctx.socket(zmq.PUSH)
         self._to_engine.setsockopt(zmq.SNDHWM, 0)

@@ -17,6 +17,7 @@ import pytest
 
 from kiln import LLM, SamplingParams
 from kiln.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig
+from kiln.bench.serve import wait_healthy
 from kiln.engine.core_client import EngineCoreClient, SharedEngineCore
 from kiln.engine.messages import AddRequest, encoder, to_engine_decoder
 from kiln.engine.streams import EngineDeadError, RequestStream, Sink
@@ -200,25 +201,11 @@ def _engine_core_pid(server_pid: int) -> int:
 
 
 def test_the_server_exits_non_zero_when_its_engine_dies():
-    port = free_port()
-    code = ("from kiln.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, ServerConfig\n"
-            "from kiln.entrypoints.openai import run_server\n"
-            f"run_server(EngineConfig(model=ModelConfig({TINY!r}), cache=CacheConfig(num_blocks=64), "
-            f"compile=CompileConfig(mode='eager'), server=ServerConfig(port={port})))\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _start_server(free_port())
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
         os.kill(_engine_core_pid(proc.pid), signal.SIGKILL)
         assert proc.wait(timeout=30) == 1
-        assert "the engine core died" in proc.stderr.read()
+        assert "the engine core died" in _log(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -270,15 +257,8 @@ def _start_server(port: int, **server) -> subprocess.Popen:
     log = tempfile.TemporaryFile("w+")  # not a pipe, which a chatty server could fill
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=log, text=True)
     proc.log = log
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    wait_healthy(f"http://127.0.0.1:{port}", proc, 300)
+    return proc
 
 
 def _log(proc: subprocess.Popen) -> str:

@@ -58,7 +58,7 @@ from kiln.entrypoints.openai.serving_completions import create_completion
 from kiln.entrypoints.openai.serving_embeddings import create_embeddings
 from kiln.entrypoints.openai.serving_tokens import detokenize, tokenize
 from kiln.entrypoints.openai.timeouts import BodyReadTimeoutMiddleware, uvicorn_options
-from kiln.engine.core import LOG_FORMAT
+from kiln.engine.core import LOG_FORMAT, inherited_log_level
 from kiln.engine.core_client import EngineCoreAddress, EngineCoreClient, SharedEngineCore
 from kiln.engine.streams import EngineClient, QueueLimits
 
@@ -294,8 +294,7 @@ def _supervise(config: EngineConfig, sock: socket.socket, drain_s: float) -> Non
     ctx = multiprocessing.get_context("spawn")
     start_errors = ctx.SimpleQueue()
     metrics_dir = tempfile.mkdtemp(prefix="kiln-metrics-")
-    root = logging.getLogger()
-    log_level = root.getEffectiveLevel() if root.handlers else None
+    log_level = inherited_log_level()
     engine = SharedEngineCore(config, count)
     frontends: list[multiprocessing.Process] = []
     stopping = False
