@@ -345,7 +345,7 @@ class LlamaForCausalLM(nn.Module):
             if head is not None:
                 head.weight[num_real:].zero_()
 
-    def _weight_targets(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weight_targets(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, a kiln parameter of that tensor's full shape) once per checkpoint tensor. With
         one rank these are the Hugging Face tensors' shapes, ready for any rank's ``load_weights``."""
         for name, places in self._weight_places().items():

@@ -409,7 +409,7 @@ def init_random_weights(model: LlamaForCausalLM, seed: int, std: float = RANDOM_
     its slice of the same full tensors, so every tensor-parallel size holds the same model."""
     param = next(model.parameters())
     weights = iter_random_weights(model.arch, seed, param.device, param.dtype, std)
-    num_tensors = sum(1 for _ in model._weight_targets())
+    num_tensors = sum(1 for _ in model.weight_targets())
     model.load_weights(progress_bar(weights, desc="drawing random weights", total=num_tensors, unit="tensor"))
 
 
@@ -422,7 +422,7 @@ def iter_random_weights(arch: ArchConfig, seed: int, device: torch.device, dtype
     (seed, name), so a tensor never depends on which others a rank draws, and only one full
     tensor exists at a time (``load_weights`` keeps its slice and drops it)."""
     with torch.device("meta"):
-        shapes = [(name, t.shape) for name, t in LlamaForCausalLM(arch)._weight_targets()]
+        shapes = [(name, t.shape) for name, t in LlamaForCausalLM(arch).weight_targets()]
     for name, shape in shapes:
         if name.endswith("norm.weight"):
             yield name, torch.ones(shape, device=device, dtype=dtype)
@@ -507,7 +507,7 @@ def _load_random(preset: str, model_config: ModelConfig, cache_dir: str, device,
                  tp: TensorParallel) -> LoadedModel:
     if preset not in PRESETS:
         raise ValueError(f"unknown random preset {preset!r}. {_choices()}")
-    tokenizer = _load_tokenizer(_tokenizer_dir(cache_dir))
+    tokenizer = _load_tokenizer(tokenizer_dir(cache_dir))
     # Stop tokens must be ids the borrowed tokenizer knows.
     arch = dataclasses.replace(PRESETS[preset], bos_token_id=tokenizer.bos_token_id,
                                eos_token_id=(tokenizer.eos_token_id,))
@@ -534,7 +534,8 @@ def _registered_dir(name: str, cache_dir: str) -> str:
     return convert_gguf(path, cache_dir, name)
 
 
-def _tokenizer_dir(cache_dir: str) -> str:
+def tokenizer_dir(cache_dir: str) -> str:
+    """The tokenizer directory a random preset borrows: ``$KILN_TOKENIZER_DIR``, else the donor model's."""
     env_dir = os.environ.get(TOKENIZER_DIR_ENV)
     if env_dir:
         return env_dir

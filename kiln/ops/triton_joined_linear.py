@@ -72,8 +72,8 @@ def _gemv_takes(scheme: str, kind: str, k: int, dtype: torch.dtype, w: torch.Ten
     return feed_fits(scheme, config_for(scheme, 1, n, k, group_size, kind), n, k, group_size, w)
 
 
-def _split(scheme: str, gemm_args: tuple) -> tuple[torch.Tensor, Optional[torch.Tensor], int, Optional[torch.Tensor],
-                                                   Optional[torch.dtype]]:
+def split_gemm_args(scheme: str, gemm_args: tuple) -> tuple[
+        torch.Tensor, Optional[torch.Tensor], int, Optional[torch.Tensor], Optional[torch.dtype]]:
     """(w, scales, group_size, bias, out_dtype) from the scheme's GEMM arguments."""
     if scheme == "dense":
         w, bias = gemm_args
@@ -100,7 +100,7 @@ def fuses(scheme: str, kind: str, x: torch.Tensor, gemm_args: tuple,
           norm_weight_dtype: Optional[torch.dtype] = None) -> bool:
     """Whether a joined op of ``kind`` ("norm", "silu") with input ``x`` (the norm's x, or gate/up)
     runs the fed GEMV (one kernel) rather than the unfused kernels."""
-    w, scales, group_size, bias, _ = _split(scheme, gemm_args)
+    w, scales, group_size, bias, _ = split_gemm_args(scheme, gemm_args)
     k = x.shape[-1] // 2 if kind == "silu" else x.shape[-1]
     dtype = torch.promote_types(norm_weight_dtype or x.dtype, x.dtype)
     return (x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1 and (kind == "norm" or x.shape[-1] % 2 == 0)
@@ -109,7 +109,7 @@ def fuses(scheme: str, kind: str, x: torch.Tensor, gemm_args: tuple,
 
 
 def _fed_gemv(scheme: str, x: torch.Tensor, feed: GemvFeed, gemm_args: tuple) -> torch.Tensor:
-    w, scales, group_size, bias, out_dtype = _split(scheme, gemm_args)
+    w, scales, group_size, bias, out_dtype = split_gemm_args(scheme, gemm_args)
     return triton_linear(scheme, x, w, scales, group_size, feed=feed, bias=bias, out_dtype=out_dtype)
 
 

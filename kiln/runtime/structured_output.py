@@ -91,7 +91,8 @@ class GrammarCompiler:
         """Block until the grammar is compiled (at once when it is cached); GrammarError if it cannot be."""
         return self.submit(spec).result()
 
-    def _compiler(self):
+    def compiler(self):
+        """The xgrammar compiler, built on first use (a scan of the tokenizer's vocabulary)."""
         with self._lock:
             if self._xgr_compiler is None:
                 import xgrammar as xgr
@@ -105,7 +106,7 @@ class GrammarCompiler:
         import time
 
         kind, text = spec.key
-        compiler = self._compiler()
+        compiler = self.compiler()
         t0 = time.perf_counter()
         try:
             if kind == "json":

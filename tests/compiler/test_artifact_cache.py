@@ -156,9 +156,9 @@ def _same_outputs(result: dict, reference: dict) -> None:
 @pytest.fixture(scope="module")
 def env_base(kiln_cache_dir):
     """Environment for the workers: the borrowed tokenizer converted once, outside the test caches."""
-    from kiln.models.loader import _tokenizer_dir
+    from kiln.models.loader import tokenizer_dir
 
-    return {"KILN_TOKENIZER_DIR": _tokenizer_dir(kiln_cache_dir)}
+    return {"KILN_TOKENIZER_DIR": tokenizer_dir(kiln_cache_dir)}
 
 
 @pytest.fixture(scope="module")

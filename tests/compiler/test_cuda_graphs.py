@@ -232,7 +232,7 @@ def _hf_from_kiln(runner):
     d = runner.arch.to_hf_config()
     config = AutoConfig.for_model(d.pop("model_type"), **d)
     hf = AutoModelForCausalLM.from_config(config, dtype=runner.dtype).to(runner.device).eval()
-    state = {name: t.detach().clone() for name, t in runner.model._weight_targets()}
+    state = {name: t.detach().clone() for name, t in runner.model.weight_targets()}
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     return hf

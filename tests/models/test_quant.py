@@ -406,7 +406,7 @@ def test_fp8_checkpoint_tensors_load_dequantized(layout):
     from kiln.models.quantize import dequantize_fp8_checkpoint
 
     source = float_model()
-    tensors = dict(source._weight_targets())
+    tensors = dict(source.weight_targets())
     checkpoint = []
     for name, t in tensors.items():
         if not name.endswith("proj.weight"):
@@ -428,7 +428,7 @@ def test_fp8_checkpoint_tensors_load_dequantized(layout):
                        (name.replace(".weight", ".input_scale"), torch.tensor(1.0))]
     target = LlamaForCausalLM(ARCH).eval()
     target.load_weights(dequantize_fp8_checkpoint(iter(checkpoint), torch.float32))
-    for name, t in target._weight_targets():
+    for name, t in target.weight_targets():
         want = tensors[name]
         if name.endswith("proj.weight"):
             assert not torch.equal(t, want)  # went through fp8

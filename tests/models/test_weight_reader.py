@@ -342,8 +342,8 @@ def test_tokenizers_loaded_on_several_threads_at_once_all_load():
 
     code = """
 import os, threading
-from kiln.models.loader import _load_tokenizer, _tokenizer_dir
-path = _tokenizer_dir(os.environ["KILN_CACHE_DIR"])
+from kiln.models.loader import _load_tokenizer, tokenizer_dir
+path = tokenizer_dir(os.environ["KILN_CACHE_DIR"])
 errors = []
 def load():
     try:

@@ -57,7 +57,7 @@ def test_rank_shards_reassemble_the_full_weights(preset, size, source):
         if source == "random":
             init_random_weights(shard, seed=0)
         else:
-            shard.load_weights(full._weight_targets())
+            shard.load_weights(full.weight_targets())
         ranks.append(shard)
     d, kvh = arch.head_dim, arch.num_kv_heads
     for layer in range(arch.num_layers):
@@ -210,10 +210,10 @@ def odd_vocab_dir(tmp_path_factory, kiln_cache_dir) -> str:
 
     from safetensors.torch import save_file
 
-    from kiln.models.loader import _tokenizer_dir
+    from kiln.models.loader import tokenizer_dir
 
     path = tmp_path_factory.mktemp("odd_vocab")
-    shutil.copytree(_tokenizer_dir(kiln_cache_dir), path, dirs_exist_ok=True)
+    shutil.copytree(tokenizer_dir(kiln_cache_dir), path, dirs_exist_ok=True)
     (path / "config.json").write_text(json.dumps(ODD_VOCAB.to_hf_config()))
     save_file(dict(iter_random_weights(ODD_VOCAB, 0, torch.device("cpu"), torch.float32, std=0.05)),
               str(path / "model.safetensors"))
