@@ -1,16 +1,19 @@
-"""Helpers shared by the scripts in ``benchmarks/``: the results format of ``kiln bench``.
+"""Helpers shared by the benchmark tools: where a run writes, timing, and the records of ``kiln bench``.
 
-A script builds one record per measured system with ``make_record`` (name, model, device, config,
-metrics, status, error, timestamp, torch version; see ``kiln.bench.report``), then
-``save_results`` writes each record to ``results/<name>-<system>-<time>.json`` and appends one row per
-record to ``results/<name>.md``. The sweep of ``kiln bench`` writes the same records, so a
-script's history and a sweep can be read, tabulated and plotted by the same code.
+A subcommand builds one record per measured system with ``make_record`` (name, model, device, config,
+metrics, status, error, timestamp, torch version; see ``kiln.bench.report``) and writes its files
+into ``out_dir()`` (``$OUT``), e.g. with ``save_results``; ``benchmarks.cli`` then folds them into
+the tool's summary (``benchmarks.results``). The sweep of ``kiln bench`` writes the same records, so
+a tool's history and a sweep can be read, tabulated and plotted by the same code.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import subprocess
+import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,7 +23,27 @@ from kiln.bench.report import (  # noqa: F401  (re-exported for the scripts)
     append_table_rows, device_name, format_number, make_record, write_record,
 )
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def out_dir() -> Path:
+    """Where a run writes its files: ``$OUT`` (a fresh directory ``benchmarks.cli`` folds afterwards,
+    or the caller's), else a new temporary directory."""
+    out = os.environ.get("OUT") or tempfile.mkdtemp(prefix="kiln-bench-")
+    os.environ["OUT"] = out
+    return Path(out)
+
+
+def child_command(module: str, *args: str) -> list[str]:
+    """``python -m <module> <args>``: a fresh interpreter for one measurement (run it with ``child_env``)."""
+    return [sys.executable, "-m", module, *args]
+
+
+def child_env(env: Optional[dict] = None) -> dict:
+    """``env`` (default: this process's) with the repository on ``PYTHONPATH``, so ``benchmarks`` imports."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
 
 
 def copy_bandwidth(num_bytes: int = 2**30, iters: int = 20) -> float:
@@ -92,6 +115,16 @@ def weight_bytes_per_step(model) -> int:
     return total
 
 
+def mean_us(call, iters: int) -> float:
+    """Mean microseconds of ``call()`` over ``iters`` calls, after three untimed ones."""
+    for _ in range(3):
+        call()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
 @contextmanager
 def timed() -> Iterator[dict]:
     """``with timed() as t: ...`` then ``t["s"]`` holds the elapsed seconds."""
@@ -115,16 +148,18 @@ def stop_process(proc, timeout: float = 60.0) -> None:
 def save_results(
     name: str,
     records: list[dict],
-    results_dir: Path = RESULTS_DIR,
+    results_dir: Optional[Path] = None,
     config_keys: Optional[list[str]] = None,
 ) -> tuple[list[Path], Path]:
-    """Write one JSON per record and append their rows to ``<name>.md``; returns both paths."""
+    """Write one JSON per record (run ``<name>-<system>-<time>``) and their rows to
+    ``<name>-<time>.md`` (run ``<name>-<time>``) under ``results_dir`` (default ``out_dir()``)."""
+    results_dir = Path(results_dir) if results_dir is not None else out_dir()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     json_paths = []
     for record in records:
         system = record.get("config", {}).get("system", "run")
-        json_paths.append(write_record(record, Path(results_dir) / f"{name}-{system}-{stamp}.json"))
-    table = append_table_rows(Path(results_dir) / f"{name}.md", records, config_keys)
+        json_paths.append(write_record(record, results_dir / f"{name}-{system}-{stamp}.json"))
+    table = append_table_rows(results_dir / f"{name}-{stamp}.md", records, config_keys)
     return json_paths, table
 
 

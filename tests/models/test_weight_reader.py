@@ -81,7 +81,7 @@ def test_reader_to_gpu_matches_safetensors(tmp_path, monkeypatch):
 
 
 def _checkpoint(tmp_path):
-    from benchmarks.startup import write_checkpoint
+    from benchmarks.startup.starts import write_checkpoint
 
     return write_checkpoint("tiny", tmp_path / "ckpt")
 
