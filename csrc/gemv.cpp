@@ -1,6 +1,6 @@
 // One-row bfloat16 and float32 GEMVs on CPU: torch.ops.kiln_cpu.gemv_bf16 and gemv_f32 (built into kiln._C with
 // paged_attention.cpp). Python side and when it runs: kiln/ops/cpu_linear.py; tests:
-// tests/ops/test_cpu_linear.py; timing: benchmarks/quant_cpu.py.
+// tests/ops/test_cpu_linear.py; timing: python -m benchmarks.offline quant-cpu.
 //
 //   y[m, n] = sum_k x[m, k] * w[n, k]     x [M, K] bf16, w [N, K] bf16 (rows contiguous), y float32
 //
@@ -103,7 +103,7 @@ void rows_avx512bf16(const uint16_t* w, const uint16_t* x, float* y, int64_t N, 
 // Float32 rows with AVX2 + FMA: two 8-float accumulators a row over 16 columns a step, four rows
 // sharing each load of x, and the same software prefetch, kF32PrefetchRows rows ahead. MKL's one-row
 // sgemv (what F.linear and Inductor's extern mm call) read 5.6-7.8 GB/s on a 2-vCPU AMD EPYC whose
-// memory gives 14 GB/s; this loop read 11-14 GB/s there (benchmarks/cpu_gemv.py).
+// memory gives 14 GB/s; this loop read 11-14 GB/s there (python -m benchmarks.kernels cpu-gemv).
 // Bfloat16 rows without AVX512-BF16 (AVX2 CPUs such as AMD's Zen 3) take the same loop, each
 // bfloat16 widened to float32 exactly (a 16-bit shift): half the bytes at the same memory speed.
 constexpr int64_t kF32GemvRows = 64;  // linear_f32's rows through the GEMV off Intel (see there)
@@ -328,7 +328,7 @@ at::Tensor linear_by_rows(const char* name, const at::Tensor& x, const at::Tenso
 // an Intel Xeon with 2 threads as fast as MKL's GEMV, the LM head 9% faster; on an AMD EPYC twice
 // as fast), and off Intel up to kF32GemvRows rows (tile_avx2's register blocks), where MKL's GEMMs
 // at these shapes are slow; more rows through at::linear (MKL's GEMM). A SmolLM2 layer's four
-// linears at 1 / 2 / 4 / 8 / 16 / 32 / 64 rows, us, gemv_f32 against MKL (benchmarks/cpu_gemv.py
+// linears at 1 / 2 / 4 / 8 / 16 / 32 / 64 rows, us, gemv_f32 against MKL (python -m benchmarks.kernels cpu-gemv
 // --rows, weights read from memory): EPYC 995 / 1103 / 1271 / 1517 / 1957 / 3102 / 5684 against
 // 1881 / 3804 / 4093 / 3775 / 4474 / 5102 / 7990, the LM head at 64 rows 46.5 against 87.1 ms
 // (at 256 rows MKL's is faster); Xeon, before the register blocks, 706 / 925 / 1322 / 2471 / 4364
@@ -374,7 +374,7 @@ inline void int4_scales(const uint16_t* pairs_of_8, __m256* s, __m256* z8) {
 // in its low nibble and row 16 + d in its high one; scales_zeros [K / g, N, 2] bfloat16 (s, z),
 // w = (q - 8) s + z. Per group of g columns the block sums t = x . q without scales (an integer op
 // and a convert per nibble, one FMA per 8 weights), then adds s t + (z - 8 s) sum(x), where torch's
-// kernel dequantizes every weight and rounds x and y to bfloat16 (benchmarks/cpu_int4.py).
+// kernel dequantizes every weight and rounds x and y to bfloat16 (python -m benchmarks.kernels cpu-int4).
 __attribute__((target("avx2,fma")))
 void int4_block_avx2(const uint8_t* w, const uint16_t* sz, const float* x, const float* xsums, float* y, int64_t N,
                      int64_t K, int64_t group, int64_t n0) {
@@ -534,7 +534,7 @@ void int4_all_rows_avx2(const uint8_t* w, const uint16_t* sz, const float* x, co
 // int4_block_avx2; more: int4_all_rows_avx2): a SmolLM2 layer's four int4 linears, weights read
 // from memory, 1.50x / 1.48x torch's kernel at 1 / 2 rows and, in passes of up to 6 rows,
 // 1.45-1.60x / 1.43-1.63x at 16 / 32 rows on an AMD EPYC (pairs of rows gave 1.24-1.43x and
-// 1.24-1.28x; benchmarks/cpu_int4.py --rows); below kInt4MinWeights the fixed costs win.
+// 1.24-1.28x; python -m benchmarks.kernels cpu-int4 --rows); below kInt4MinWeights the fixed costs win.
 constexpr int64_t kInt4MinWeights = int64_t(1) << 17;
 
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales_zeros, int64_t group_size) {

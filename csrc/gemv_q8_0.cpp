@@ -1,6 +1,6 @@
 // One-row Q8_0 GEMV on CPU: torch.ops.kiln_cpu.gemv_q8_0 (built into kiln._C with gemv.cpp).
 // Python side, packing and the pure-torch reference: kiln/ops/cpu_linear.py; tests:
-// tests/ops/test_cpu_linear.py; timing: benchmarks/quant_cpu.py.
+// tests/ops/test_cpu_linear.py; timing: python -m benchmarks.offline quant-cpu.
 //
 //   y[m, n] = sum_b d[n, b] * dx[m, b] * sum_{k in block b} q[n, k] * qx[m, k]
 //

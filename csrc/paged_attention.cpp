@@ -10,7 +10,7 @@
 // per-tensor scales kv_scale = (k_scale, v_scale) (1 when not given); rows are dequantized on load
 // (fp8_row_to_float), k_scale is folded into q's pre-scale and v_scale into the output.
 // Python side (fake impl, the kiln_cpu::attend_paged op, the correctness check):
-// kiln/ops/cpu_attention.py; tests: tests/ops/test_cpu_attention.py; timing: benchmarks/cpu_attention.py.
+// kiln/ops/cpu_attention.py; tests: tests/ops/test_cpu_attention.py; timing: python -m benchmarks.kernels cpu-attention.
 //
 // Layouts (element strides; only the last dim must be contiguous):
 //
@@ -47,7 +47,7 @@
 // The next compiled 16-float vectors for every instruction set (target_clones of one body): on
 // AVX2 each was two ymm registers and GCC 12 kept them on the stack. 8 floats there made SmolLM2's
 // shapes 3.5-6x faster on a Zen 3 core (decode of 160 keys 95 -> 24 us, a 128-token prefill
-// 4.3 -> 0.75 ms; benchmarks/cpu_attention.py).
+// 4.3 -> 0.75 ms; python -m benchmarks.kernels cpu-attention).
 
 #include <Python.h>
 

@@ -345,7 +345,7 @@ class SpeculativeConfig:
     draft_cudagraph: str = "auto"  # draft: compile.cudagraph of the draft model (auto: full graphs on CUDA)
     # Speculate only while at most this many requests run: on an H100 (Llama-3-8B shapes, k = 4) a
     # verify step costs 1.04x a decode at batch 1 and 1.25x at 32, and at per-token acceptance 0.7
-    # the speed-up fell from 2.1x at batch 1 to 1.04x at 16 and 0.88x at 32 (benchmarks/spec_decode.py).
+    # the speed-up fell from 2.1x at batch 1 to 1.04x at 16 and 0.88x at 32 (python -m benchmarks.offline spec-decode).
     max_batch_size: int = 16
 
     def __post_init__(self) -> None:

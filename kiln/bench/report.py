@@ -1,7 +1,7 @@
 """Benchmark results: one JSON record per run, and markdown tables over any set of records.
 
 Every kiln benchmark writes this one format (the ``kiln bench`` sweep and the scripts in
-``benchmarks/``), so any set of runs can be tabulated and plotted together::
+``benchmarks/`` tools), so any set of runs can be tabulated and plotted together::
 
     {"name": "bench-throughput", "model": "random:tiny", "device": "cpu: <cpu model>",
      "config": {...}, "metrics": {"startup_s": 1.9, "output_tok_s_bs8": 412.0, ...},

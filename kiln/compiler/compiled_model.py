@@ -622,7 +622,7 @@ class StepGate:
     tracing. It cannot stop C calls that hold the GIL (module loads, unmarshal). After ``MAX_PARK_S``
     parked the build runs for ``PASS_S`` regardless, so that steps back to back still let it end.
 
-    On an H200, Llama-3-8B from an on-disk checkpoint (benchmarks/results/startup-build-gate-*): the
+    On an H200, Llama-3-8B from an on-disk checkpoint (benchmarks/results/startup-H200.md#startup-build-gate): the
     first token of a warm start came at 6.86 s against 9.32 s without it (the first eager step beside
     the build took 0.10 s against 1.84 s), and of a first start at 18.3 s against 26.7 s (the memory
     profile and warm-up ran beside the build). The hook slows the build's Python: kiln's forward
@@ -666,7 +666,7 @@ class BackgroundBuild:
     and the eager warm-up (which need the GIL between reads and ops) a warm start of Llama-3-8B on an
     H200 was ready at 15.2 s instead of 8.1 s. On a first CUDA start (no memory profile kept) it calls
     it as the weights start loading: compiling takes tens of seconds, and kiln's forward ran 10.9-13.4 s
-    sooner, the first token 0.8-3.4 s later (benchmarks/results/startup-build-early-*)."""
+    sooner, the first token 0.8-3.4 s later (benchmarks/results/startup-H200.md#startup-build-early)."""
 
     NICE = 5
 
@@ -704,7 +704,7 @@ class BackgroundBuild:
             # H200, 2.0 s at 0.1 ms (before StepGate). Not on the CPU, whose steps hold the cores in
             # long ops: on a 2-vCPU EPYC the eager steps beside the build ran no faster (16.2 against
             # 16.4 tok/s) and SmolLM2's build had not ended after 150 s, against 90 s at 5 ms
-            # (benchmarks/background_build.py).
+            # (python -m benchmarks.startup background-build).
             handoff = quick_gil_handoff() if cuda else contextlib.nullcontext()
             with cancellable(self._cancel), handoff, _ONE_BUILD, _traces_exclude_eager_forwards():
                 check_cancelled()

@@ -33,7 +33,7 @@ DTYPES = {
 # One read, and one host-to-device copy. Each chunk takes the GIL a few times, and a start reads
 # beside Python on two other threads (the model's construction, the tokenizer's import): with
 # 32 MiB rather than 16, a Llama-3-8B checkpoint in the page cache was in GPU memory 0.5 s sooner
-# and the tokenizer built 0.6 s sooner on an H200 (benchmarks/results/load_phases-NVIDIA_H200.md).
+# and the tokenizer built 0.6 s sooner on an H200 (benchmarks/results/startup-H200.md#load_phases).
 CHUNK_BYTES = 32 << 20
 NUM_BUFFERS = 16  # pinned buffers in flight: 512 MiB of pinned host memory
 NUM_THREADS = 8

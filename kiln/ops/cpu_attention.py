@@ -18,7 +18,7 @@ forward context. This module:
 - defines ``kiln_cpu::attend_paged_py``, the Python path over the forward context;
 - ``kiln.ops.registry`` selects ``kiln_cpu::attend_paged`` on CPU when ``load_extension()`` succeeds;
 - the correctness check (``check_against_reference``) used by ``tests/ops/test_cpu_attention.py``;
-  timing is ``benchmarks/cpu_attention.py``.
+  timing is ``python -m benchmarks.kernels cpu-attention``.
 
 q, k and v may be row-strided views of one fused qkv projection: the kernel reads them in place.
 The cache is q's dtype or float8_e4m3fn (``cache.dtype=fp8``, with the per-tensor ``kv_scale``).
@@ -150,7 +150,7 @@ def attention_context(ctx: ForwardContext) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Correctness check against the reference (tests and `benchmarks/cpu_attention.py --check`)
+# Correctness check against the reference (tests and `python -m benchmarks.kernels cpu-attention --check`)
 
 
 def tolerance(dtype: torch.dtype) -> float:

@@ -6,7 +6,7 @@ through oneDNN's matmul and ``torch.mv`` through a GEMV that converts each bfloa
 2-core Xeon with AMX-BF16 both take about as long as float32's MKL GEMV on twice the bytes, so a
 bfloat16 model decoded no faster than float32. ``torch.ops.kiln_cpu.gemv_bf16`` (``csrc/gemv.cpp``,
 built into ``kiln._C``) multiplies bfloat16 pairs with AVX512-BF16 into float32 sums and
-prefetches ahead: about 2x float32 per step (``benchmarks/quant_cpu.py``); a CPU with AVX2 but not
+prefetches ahead: about 2x float32 per step (``python -m benchmarks.offline quant-cpu``); a CPU with AVX2 but not
 AVX512-BF16 widens each bfloat16 to float32 (exact) and multiplies with FMA. More rows keep
 ``F.linear``: oneDNN's AMX kernels win from a few rows on (batch 16: 2.5x float32 on the LM head).
 ``torch.ops.kiln_cpu.linear_bf16`` makes that choice in C++ by the row count, so a compiled graph
@@ -16,7 +16,7 @@ goes through ``torch.mv`` (no worse than ``F.linear``).
 Float32 goes the same way through ``torch.ops.kiln_cpu.linear_f32`` (``gemv_f32``: AVX2 + FMA, four
 rows sharing each load of the activation, software prefetch). MKL's one-row sgemv, which
 ``F.linear`` and Inductor's extern ``mm`` call, read 6.3-11.3 GB/s on a 2-vCPU AMD EPYC whose memory
-gives 15 GB/s; the GEMV read 12.9-17.7 GB/s there (``benchmarks/cpu_gemv.py``), and as fast as MKL's
+gives 15 GB/s; the GEMV read 12.9-17.7 GB/s there (``python -m benchmarks.kernels cpu-gemv``), and as fast as MKL's
 on an Intel Xeon. Off Intel, where MKL's GEMMs at these shapes are slow, up to 64 rows take
 register blocks of 3 activation rows by 4 weight rows (each weight tile read once for all rows:
 a SmolLM2 layer's linears at 16 rows 2.0 against MKL's 4.5 ms on an AMD EPYC); more rows keep MKL's

@@ -6,7 +6,7 @@ llama3-8b's shapes kiln's Triton weight-only GEMV (``kiln.ops.triton_quant_gemm`
 ``dense``: the fp8 kernel reading bf16 weights with no scales) took 18.8-19.1 against 20.8 us on
 qkv, 13.3-13.6 against 16.7 on o, 76.9-77.3 against 82.0 on gate_up, 40.6-41.1 against 44.8 on
 down and 332-334 against 373 on the LM head, and Hopper's cuBLAS splits K on two of them into a
-second reduce kernel each (``benchmarks/quant_gemm.py --schemes dense``, one call per CUDA-graph
+second reduce kernel each (``python -m benchmarks.kernels quant-gemm --schemes dense``, one call per CUDA-graph
 node, weights cycled past the L2).
 
 ``kiln_cuda::linear_dense(x, w, bias)`` runs that GEMV when ``x`` is one row of a CUDA bf16/fp16

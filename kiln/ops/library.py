@@ -7,7 +7,7 @@ redispatches. kiln's ops are called outside graphs on every step (attention runs
 piece graphs, quantized GEMMs in eager mode) and by every warm-up and capture of a CUDA graph, so
 ``define_op`` registers the kernel with the dispatcher directly (``torch.library.Library`` define +
 impl, and ``register_fake``): a call is the dispatcher and the kernel, nothing more
-(``benchmarks/op_dispatch.py`` measures both).
+(``python -m benchmarks.decode op-dispatch`` measures both).
 
 Rules the kernels keep in exchange: outputs never alias inputs (custom_op checked it on every call);
 ops have no autograd (kiln serves, never trains: a backward through them is not defined, as with

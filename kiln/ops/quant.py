@@ -37,7 +37,7 @@ FP8_MAX = 448.0  # the largest float8_e4m3fn
 FP8_DTYPE = torch.float8_e4m3fn
 
 # Up to this many rows the Triton W8A16 kernel beats per-token quantization + ``_scaled_mm`` on an
-# H100 at the llama3-8b shapes (benchmarks/quant_gemm.py: at 32 rows it is 3-40% faster, at 64
+# H100 at the llama3-8b shapes (python -m benchmarks.kernels quant-gemm: at 32 rows it is 3-40% faster, at 64
 # slower on two of the four).
 FP8_TRITON_MAX_ROWS = 32
 

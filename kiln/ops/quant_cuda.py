@@ -145,7 +145,7 @@ def int4_triton_fits(n: int, k: int, group_size: int) -> bool:
 # dequantizing in the tiles is ALU-bound, at 32 rows 2-4x slower than bf16 cuBLAS).
 INT_TRITON_MAX_ROWS = 16
 # int4's tensor-core tile (bf16x2 dequantization) beats dequantization + cuBLAS at 32 and 64 rows on
-# all four llama3-8b shapes (H100: 1.3-2.2x, benchmarks/results/quant_gemm-int4-*); above, unmeasured.
+# all four llama3-8b shapes (H100: 1.3-2.2x, benchmarks/results/kernels-H100.md#quant_gemm-int4); above, unmeasured.
 INT4_TRITON_MAX_ROWS = 64
 
 

@@ -48,7 +48,7 @@ compiler swaps in on CUDA); ``kiln.ops.registry`` selects it, with ``static_deco
 context CUDA-graph capture enters.
 
 Correctness check: ``check_against_reference`` below (used by ``tests/ops/test_triton_attention.py``
-and ``benchmarks/attention_kernels.py --check``); timing: ``benchmarks/attention_kernels.py``.
+and ``python -m benchmarks.kernels attention --check``); timing: ``python -m benchmarks.kernels attention``.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ LOG2_E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tile shapes and launch widths. Defaults: best of ``benchmarks/attention_kernels.py --sweep`` on
+    """Tile shapes and launch widths. Defaults: best of ``python -m benchmarks.kernels attention --sweep`` on
     Hopper (H200) at llama3-8b shapes (bf16, head_dim 128)."""
 
     decode_block_n: int = 64  # keys per decode tile
@@ -655,7 +655,7 @@ attend_paged_rope = define_rope_attention_op("kiln_triton::attend_paged_rope", t
 
 
 # ---------------------------------------------------------------------------------------------
-# Correctness check against the reference (tests and `benchmarks/attention_kernels.py --check`)
+# Correctness check against the reference (tests and `python -m benchmarks.kernels attention --check`)
 
 
 def tolerance(dtype: torch.dtype) -> float:

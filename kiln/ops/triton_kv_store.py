@@ -11,7 +11,7 @@ per new token; it copies that token's ``num_kv_heads x head_dim`` row of K and o
 The copy casts to the cache dtype, exactly like the reference, so the two must agree bit for bit.
 An FP8 cache with scales (``kv_scale``, see ``kiln.ops.attention``) stores clamp(x / scale, +-448):
 the division is IEEE-rounded (``div_rn``) as torch's is, so the bits still match on the GPU.
-Correctness check: ``tests/ops/test_triton_attention.py``; timing: ``benchmarks/attention_kernels.py``.
+Correctness check: ``tests/ops/test_triton_attention.py``; timing: ``python -m benchmarks.kernels attention``.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ the routing weight multiplied in float32, the K-way sum in float32. float32 inpu
 matmuls (no TF32), so they match the reference to float32 rounding.
 
 ``check_against_reference`` compares it with ``kiln.ops.moe.fused_moe_reference`` on fresh random
-inputs (tests, and ``benchmarks/moe.py`` at real shapes).
+inputs (tests, and ``python -m benchmarks.offline moe`` at real shapes).
 """
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ add_rms_norm_quant_fp8, silu_and_mul_quant_fp8, linear_fp8_prequant = define_fp8
 
 # Whether the joined ops quantize the rows at weight-only (decode) row counts too, as the unjoined
 # fusion did (the W8A16 kernel then reads fp8 rows and their scales); off, they feed it the rows in
-# the model dtype and no quantization runs. A switch for benchmarks/quant_gpu.py's comparison.
+# the model dtype and no quantization runs. A switch for the comparison in `python -m benchmarks.offline quant-gpu`.
 QUANTIZE_DECODE_ROWS = False
 
 

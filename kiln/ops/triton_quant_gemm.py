@@ -479,8 +479,8 @@ def triton_dequant_int4(w: torch.Tensor, scales_zeros: torch.Tensor, group_size:
 
 # ---- configurations ------------------------------------------------------------------------------
 
-# (scheme, M bucket, N, K) -> config: the fastest of a sweep on an H100 (benchmarks/quant_gemm.py
-# --sweep; results in benchmarks/results/quant_gemm-*.md) for the llama3-8b linears (qkv 6144x4096,
+# (scheme, M bucket, N, K) -> config: the fastest of a sweep on an H100 (python -m benchmarks.kernels quant-gemm
+# --sweep; results in benchmarks/results/kernels-{H100,H200}.md, runs quant_gemm*) for the llama3-8b linears (qkv 6144x4096,
 # o 4096x4096, gate_up 28672x4096, down 4096x14336); int8 reads the fp8 rows.
 _QKV, _O, _GATE_UP, _DOWN = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)
 _LM_HEAD = (128256, 4096)
@@ -506,7 +506,7 @@ MEASURED: dict[tuple[str, int, int, int], GemmConfig] = {
     ("fp8", 32, *_GATE_UP): GemmConfig(32, 64, 128, 1),
     ("fp8", 32, *_DOWN): GemmConfig(32, 64, 128, 8),
     # the word-wise GEMV at one row (its loads unpipelined), the tensor-core tile at 2-16
-    # 8-row tiles, no split-K (benchmarks/int4_gemv_split.py, with PDL; H100, us before -> after):
+    # 8-row tiles, no split-K (python -m benchmarks.kernels int4-split, with PDL; H100, us before -> after):
     # qkv 9.99 -> 8.47, o 7.15 -> 6.99, gate_up 32.0 -> 29.6, down 20.9 -> 18.4 (its split-K took a
     # zero fill and a cast a call besides the GEMV)
     ("int4", 1, *_QKV): GemmConfig(1, 8, 2048, 1, num_warps=4, num_stages=1),
@@ -524,7 +524,7 @@ M_BUCKETS = (1, 16, 32, 64)
 
 def load_measured(best: dict) -> None:
     """Entries ``"scheme,M,N,K": [block_m, block_n, block_k, split_k, num_warps, num_stages]`` (as
-    benchmarks/quant_gemm.py writes them) over every card's table (``LOADED``)."""
+    python -m benchmarks.kernels quant-gemm writes them) over every card's table (``LOADED``)."""
     for key, cfg in best.items():
         scheme, m, n, k = key.split(",")
         LOADED[(scheme, m_bucket(int(m)), int(n), int(k))] = GemmConfig(*cfg)
@@ -572,7 +572,7 @@ MEASURED_ON: dict[str, dict[tuple[str, int, int, int], GemmConfig]] = {
         ("dense", 1, *_O): GemmConfig(1, 16, 256, 1, num_warps=4, num_stages=4),
         ("dense", 1, *_GATE_UP): GemmConfig(1, 8, 256, 1, num_warps=2, num_stages=3),
         ("dense", 1, *_DOWN): GemmConfig(1, 8, 512, 1, num_warps=4, num_stages=4),
-        # gate_up fed by add + RMSNorm (benchmarks/gemv_join.py --sweep): 55.74 us against 60.17 with
+        # gate_up fed by add + RMSNorm (python -m benchmarks.kernels gemv-join --sweep): 55.74 us against 60.17 with
         # the plain GEMV's 8-row tile (56.06 for the norm kernel and the GEMV apart)
         ("dense+norm", 1, *_GATE_UP): GemmConfig(1, 32, 256, 1, num_warps=4, num_stages=4),
     },

@@ -65,7 +65,7 @@ def _lazy_zeros(dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros in an anonymous memory mapping: the OS hands each page out zeroed when
     it is first touched, so a start does not fault in and clear the whole cache up front
     (``torch.zeros`` of SmolLM2's 1 GiB cache took 0.36-1.05 s of every CPU restart on a 2-vCPU EPYC,
-    benchmarks/results/startup_cpu_ab-amd-epyc.md). The tensor keeps the mapping alive."""
+    benchmarks/results/startup-cpu.md#startup_cpu_ab-amd-epyc). The tensor keeps the mapping alive."""
     count = math.prod(dims)
     if count == 0:
         return torch.zeros(dims, dtype=dtype)

@@ -4,8 +4,8 @@ Every operation in the app's OpenAPI schema (FastAPI's, generated from the reque
 valid bodies of every shape the schema allows, and bodies that break it (wrong types, missing
 fields, out-of-range numbers, odd strings). After the run the engine must still be healthy, answer
 a normal request with the same tokens as before the run, and hold no running request and no KV
-block. ``KILN_FUZZ_EXAMPLES`` sets the cases per operation (CI: a short run; ``benchmarks/results/
-server_fuzz.md`` records a longer one).
+block. ``KILN_FUZZ_EXAMPLES`` sets the cases per operation (CI: a short run;
+``benchmarks/results/serve-cpu.md#server_fuzz`` records a longer one).
 """
 
 from __future__ import annotations

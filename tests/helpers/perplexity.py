@@ -1,6 +1,5 @@
 """The quality text (``tests/data/python_execution_model.txt``, 2,702 tokens of SmolLM2's tokenizer)
-and the perplexity of a model over it in one prefill: what the quantization quality checks measure
-(also ``benchmarks/head_quant_quality.py``)."""
+and the perplexity of a model over it in one prefill: what the quantization quality checks measure."""
 
 from __future__ import annotations
 

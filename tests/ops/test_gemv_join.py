@@ -461,8 +461,8 @@ def test_int4_model_kiln_with_joins_matches_eager():
 
 
 def test_fed_gemv_takes_its_own_measured_tile(monkeypatch):
-    """A tile measured for a fed GEMV (``benchmarks/gemv_join.py --sweep``) serves it; the plain GEMV
-    keeps its own, and a split-K entry sends the joined op to the unfused kernels."""
+    """A tile measured for a fed GEMV (``python -m benchmarks.kernels gemv-join --sweep``) serves it;
+    the plain GEMV keeps its own, and a split-K entry sends the joined op to the unfused kernels."""
     from kiln.ops import triton_quant_gemm as tq
 
     monkeypatch.setattr(tq, "LOADED", {})

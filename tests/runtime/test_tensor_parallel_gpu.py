@@ -2,7 +2,7 @@
 all-reduce order moves a logit by about 1e-6, far less than the gap between the best two logits of
 any step of these prompts, so greedy tokens must agree over all 32 steps and the top logprobs (the
 logits less each step's logsumexp: what the engine returns) must stay within 1e-4. bf16 models,
-whose near-ties may flip legitimately, are checked on their logits by ``benchmarks/tp_check.py``."""
+whose near-ties may flip legitimately, are checked on their logits by ``python -m benchmarks.offline tp-check``."""
 
 import gc
 import random
