@@ -9,8 +9,8 @@ A summary is a JSON object of runs keyed by run name; a run holds any of
 A subcommand writes its files (``<run>.json`` records, ``<run>.md`` table, ``<run>.txt`` profile)
 into ``$OUT``; ``fold`` then stores each stem as a run (``benchmarks.cli`` does this after a run
 unless ``$OUT`` was set by the caller, as on a device machine: then ``python -m benchmarks.<tool>
-fold <dir>`` stores what came back). ``save_run`` merges one run into its summary (a run of the same name is replaced) and re-renders the
-``.md``: one ``## <run>`` section per run, so ``<tool>-<card>.md#<run>`` and ``<tool>-<card>.json``
+fold <dir>`` stores what came back). ``save_run`` merges one run into its summary (a run of the
+same name is replaced) and re-renders the ``.md``: one ``## <run>`` section per run, so ``<tool>-<card>.md#<run>`` and ``<tool>-<card>.json``
 key ``<run>`` name the same measurement. Docs cite runs that way. The card is the accelerator's
 model (``H100``, ``H200``) or ``cpu``; the machine is in each record's ``device``.
 """

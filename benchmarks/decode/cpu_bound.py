@@ -13,7 +13,7 @@ For each thread count (``--threads``, default 1 and every core), one process, sa
 The GEMMs read every weight once (540 MB in fp32), so no compile mode that keeps fp32 weights and
 the GEMM kernels can make a step faster than ``gemm ms``.
 
-    python -m benchmarks.decode cpu-bound --out benchmarks/results
+    python -m benchmarks.decode cpu-bound
 """
 
 from __future__ import annotations

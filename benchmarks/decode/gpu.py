@@ -36,7 +36,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import append_table_rows, console_table, copy_bandwidth, make_record, out_dir, weight_bytes_per_step, weight_bytes_per_step  # noqa: F401
+from benchmarks.common import (  # noqa: F401  (re-exported for decode.static and decode.profile)
+    append_table_rows, console_table, copy_bandwidth, make_record, out_dir, weight_bytes_per_step,
+)
 
 MAX_MODEL_LEN = 2048
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512)  # up to the throughput run's batch

@@ -16,7 +16,7 @@ and GEMM, kiln before ``kiln_cpu::linear_f32``), built and run with float32 left
 Systems take turns within a round, so a machine whose speed drifts (a shared VM) moves every
 system alike. The table gives the decode step's 10th percentile and median over all rounds (a
 shared VM's neighbours only add time: the low percentile is the steadier number) and the batch's
-median tok/s. Writes ``benchmarks/results/cpu_split_every-<model><label>.{json,md}``.
+median tok/s. Writes ``cpu_split_every-<model><label>.{json,md}`` into ``$OUT``.
 
     python -m benchmarks.decode split-every                          # SmolLM2: eager, split 1, split 10
     python -m benchmarks.decode split-every --split-every 1,5,10 --rounds 7
@@ -30,9 +30,7 @@ import contextlib
 import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 
 import torch

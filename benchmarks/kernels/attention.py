@@ -17,7 +17,7 @@ batch 1/32/256 x context 128..4096; prefill: chunks with and without a cached pr
 KV GB/s (decode's HBM bandwidth) and TFLOP/s divide the K/V bytes read and the causal flops by the
 faster of ``attend`` and ``graph``.
 
-Results go to ``$OUT/attention_kernels.json`` if OUT is set, else ``benchmarks/results/``; the
+Results go to ``$OUT/attention_kernels.json``; the
 last thing printed is a short table.
 """
 
@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, replace
-from pathlib import Path
 
 import torch
 

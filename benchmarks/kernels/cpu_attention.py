@@ -14,7 +14,7 @@ fused qkv tensor. KV GB/s divides the K/V bytes the kernel reads by its time.
 Other processes may share the CPU: the thread count and the load average are saved with the
 numbers. On a loaded machine use ``--threads 1``: with more threads than free cores every
 parallel region waits for its slowest, descheduled thread.
-Results go to ``benchmarks/results/cpu-attention-cpu.json`` (``--out`` to change).
+Results go to ``$OUT/cpu-attention.json`` (``--out`` to change).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ weight at the memory's speed. For each shape the script cycles through enough co
 (``--bytes`` in all) that each call reads from memory, not the cache, and times every method in
 ``--rounds`` interleaved rounds (median). The memory's own rate is measured in the same run as
 ``torch.dot`` of a ``--bytes`` vector with itself. Writes
-``benchmarks/results/cpu_gemv-<cpu>.{json,md}``.
+``cpu_gemv-<cpu>.{json,md}`` in ``$OUT``.
 
     python -m benchmarks.kernels cpu-gemv
 """
@@ -20,7 +20,6 @@ import re
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F

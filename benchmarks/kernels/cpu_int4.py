@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 import time
-from pathlib import Path
 
 import torch
 

@@ -16,7 +16,7 @@ measure how busy the machine was at the time; taking turns spreads that over eve
 
     python -m benchmarks.offline compile-modes --rounds 3            # SmolLM2, batch 1 / 8 / 32
 
-Writes ``benchmarks/results/compile_modes_<device>_<model>.{json,md}`` and prints the table.
+Writes ``compile_modes_<device>_<model>.{json,md}`` into ``$OUT`` and prints the table.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ process, one after the other, with the same ``compile.mode`` and CUDA graphs:
 and the ratio generic / native of each, plus how many of the batch-1 greedy tokens the two paths
 agree on (same weights; bf16 rounding differs between the two codes, so late tokens may part).
 Prints a table and writes ``generic_vs_native.json`` (and ``.md``) under ``--out`` (default
-``$OUT``, else ``benchmarks/results``).
+``$OUT``).
 
     # on one GPU (each line well under 4 minutes on an H100):
     python -m benchmarks.offline generic-vs-native --models random:qwen2.5-0.5b

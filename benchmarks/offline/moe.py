@@ -12,7 +12,7 @@
     python -m benchmarks.offline moe --smoke    # CPU, tiny shapes: the kernel part times the reference only
                                         # (and the Triton kernel too under TRITON_INTERPRET=1)
 
-Writes ``moe.json`` and ``moe.md`` under ``--out`` (default ``$OUT``, else ``benchmarks/results/``) and
+Writes ``moe.json`` and ``moe.md`` under ``--out`` (default ``$OUT``) and
 prints the tables.
 """
 
@@ -23,7 +23,6 @@ import dataclasses
 import json
 import os
 import re
-import sys
 import time
 import traceback
 

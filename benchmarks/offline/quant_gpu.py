@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import time
 from pathlib import Path
 

@@ -7,7 +7,7 @@ For every batch size (1: single-request decode; 32: concurrent requests) it repo
 the best of ``--repeats`` timed runs after one untimed warm-up. The two systems take turns run by
 run, so a burst of other work on a shared machine hits both alike rather than one of them. It also
 reports how many leading greedy tokens of the first prompt agree between the two. Results: JSON +
-a markdown row per system in ``benchmarks/results/`` (format: ``common.py``).
+a markdown row per system in ``$OUT`` (format: ``benchmarks.common``).
 
     python -m benchmarks.offline throughput                                   # the full run (a few minutes)
     python -m benchmarks.offline throughput --batch-sizes 1,4 --prompt-len 32 --output-len 8 --repeats 1
@@ -35,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point and system; the best is reported")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-save", action="store_true", help="print only; write nothing to benchmarks/results/")
+    p.add_argument("--no-save", action="store_true", help="print only; write no results")
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     return args

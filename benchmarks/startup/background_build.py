@@ -13,9 +13,10 @@ eagerly and of those run by kiln's forward::
 Systems: ``auto`` (no compile options: on the CPU kiln, a background build (``compile.startup=auto``), cut at every
 10th attention call), ``eager`` (``compile.mode=eager``), ``kiln`` (``compile.mode=kiln``, built before
 ready), and ``auto-split1`` / ``kiln-split1``: the same cut at every attention call
-(``compile.split_every=1``). Each system has
-its own cache dir and Inductor cache dir, empty for its cold start. The converted model is shared
-from the usual cache dir (converted there first if missing), so no start pays for a conversion. Writes ``benchmarks/results/background_build-<model>.{json,md}``.
+(``compile.split_every=1``). Each system has its own cache dir and Inductor cache dir, empty for
+its cold start. The converted model is shared from the usual cache dir (converted there first if
+missing), so no start pays for a conversion. Writes ``background_build-<model>.{json,md}`` into
+``$OUT``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path

@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 

@@ -25,7 +25,7 @@ last 5 s of load, once everything is built).
 
 ``--checkpoint PRESET`` first writes a random ``PRESET`` model as a Hugging Face checkpoint (config.json,
 sharded safetensors with an index, the tokenizer files) and starts from it. Writes
-``benchmarks/results/startup-<system>-<time>.json`` and appends rows to ``results/startup.md``.
+``startup-<system>-<time>.json`` and a table ``startup-<time>.md`` into ``$OUT``.
 """
 
 from __future__ import annotations
@@ -313,7 +313,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--kiln", default=None, help="the kiln command for serve (default: this Python's kiln CLI)")
-    parser.add_argument("--out", default=None, help="write the records here rather than benchmarks/results/")
+    parser.add_argument("--out", default=None, help="write the records here rather than $OUT")
     parser.add_argument("--no-save", action="store_true", help="print only; write no results files")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -9,7 +9,7 @@ pinned buffers), the pinned buffers' allocation included. Each configuration is 
 beside a thread that runs Python without pause with the GIL's switch interval at 0.1 ms, as a
 start's main thread does while it builds the model the read fills (``quick_gil_handoff``).
 
-    python -m benchmarks.startup weight-read --configs 8:16:16,16:16:32 --out benchmarks/results
+    python -m benchmarks.startup weight-read --configs 8:16:16,16:16:32
 """
 
 from __future__ import annotations

@@ -143,7 +143,8 @@ class ModelRunner:
         artifacts = ArtifactCache(cache_config.resolved_dir, self._artifact_name())
         # The memory profile is kept on CUDA only: hashing the model and kiln's source for its key took
         # 0.3-0.4 s of a CPU start in a stack sample, and a restart of SmolLM2 was ready 0.17 s sooner
-        # without it (benchmarks/results/startup-cpu.json#startup_cpu_ab-profile-key-amd-epyc); the build's thread, off the start's path, has its own.
+        # without it (benchmarks/results/startup-cpu.json#startup_cpu_ab-profile-key-amd-epyc); the
+        # build's thread, off the start's path, has its own.
         self._profile_key = (forward_profile_key(self.model, compile_config, self.kernels, artifacts)
                              if self.device.type == "cuda" else None)
         self._profile_artifacts = artifacts
