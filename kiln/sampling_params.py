@@ -17,6 +17,10 @@ class StructuredOutputsParams:
     ``json``: a JSON schema (a dict or its JSON text); ``json_object``: any JSON object; ``regex``:
     a regular expression; ``choice``: the output is one of these strings; ``grammar``: an EBNF
     grammar (GBNF, with a ``root`` rule).
+
+    ``after_token_ids``: the constraint starts only after the output's first occurrence of these
+    ids (a reasoning model's end-of-thinking marker), so the thinking before it is free; None:
+    from the first token.
     """
 
     json: Union[None, str, dict] = None
@@ -24,8 +28,14 @@ class StructuredOutputsParams:
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
+    after_token_ids: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
+        if self.after_token_ids is not None and (
+                not self.after_token_ids or not all(isinstance(t, int) and t >= 0 for t in self.after_token_ids)):
+            raise ValueError("structured_outputs.after_token_ids must be a non-empty list of token ids")
+        if self.after_token_ids is not None:
+            object.__setattr__(self, "after_token_ids", tuple(self.after_token_ids))
         set_fields = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         set_fields += ["json_object"] if self.json_object else []
         if len(set_fields) != 1:

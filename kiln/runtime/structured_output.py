@@ -23,6 +23,8 @@ come next.
   from the request's tokens). So preemption, n > 1 (one matcher per sample), prefix caching (which
   touches only prompt blocks) and a step whose token was dropped all keep matcher and request in
   step, whatever the executor.
+- A constraint with ``after_token_ids`` (a reasoning model's end-of-thinking marker) leaves its row
+  open until those ids appear in the output; its matcher then starts on the token after them.
 - A request whose grammar is complete may only stop (its stop tokens); a sampled token the matcher
   refuses (which masking rules out) ends constraining for that request, with a warning, instead of
   failing the step.
@@ -142,7 +144,8 @@ def choice_ebnf(choices: list[str]) -> str:
 @dataclass
 class _Matcher:
     matcher: object  # xgrammar.GrammarMatcher
-    num_accepted: int = 0  # output tokens of the request this matcher has accepted
+    start: int  # where in the request's output the grammar begins (after ``after_token_ids``)
+    num_accepted: int = 0  # output tokens from ``start`` on that this matcher has accepted
     broken: bool = False  # a refused token ended constraining
 
 
@@ -163,6 +166,7 @@ class GrammarBitmasks:
         self.pin_memory = pin_memory
         self.background = background
         self._matchers: dict[str, _Matcher] = {}
+        self._starts: dict[str, tuple[int, Optional[int]]] = {}  # (output searched so far, grammar start)
         self._batch = None  # xgrammar.BatchGrammarMatcher, made on first use
         self._buffers: list[torch.Tensor] = []  # [max rows, ceil(vocab / 32)] int32 each, grown on demand
         self._turn = 0
@@ -171,6 +175,7 @@ class GrammarBitmasks:
     def forget(self, request_id: str) -> None:
         """Drop a finished request's matcher; call it between steps (never while a fill runs)."""
         self._matchers.pop(request_id, None)
+        self._starts.pop(request_id, None)
 
     @staticmethod
     def constrains(requests: list[Request]) -> bool:
@@ -196,7 +201,9 @@ class GrammarBitmasks:
         if not rows:
             return None
         bitmask = self._buffer(len(requests))
-        live = self._synced([requests[i] for i in rows])
+        starts = {i: self._start(requests[i]) for i in rows}
+        rows = [i for i in rows if starts[i] is not None]  # the others are still before their grammar
+        live = self._synced([requests[i] for i in rows], [starts[i] for i in rows])
         live_rows = [i for i, state in zip(rows, live) if not state.broken]
         if len(live_rows) < len(requests):
             open_rows = sorted(set(range(len(requests))) - set(live_rows))
@@ -227,13 +234,33 @@ class GrammarBitmasks:
         self._turn ^= 1
         return self._buffers[self._turn][:num_rows]
 
-    def _synced(self, requests: list[Request]) -> list[_Matcher]:
-        """Each request's matcher, having accepted exactly the request's output tokens. The usual
-        step (one new token per matcher) is accepted in one batched call."""
+    def _start(self, request: Request) -> Optional[int]:
+        """Where the request's grammar begins in its output: 0, or just after the first occurrence
+        of its ``after_token_ids``; None while they have not been generated."""
+        marker = request.sampling_params.structured_outputs.after_token_ids
+        if not marker:
+            return 0
+        output = request.output_token_ids
+        searched, start = self._starts.get(request.request_id, (0, None))
+        if searched > len(output) or (start is not None and start > len(output)):
+            searched, start = 0, None  # tokens were taken back: search again
+        if start is None:
+            n = len(marker)
+            for i in range(max(0, searched - n + 1), len(output) - n + 1):
+                if tuple(output[i:i + n]) == marker:
+                    start = i + n
+                    break
+            searched = len(output)
+        self._starts[request.request_id] = (searched, start)
+        return start
+
+    def _synced(self, requests: list[Request], starts: list[int]) -> list[_Matcher]:
+        """Each request's matcher, having accepted exactly the request's output tokens from its
+        grammar's start. The usual step (one new token per matcher) is accepted in one batched call."""
         import xgrammar as xgr
 
-        states = [self._rewound(r) for r in requests]
-        outputs = [r.output_token_ids for r in requests]
+        outputs = [r.output_token_ids[start:] for r, start in zip(requests, starts)]
+        states = [self._rewound(r, start, len(out)) for r, start, out in zip(requests, starts, outputs)]
         behind = [k for k, s in enumerate(states) if not s.broken and s.num_accepted < len(outputs[k])]
         one_behind = [k for k in behind if states[k].num_accepted == len(outputs[k]) - 1
                       and not states[k].matcher.is_terminated()]
@@ -258,21 +285,23 @@ class GrammarBitmasks:
             state.broken = True
         state.num_accepted += 1
 
-    def _rewound(self, request: Request) -> _Matcher:
-        """The request's matcher (made on first use), rolled back to at most the request's output."""
+    def _rewound(self, request: Request, start: int, num_tokens: int) -> _Matcher:
+        """The request's matcher (made on first use, or again when its grammar's start moved),
+        rolled back to at most the ``num_tokens`` output tokens from ``start``."""
         import xgrammar as xgr
 
         state = self._matchers.get(request.request_id)
-        output = request.output_token_ids
-        if state is not None and state.num_accepted > len(output):
-            rewind = state.num_accepted - len(output)
+        if state is not None and state.start != start:
+            state = None
+        if state is not None and state.num_accepted > num_tokens:
+            rewind = state.num_accepted - num_tokens
             if not state.broken:  # xgrammar keeps every step, so any rewind is a rollback
                 state.matcher.rollback(rewind)
-                state.num_accepted = len(output)
+                state.num_accepted = num_tokens
             else:
                 state = None
         if state is None:
             grammar = self.compiler.compile(request.sampling_params.structured_outputs)
-            state = _Matcher(xgr.GrammarMatcher(grammar, override_stop_tokens=self.compiler.stop_token_ids))
+            state = _Matcher(xgr.GrammarMatcher(grammar, override_stop_tokens=self.compiler.stop_token_ids), start)
             self._matchers[request.request_id] = state
         return state

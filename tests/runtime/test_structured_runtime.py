@@ -145,3 +145,22 @@ def test_json_schema_objects_take_only_their_listed_properties(tokenizer, compil
     req.output_token_ids = tokenizer.encode('{"a": 7', add_special_tokens=False)
     allowed = {tokenizer.decode([t]) for t in _allowed(GrammarBitmasks(compiler).fill([req]), 0, len(tokenizer))}
     assert allowed == {*"0123456789", "}"}  # no ", " to a second key
+
+
+def test_a_grammar_after_token_ids_starts_after_them(tokenizer, compiler):
+    vocab = len(tokenizer)
+    marker = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    spec = StructuredOutputsParams(choice=["alpha beta"], after_token_ids=marker)
+    req = Request("t", [1], SamplingParams(structured_outputs=spec), eos_token_ids=(tokenizer.eos_token_id,))
+    masks = GrammarBitmasks(compiler)
+    thinking = tokenizer.encode("Hmm, what now?", add_special_tokens=False)
+    req.output_token_ids = list(thinking)
+    assert len(_allowed(masks.fill([req]), 0, vocab)) == vocab  # the thinking is free
+    req.output_token_ids = thinking + list(marker)
+    plain_start = _allowed(GrammarBitmasks(compiler).fill(
+        [Request("u", [1], SamplingParams(structured_outputs=StructuredOutputsParams(choice=["alpha beta"])))]), 0, vocab)
+    assert _allowed(masks.fill([req]), 0, vocab) == plain_start  # the grammar begins after the marker
+    req.output_token_ids = thinking + list(marker) + tokenizer.encode("alpha beta", add_special_tokens=False)
+    assert _allowed(masks.fill([req]), 0, vocab) == {tokenizer.eos_token_id}
+    req.output_token_ids = thinking[:2]  # taken back before the marker: free again
+    assert len(_allowed(masks.fill([req]), 0, vocab)) == vocab
