@@ -223,6 +223,12 @@ class ResolvedCompileConfig(CompileConfig):
         return True
 
 
+# The names the server's parsers know (kiln.entrypoints.openai.tool_calls and .reasoning hold them).
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "qwen3_xml", "pythonic",
+                     "llama4_pythonic", "deepseek_v3", "deepseek_v31")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "deepseek_v3", "minimax_m2", "glm45", "mistral", "seed_oss")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The OpenAI-compatible HTTP server."""
@@ -250,15 +256,22 @@ class ServerConfig:
     header_read_timeout_s: float = 10.0
     body_read_timeout_s: float = 60.0
     keep_alive_timeout_s: float = 5.0
-    # How the model writes tool calls: auto (by its chat template) | hermes | llama3_json.
+    # How the model writes tool calls: auto (by its chat template) or one of TOOL_CALL_PARSERS.
     tool_call_parser: str = "auto"
+    # How a reasoning model marks its thinking (REASONING_PARSERS, vLLM's names); null: no split.
+    reasoning_parser: Optional[str] = None
+    # With a reasoning parser, structured outputs constrain the thinking too (vLLM's
+    # enable_in_reasoning); by default they start after the thinking's end marker.
+    structured_outputs_in_reasoning: bool = False
     # Frontend processes (HTTP, tokenizing, detokenizing, SSE) on the one port, all in front of one
     # engine core; the queue limits above are split evenly between them, and /metrics adds up.
     api_server_count: int = 1
 
     def __post_init__(self) -> None:
-        if self.tool_call_parser not in ("auto", "hermes", "llama3_json"):
-            raise ValueError(f"server.tool_call_parser must be auto, hermes or llama3_json, got {self.tool_call_parser!r}")
+        _check_choice("server", "tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"server.reasoning_parser={self.reasoning_parser!r} is not a known reasoning parser; "
+                             f"known: {', '.join(REASONING_PARSERS)} (or null: no parsing)")
         if not 0 <= self.port < 65536:
             raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins))

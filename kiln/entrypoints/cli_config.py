@@ -30,7 +30,7 @@ from kiln.bench.sweep import BENCH_KINDS, BenchConfig
 from kiln.config import (
     API_KEY_ENV, COMPILE_MODES, CUDAGRAPH_MODES, REDACTED, CacheConfig, CompileConfig, EngineConfig,
     ModelConfig, QUANTIZATIONS, REPLACED_BY_STARTUP, ParallelConfig, SchedulerConfig, ServerConfig, SPECULATIVE_METHODS,
-    STARTUP_POLICIES, SpeculativeConfig, replaced_by_startup,
+    STARTUP_POLICIES, TOOL_CALL_PARSERS, SpeculativeConfig, replaced_by_startup,
 )
 
 # The Hydra YAML is package data (kiln/configs/), so a wheel install finds it as a checkout does.
@@ -113,7 +113,12 @@ FIELD_HELP = {
     "server.max_request_bytes": "larger request bodies get HTTP 413",
     "server.max_prompts_per_request": "most prompts in one completion request; more: HTTP 400",
     "server.max_seqs_per_request": "most sequences (prompts x n) one request may start; more: HTTP 400",
-    "server.tool_call_parser": "how the model writes tool calls: auto (by its chat template), hermes or llama3_json",
+    "server.tool_call_parser": "how the model writes tool calls: auto (by its chat template), hermes, llama3_json, "
+                               "mistral, qwen3_coder, pythonic or deepseek_v3",
+    "server.reasoning_parser": "split a reasoning model's thinking into reasoning_content: deepseek_r1, qwen3, "
+                               "deepseek_v3, minimax_m2, glm45, mistral or seed_oss; null: off",
+    "server.structured_outputs_in_reasoning": "with a reasoning parser, grammars constrain the thinking too "
+                                              "(default: they start after it)",
     "server.max_queued_seqs": "most sequences admitted and unfinished, server-wide; more: HTTP 429",
     "server.max_queued_tokens": "most prompt tokens (each of n counts) admitted and unfinished; more: HTTP 429",
     "server.header_read_timeout_s": "a request's headers must arrive within this, else the connection closes",
@@ -169,6 +174,7 @@ CHOICES: dict[str, tuple] = {
     "speculative.draft_compile_mode": COMPILE_MODES,
     "speculative.draft_cudagraph": CUDAGRAPH_MODES,
     "bench.kind": BENCH_KINDS,
+    "server.tool_call_parser": TOOL_CALL_PARSERS,
 }
 
 

@@ -7,13 +7,16 @@ chat template):
   after optional text (Hermes, Qwen 2.5 and 3, and the fallback for templates without tools).
 - ``llama3_json``: the whole answer is ``{"name": ..., "parameters": {...}}`` (``arguments`` also
   read), optionally after ``<|python_tag|>``, several separated by ``;`` (Llama 3.1 and later).
+- ``mistral``, ``qwen3_coder``, ``pythonic``, ``deepseek_v3``: in ``tool_formats.py``, with the
+  ``ToolFormat`` interface.
 
 Rules kept here:
 - ``tool_choice`` ``required`` and a named function are enforced with a grammar (the call in this
   format, its arguments matching the function's JSON schema); ``auto`` lets the model choose and
   parses what it wrote; ``none`` parses nothing.
 - Text that does not parse as a call stays content: a malformed call is never dropped.
-- Streaming (``ToolStreamer``): content is streamed until something that may start a call appears;
+- Streaming (``ToolStreamer``): content is streamed until something that may start a call appears
+  (a tail that may still become a marker is held back, so no piece of one is sent as content);
   from there text is held back and, when the choice finishes, sent as one ``tool_calls`` delta per
   call (id, name and the whole arguments), or as content if it was no call after all.
 - A template that does not render tools (no ``tools`` in its source) gets them as a system message
@@ -24,77 +27,31 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass
 from typing import Optional
 
+from kiln.entrypoints.openai.tool_formats import (
+    DeepSeekV3Format, MistralFormat, ParsedCall, PythonicFormat, Qwen3CoderFormat, ToolFormat, as_call, partial_marker,
+)
+
+__all__ = ["FORMATS", "ParsedCall", "ToolFormat", "ToolStreamer", "choose_format", "template_renders_tools",
+           "tools_as_text"]
+
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-
-@dataclass
-class ParsedCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-    def to_openai(self, index: Optional[int] = None) -> dict:
-        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
-        return call if index is None else {"index": index, **call}
-
-
-class ToolFormat:
-    name = ""
-    start_markers: tuple[str, ...] = ()  # text that may start a call
-
-    def parse(self, text: str) -> tuple[Optional[str], list[ParsedCall]]:
-        """(content, calls): calls found in ``text``; content is None when only calls were written."""
-        raise NotImplementedError
-
-    def write(self, name: str, arguments: dict) -> str:
-        raise NotImplementedError
-
-    def find_start(self, text: str) -> tuple[Optional[int], int]:
-        """(where a call starts in ``text`` or None, how many final characters to hold back
-        because they may yet become the start of one)."""
-        raise NotImplementedError
-
-    def call_schema(self, name: str, parameters: Optional[dict]) -> dict:
-        raise NotImplementedError
-
-    def call_grammar(self, tools: list[dict], name: Optional[str]) -> str:
-        """EBNF of one call of the named function (or of any of ``tools``), its arguments matching
-        the function's parameters."""
-        import xgrammar as xgr
-
-        chosen = [t for t in tools if name is None or t["name"] == name]
-        calls = [xgr.Grammar.from_json_schema(json.dumps(self.call_schema(t["name"], t.get("parameters"))),
-                                              any_whitespace=False, strict_mode=True) for t in chosen]
-        grammar = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
-        return str(self._wrap(grammar))
-
-    def _wrap(self, grammar):
-        return grammar
-
-
-def _as_call(obj, arg_keys: tuple[str, ...]) -> Optional[ParsedCall]:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = next((obj[k] for k in arg_keys if k in obj), {})
-    return ParsedCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
 class HermesFormat(ToolFormat):
     name = "hermes"
     start_markers = ("<tool_call>",)
+    markers = ("<tool_call>", "</tool_call>")
 
-    def parse(self, text: str) -> tuple[Optional[str], list[ParsedCall]]:
+    def parse(self, text: str, tools: Optional[list[dict]] = None) -> tuple[Optional[str], list[ParsedCall]]:
         start = text.find("<tool_call>")
         if start < 0:
             return text, []
         calls = []
         for m in _HERMES_CALL.finditer(text, start):
             try:
-                call = _as_call(json.loads(m.group(1)), ("arguments", "parameters"))
+                call = as_call(json.loads(m.group(1)), ("arguments", "parameters"))
             except ValueError:
                 call = None
             if call is None:
@@ -103,16 +60,8 @@ class HermesFormat(ToolFormat):
         content = text[:start].strip()
         return content or None, calls
 
-    def find_start(self, text: str) -> tuple[Optional[int], int]:
-        i = text.find("<tool_call>")
-        return (i if i >= 0 else None), _partial_marker(text, self.start_markers)
-
     def write(self, name: str, arguments: dict) -> str:
         return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
-
-    def call_schema(self, name: str, parameters: Optional[dict]) -> dict:
-        return {"type": "object", "properties": {"name": {"const": name}, "arguments": parameters or {"type": "object"}},
-                "required": ["name", "arguments"], "additionalProperties": False}
 
     def _wrap(self, grammar):
         import xgrammar as xgr
@@ -124,8 +73,9 @@ class HermesFormat(ToolFormat):
 class Llama3JsonFormat(ToolFormat):
     name = "llama3_json"
     start_markers = ("{", "<|python_tag|>")
+    markers = ("<|python_tag|>",)
 
-    def parse(self, text: str) -> tuple[Optional[str], list[ParsedCall]]:
+    def parse(self, text: str, tools: Optional[list[dict]] = None) -> tuple[Optional[str], list[ParsedCall]]:
         body = text.strip().removeprefix("<|python_tag|>").strip()
         if not body.startswith("{"):
             return text, []
@@ -137,7 +87,7 @@ class Llama3JsonFormat(ToolFormat):
                 obj, end = decoder.raw_decode(body, pos)
             except ValueError:
                 return text, []
-            call = _as_call(obj, ("parameters", "arguments"))
+            call = as_call(obj, ("parameters", "arguments"))
             if call is None:
                 return text, []
             calls.append(call)
@@ -163,16 +113,33 @@ class Llama3JsonFormat(ToolFormat):
                 "required": ["name", "parameters"], "additionalProperties": False}
 
 
-FORMATS = {f.name: f for f in (HermesFormat(), Llama3JsonFormat())}
+FORMATS = {f.name: f for f in (HermesFormat(), Llama3JsonFormat(), MistralFormat(), Qwen3CoderFormat(),
+                               PythonicFormat(), DeepSeekV3Format())}
+# vLLM's other names for the same formats
+FORMATS.update(qwen3_xml=FORMATS["qwen3_coder"], llama4_pythonic=FORMATS["pythonic"],
+               deepseek_v31=FORMATS["deepseek_v3"])
+TOOL_CALL_PARSERS = ("auto", *FORMATS)
+
+# ``auto``: the first format whose markers the chat template writes (else hermes).
+_TEMPLATE_MARKERS = (
+    ("mistral", ("[TOOL_CALLS]",)),
+    ("deepseek_v3", ("tool▁calls▁begin",)),
+    ("qwen3_coder", ("<function=",)),
+    ("pythonic", ("<|python_start|>", "func_name1(")),
+    ("llama3_json", ("<|python_tag|>", "ipython")),
+)
 
 
 def choose_format(option: str, chat_template: Optional[str]) -> ToolFormat:
-    """``server.tool_call_parser``: a format's name, or ``auto`` (Llama 3's markers in the template
-    mean llama3_json; anything else hermes)."""
+    """``server.tool_call_parser``: a format's name, or ``auto`` (the format whose markers the chat
+    template writes; hermes when none)."""
     if option != "auto":
         return FORMATS[option]
     template = chat_template if isinstance(chat_template, str) else json.dumps(chat_template or "")
-    return FORMATS["llama3_json" if ("<|python_tag|>" in template or "ipython" in template) else "hermes"]
+    for name, markers in _TEMPLATE_MARKERS:
+        if any(m in template for m in markers):
+            return FORMATS[name]
+    return FORMATS["hermes"]
 
 
 def template_renders_tools(chat_template) -> bool:
@@ -207,8 +174,9 @@ def tools_as_text(fmt: ToolFormat, tools: list[dict], conversation: list[dict]) 
 class ToolStreamer:
     """One streamed choice's text split into content deltas and, at the end, tool-call deltas."""
 
-    def __init__(self, fmt: ToolFormat):
+    def __init__(self, fmt: ToolFormat, tools: Optional[list[dict]] = None):
         self.fmt = fmt
+        self.tools = tools
         self._sent = 0  # characters sent as content
         self._holding = False  # a call may have started: hold the rest until the end
 
@@ -235,19 +203,9 @@ class ToolStreamer:
         if not self._holding:
             self._sent = len(text)
             return rest, []
-        _, calls = self.fmt.parse(rest)
+        _, calls = self.fmt.parse(rest, self.tools)
         self._sent = len(text)
         if not calls:
             return rest, []
         return "", [c.to_openai(i) for i, c in enumerate(calls)]
 
-
-def _partial_marker(text: str, markers: tuple[str, ...]) -> int:
-    """How many characters at the end of ``text`` could be the start of a marker."""
-    best = 0
-    for marker in markers:
-        for k in range(min(len(marker) - 1, len(text)), 0, -1):
-            if text.endswith(marker[:k]):
-                best = max(best, k)
-                break
-    return best
