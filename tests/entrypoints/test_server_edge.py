@@ -179,7 +179,6 @@ UNSUPPORTED = [
     (CH, {**M, "modalities": ["text", "audio"]}, "modalities"),
     (CH, {**M, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     (CH, {**M, "prediction": {"type": "content", "content": "x"}}, "prediction"),
-    (CH, {**M, "reasoning_effort": "high"}, "reasoning_effort"),
     (CH, {**M, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content"),
     (CH, {**M, "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
@@ -193,6 +192,12 @@ def test_unimplemented_openai_fields_are_400_naming_them(edge, path, body, param
     error = assert_error(_post(edge.url, path, {"model": TINY, **body}), 400, param)
     assert error["code"] == "unsupported_parameter" and "kiln does not implement" in error["message"]
     _still_serves(edge.url)
+
+
+def test_reasoning_effort_without_a_template_that_reads_it_is_a_400(edge):
+    # SmolLM2's template has no reasoning_effort (test_reasoning.py serves one that does).
+    error = assert_error(_post(edge.url, CH, {"model": TINY, **M, "reasoning_effort": "high"}), 400, "reasoning_effort")
+    assert "chat template has no reasoning_effort" in error["message"]
 
 
 UNKNOWN = [

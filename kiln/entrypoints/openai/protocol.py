@@ -102,7 +102,7 @@ UNIMPLEMENTED_FIELDS: dict[str, tuple] = {
     "dimensions": (),  # embeddings
     "functions": ([],), "function_call": ("none",),  # OpenAI's deprecated names: use tools, tool_choice
     "modalities": (["text"],), "audio": (), "prediction": (),
-    "web_search_options": (), "reasoning_effort": (), "verbosity": (),
+    "web_search_options": (), "verbosity": (),
     "refusal": (),  # on a message
 }
 
@@ -431,8 +431,10 @@ class ChatCompletionRequest(_SamplingFields):
     audio: Unimplemented = None
     prediction: Unimplemented = None
     web_search_options: Unimplemented = None
-    reasoning_effort: Unimplemented = None
     verbosity: Unimplemented = None
+    # Reaches the chat template as its variable ``reasoning_effort`` where the template reads one
+    # (gpt-oss, ...); a template without it gets a 400.
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
     parallel_tool_calls: Optional[bool] = None  # accepted: a model may write several calls; a grammar asks one
     # vLLM's chat template controls: the assistant turn's opening (default on), or the last
     # message continued in place (its turn left open; the opening then defaults to off), and more
@@ -565,6 +567,7 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Optional[str] = None
+    reasoning_content: Optional[str] = None  # with server.reasoning_parser: the model's thinking
     content: Optional[str] = None
     tool_calls: Optional[list[dict]] = None  # OpenAI's shape: id, type, function {name, arguments}; index in deltas
 

@@ -10,10 +10,16 @@ With ``tools`` the template renders them (or, for a template without tools, a sy
 ``tool_calls.py``); calls the model writes come back as ``tool_calls`` (finish reason
 ``tool_calls``), and ``tool_choice`` ``required`` or a named function constrains the output to one
 call with a grammar.
+
+With ``server.reasoning_parser`` the thinking comes back as ``reasoning_content`` (``reasoning.py``);
+tool calls and content are read from the answer after it (``output_parser.py``), and a grammar
+(structured outputs, a forced call) starts after the thinking's end marker unless
+``server.structured_outputs_in_reasoning``. ``reasoning_effort`` reaches a template that reads it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
@@ -28,12 +34,12 @@ from kiln.entrypoints.openai.serving import (
     SSE_DONE, ClientGone, ServingContext, TimedStream, api_error, new_id, prompt_logprobs_out,
     sampling_params_or_400, sse, until_disconnected,
 )
-from kiln.entrypoints.openai.tool_calls import (
-    ToolFormat, ToolStreamer, choose_format, template_renders_tools, tools_as_text,
-)
+from kiln.entrypoints.openai.output_parser import OutputStream, parse_output
+from kiln.entrypoints.openai.reasoning import ReasoningSplit, reasoning_format
+from kiln.entrypoints.openai.tool_calls import ToolFormat, choose_format, template_renders_tools, tools_as_text
 from kiln.errors import first_line
 from kiln.outputs import RequestOutput
-from kiln.sampling_params import StructuredOutputsParams
+from kiln.sampling_params import SamplingParams, StructuredOutputsParams
 from kiln.runtime.input_processor import TokenizedPrompt
 from kiln.runtime.structured_output import xgrammar_reason
 
@@ -46,20 +52,23 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         raise bad_request(str(e), "tool_choice") from e
     fmt = _tool_format(ctx, body)
     prompt = _render(ctx, body, fmt)
+    reasoning = _reasoning(ctx, body, prompt)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     call_grammar = _call_grammar(body, fmt)
     params = sampling_params_or_400(lambda: body.sampling_params(max_tokens, num_logprobs, call_grammar))
+    _parse_ready(ctx, params, reasoning, fmt)
     request_id = new_id("chatcmpl")
     streams = await ctx.start(request_id, [prompt], params, body.priority, add_special_tokens=False,
                               prompt_param="messages")
     if body.stream:
-        return StreamingResponse(_stream(ctx, body, request_id, streams[0], fmt), media_type="text/event-stream")
+        return StreamingResponse(_stream(ctx, body, request_id, streams[0], fmt, reasoning),
+                                 media_type="text/event-stream")
     try:
         final = await until_disconnected(raw, _collect(streams[0]))
-        return _response(ctx, body, request_id, final, fmt)
+        return _response(ctx, body, request_id, final, fmt, reasoning)
     except ClientGone:
         return Response(status_code=499)
     except Exception as e:  # noqa: BLE001 - a kiln bug or a stopped engine: an answer in OpenAI's schema
@@ -71,6 +80,30 @@ def _tool_format(ctx: ServingContext, body: ChatCompletionRequest) -> Optional[T
     if body.effective_tool_choice == "none":
         return None
     return choose_format(ctx.server.tool_call_parser, getattr(ctx.engine.tokenizer, "chat_template", None))
+
+
+def _reasoning(ctx: ServingContext, body: ChatCompletionRequest, prompt: TokenizedPrompt) -> Optional[ReasoningSplit]:
+    """How this request's output splits into thinking and answer; None without a reasoning parser."""
+    fmt = reasoning_format(ctx.server.reasoning_parser)
+    return fmt.for_request(prompt.text, body.chat_template_kwargs) if fmt is not None else None
+
+
+def _parse_ready(ctx: ServingContext, params: SamplingParams, reasoning: Optional[ReasoningSplit],
+                 fmt: Optional[ToolFormat]) -> None:
+    """``params`` made fit for parsing: the grammar waits for the thinking's end marker, and markers
+    that are special tokens stay in the text."""
+    tokenizer = ctx.engine.tokenizer
+    so = params.structured_outputs
+    if so is not None and reasoning is not None and reasoning.defers_grammar \
+            and not ctx.server.structured_outputs_in_reasoning:
+        end_ids = tokenizer.encode(reasoning.fmt.end, add_special_tokens=False)
+        params.structured_outputs = dataclasses.replace(so, after_token_ids=tuple(end_ids))
+    markers = set(fmt.markers if fmt is not None else ())
+    if reasoning is not None:
+        markers |= {reasoning.fmt.start, reasoning.fmt.end}
+    special = {t.content for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values() if t.special}
+    if markers & special:
+        params.skip_special_tokens = False
 
 
 def _call_grammar(body: ChatCompletionRequest, fmt: Optional[ToolFormat]) -> Optional[StructuredOutputsParams]:
@@ -95,6 +128,7 @@ def _render(ctx: ServingContext, body: ChatCompletionRequest, fmt: Optional[Tool
     if template is None:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
     conversation = body.conversation()
+    template_kwargs = _template_kwargs(body, template)
     tools = body.tool_dicts() if fmt is not None else None
     if not template_renders_tools(template) and (tools or any(m["role"] == "tool" or m.get("tool_calls")
                                                              for m in conversation)):
@@ -106,7 +140,7 @@ def _render(ctx: ServingContext, body: ChatCompletionRequest, fmt: Optional[Tool
     try:
         rendered = encoder.render_chat(conversation, add_generation_prompt=body.opens_assistant_turn, tools=tools,
                                        continue_final_message=body.continue_final_message,
-                                       template_kwargs=body.chat_template_kwargs)
+                                       template_kwargs=template_kwargs)
     except Exception as e:  # noqa: BLE001 - templates raise their own errors for bad conversations
         # the first line: not the rendered chat some templates' errors carry
         raise bad_request(f"the chat template refused these messages: {first_line(e)}", "messages") from e
@@ -114,6 +148,20 @@ def _render(ctx: ServingContext, body: ChatCompletionRequest, fmt: Optional[Tool
         return TokenizedPrompt(encoder.plain(rendered), encoder.encode_chat(rendered))
     except ValueError as e:
         raise bad_request(f"messages: {e}", "messages") from e
+
+
+def _template_kwargs(body: ChatCompletionRequest, template) -> Optional[dict]:
+    """``chat_template_kwargs`` with ``reasoning_effort`` added for a template that reads it (a
+    value in chat_template_kwargs wins); a template that does not: a 400."""
+    effort = getattr(body, "reasoning_effort", None)
+    if effort is None:
+        return body.chat_template_kwargs
+    text = template if isinstance(template, str) else str(template)
+    if "reasoning_effort" not in text:
+        raise bad_request("reasoning_effort: this model's chat template has no reasoning_effort setting; "
+                          "remove the field (or use chat_template_kwargs for the template's own switches)",
+                          "reasoning_effort")
+    return {"reasoning_effort": effort, **(body.chat_template_kwargs or {})}
 
 
 def _check_text(conversation: list[dict]) -> None:
@@ -139,16 +187,18 @@ async def _collect(stream: TimedStream) -> RequestOutput:
     return final
 
 
-def _response(ctx: ServingContext, body: ChatCompletionRequest, request_id: str,
-              final: RequestOutput, fmt: Optional[ToolFormat]) -> ChatCompletionResponse:
+def _response(ctx: ServingContext, body: ChatCompletionRequest, request_id: str, final: RequestOutput,
+              fmt: Optional[ToolFormat], reasoning: Optional[ReasoningSplit]) -> ChatCompletionResponse:
     tokenizer = ctx.engine.tokenizer
+    tools = body.tool_dicts() if fmt is not None else None
     choices = []
     for c in final.outputs:
         logprobs = None
         if body.logprobs:
             logprobs = _chat_logprobs(tokenizer, c.token_ids, c.logprobs, body.top_logprobs or 0)
-        content, calls = fmt.parse(c.text) if fmt is not None else (c.text, [])
-        message = ChatResponseMessage(role="assistant", content=content,
+        parsed = parse_output(c.text, reasoning, fmt, tools)
+        calls = parsed.tool_calls
+        message = ChatResponseMessage(role="assistant", reasoning_content=parsed.reasoning, content=parsed.content,
                                       tool_calls=[call.to_openai() for call in calls] if calls else None)
         choices.append(ChatChoice(
             index=c.index, message=message, logprobs=logprobs,
@@ -160,15 +210,15 @@ def _response(ctx: ServingContext, body: ChatCompletionRequest, request_id: str,
         prompt_logprobs=prompt_logprobs_out(tokenizer, final) if body.prompt_logprobs is not None else None)
 
 
-async def _stream(ctx: ServingContext, body: ChatCompletionRequest, request_id: str,
-                  stream: TimedStream, fmt: Optional[ToolFormat]) -> AsyncIterator[str]:
+async def _stream(ctx: ServingContext, body: ChatCompletionRequest, request_id: str, stream: TimedStream,
+                  fmt: Optional[ToolFormat], reasoning: Optional[ReasoningSplit]) -> AsyncIterator[str]:
     tokenizer = ctx.engine.tokenizer
 
     def chunk(choices: list[ChatStreamChoice], usage: Optional[UsageInfo] = None) -> str:
         return sse(ChatCompletionChunk(id=request_id, model=ctx.model_name, choices=choices, usage=usage))
 
-    streamers = [ToolStreamer(fmt) for _ in range(body.n)] if fmt is not None else []
-    sent_chars = [0] * body.n
+    tools = body.tool_dicts() if fmt is not None else None
+    parsers = [OutputStream(reasoning, fmt, tools) for _ in range(body.n)]
     sent_tokens = [0] * body.n
     finished: set[int] = set()
     final = None
@@ -181,26 +231,26 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, request_id: 
                 if c.index in finished:
                     continue  # a finished sample of n keeps appearing in later outputs
                 new_ids = c.token_ids[sent_tokens[c.index]:]
-                calls = None
-                if fmt is None:
-                    text = c.text[sent_chars[c.index]:]
-                elif c.finished:
-                    text, calls = streamers[c.index].finish(c.text)
-                else:
-                    text = streamers[c.index].content_delta(c.text)
-                if not (text or c.finished or ((body.logprobs or body.return_token_ids) and new_ids)):
+                parser = parsers[c.index]
+                delta = parser.finish(c.text) if c.finished else parser.delta(c.text)
+                calls = delta.tool_calls
+                if not (delta.content or delta.reasoning or c.finished
+                        or ((body.logprobs or body.return_token_ids) and new_ids)):
                     continue
                 logprobs = None
                 if body.logprobs:
                     start = sent_tokens[c.index]
                     entries = c.logprobs[start:start + len(new_ids)] if c.logprobs is not None else None
                     logprobs = _chat_logprobs(tokenizer, new_ids, entries, body.top_logprobs or 0)
-                sent_chars[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                sent_tokens[c.index] = len(c.token_ids)
                 if c.finished:
                     finished.add(c.index)
                 finish_reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
                 yield chunk([ChatStreamChoice(
-                    index=c.index, delta=ChatResponseMessage(content=text, tool_calls=calls or None),
+                    index=c.index, delta=ChatResponseMessage(
+                        reasoning_content=delta.reasoning or None,
+                        content=None if delta.reasoning and not delta.content else delta.content,
+                        tool_calls=calls or None),
                     logprobs=logprobs, finish_reason=finish_reason,
                     token_ids=list(new_ids) if body.return_token_ids else None,
                 )], _usage(out) if body.continuous_usage else None)
