@@ -2,6 +2,7 @@
 
 import kiln.clock  # noqa: F401 - first: start-up phases count from here (kiln.clock.KILN_IMPORTED)
 from kiln.sampling_params import SamplingParams, StructuredOutputsParams
+from kiln.lora_request import LoRARequest
 from kiln.outputs import CompletionOutput, RequestOutput
 from kiln.version import __version__
 
@@ -15,4 +16,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'kiln' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "CompletionOutput", "RequestOutput", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "CompletionOutput", "RequestOutput", "__version__"]

@@ -240,6 +240,9 @@ class ServerConfig:
     api_key: Optional[str] = field(default=None, repr=False, metadata={"secret": True})
     api_key_file: Optional[str] = None  # a file whose first line is the API key
     served_model_name: Optional[str] = None
+    # LoRA adapters served from the start, each "name=path" (a PEFT directory); a request picks one
+    # with "model": name. Turns lora.enabled on.
+    lora_modules: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
     max_request_bytes: int = 1 << 20
     # Host headers served (against DNS rebinding): names, "*.example.com" suffixes; "*": any.
@@ -275,6 +278,10 @@ class ServerConfig:
         if not 0 <= self.port < 65536:
             raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins))
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        for entry in self.lora_modules:
+            if "=" not in entry or not entry.split("=", 1)[0] or not entry.split("=", 1)[1]:
+                raise ValueError(f"server.lora_modules entry {entry!r} must be name=path (a PEFT adapter directory)")
         object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
         if not self.allowed_hosts:
             raise ValueError('server.allowed_hosts is empty, which would refuse every request; ["*"] allows any host')
@@ -383,6 +390,32 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Multi-LoRA: PEFT adapters of the base model served beside it, chosen per request
+    (``LoRARequest``; ``kiln.models.lora``). ``max_loras`` adapters sit in device slots at once (a
+    step mixes any of them with the base model), up to ``max_cpu_loras`` more stay loaded on the
+    host (least recently used dropped first). Off unless ``enabled`` (``LLM(lora={...})`` and
+    ``server.lora_modules`` turn it on)."""
+
+    enabled: bool = False
+    max_loras: int = 4  # device slots: distinct adapters in one step
+    max_lora_rank: int = 64  # the largest adapter rank r; the slots' size
+    max_cpu_loras: Optional[int] = None  # adapters kept loaded on the host; None: max_loras
+
+    def __post_init__(self) -> None:
+        _check_positive("lora", "max_loras", self.max_loras)
+        _check_positive("lora", "max_lora_rank", self.max_lora_rank)
+        _check_positive("lora", "max_cpu_loras", self.max_cpu_loras, allow_none=True)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"lora.max_cpu_loras={self.max_cpu_loras} is below lora.max_loras={self.max_loras}: "
+                             "every adapter in a device slot is also kept on the host")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Every sub-config, composed (never inherited)."""
 
@@ -393,8 +426,14 @@ class EngineConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
+        if self.lora.enabled and self.parallel.tensor_parallel_size != 1:
+            raise ValueError("LoRA adapters are served with parallel.tensor_parallel_size=1 for now; "
+                             "set it to 1 or leave lora off")
+        if self.lora.enabled and self.speculative.method == "draft":
+            raise ValueError("LoRA adapters and speculative.method=draft do not run together yet")
         if self.speculative.method == "draft" and not self.speculative.draft_model:
             raise ValueError("speculative.method=draft needs speculative.draft_model (a model name, a Hugging "
                              "Face directory or random:<preset> with the target's vocabulary)")
@@ -409,7 +448,7 @@ class EngineConfig:
         types = {
             "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
             "compile": CompileConfig, "server": ServerConfig, "parallel": ParallelConfig,
-            "speculative": SpeculativeConfig,
+            "speculative": SpeculativeConfig, "lora": LoraConfig,
         }
         built = {}
         for name, value in groups.items():
@@ -422,6 +461,8 @@ class EngineConfig:
                     raise ValueError(replaced_by_startup(f"compile.{sorted(unknown & set(REPLACED_BY_STARTUP))[0]}"))
                 if unknown:
                     raise ValueError(f"unknown {name} option(s) {sorted(unknown)}; choose from {sorted(known)}")
+                if name == "lora":  # LLM(lora={...}) asks for adapters
+                    value = {"enabled": True, **value}
                 value = types[name](**value)
             elif value is not None and not isinstance(value, types[name]):
                 raise TypeError(f"{name} must be a dict or {types[name].__name__}, got {type(value).__name__}")
@@ -433,10 +474,11 @@ class EngineConfig:
         """This config with every ``auto`` / ``None`` default decided for ``device_type`` and the
         ``entrypoint`` ("server" or "offline", the ``LLM`` class)."""
         one_process = self.parallel.backend == "uni"
+        lora = dataclasses.replace(self.lora, enabled=True) if self.server.lora_modules else self.lora
         compile, scheduler = resolve_for_device(self.compile, self.scheduler, device_type,
                                                 can_background=one_process and self.speculative.method != "draft",
                                                 lazy_capture=one_process, entrypoint=entrypoint)
-        return dataclasses.replace(self, compile=compile, scheduler=scheduler)
+        return dataclasses.replace(self, compile=compile, scheduler=scheduler, lora=lora)
 
 
 # ---- defaults sized for the device ------------------------------------------------------------------

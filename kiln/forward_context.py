@@ -60,6 +60,10 @@ class ForwardContext:
     # attention calls numbers them from 0 and sets its first layer here while it runs, so pieces
     # that differ only in which layers they hold share one build (``kiln.compiler.piece``).
     layer_base: int = 0
+    # Multi-LoRA: [>= num_tokens] int32, each token's adapter slot (0: the base model), read by
+    # ``kiln.add_lora``; a persistent input buffer, so CUDA graphs replay the current step's. None:
+    # the model serves no adapters.
+    lora_slots: Optional[torch.Tensor] = None
 
 
 _current: Optional[ForwardContext] = None

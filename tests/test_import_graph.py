@@ -29,7 +29,7 @@ NOT_MIRRORED = {"helpers", "data", "e2e"}
 # The test files at the top of tests/: kiln's top-level modules (config.py; _C, built from csrc/),
 # the import graph (this file) and packaging.
 TOP_LEVEL_TESTS = {"test_config_defaults.py", "test_csrc_messages.py", "test_import_graph.py", "test_packaging.py"}
-LEAVES = ("clock", "config", "errors", "forward_context", "outputs", "progress", "sampling_params", "version", "_C")  # _C: the C++ extension
+LEAVES = ("clock", "config", "errors", "forward_context", "lora_request", "outputs", "progress", "sampling_params", "version", "_C")  # _C: the C++ extension
 LAYERS = {"ops": 1, "passes": 2, "models": 2, "compiler": 3, "runtime": 4, "engine": 5, "entrypoints": 6, "bench": 6}
 TOP = 6
 

@@ -1,0 +1,64 @@
+"""Batched LoRA: ``torch.ops.kiln.add_lora``, one linear's adapters for every token of a step.
+
+Each targeted linear holds the adapters of every device slot stacked (``kiln.models.lora``), and
+each token of the step names its slot in the forward context (``ForwardContext.lora_slots``: 0 is
+the base model, k the stack's row k - 1). The op adds, token by token,
+``y[t] += (x[t] @ A[s].T) @ B[s]`` with s = slot(t) - 1, the adapter's scaling folded into B::
+
+    x [T, in] ── shrink by slot: A [S, R, in] ──> h [T, R] ── expand by slot: B [S, R, out] ──> + y [T, out]
+
+(punica's BGMV/SGMV in one op). The slots are data, never a graph constant: changing which adapter
+a token uses, or which adapter a slot holds (written in place), recompiles nothing, and a CUDA
+graph captured once replays any mix. A linear whose slots are all zero (a base-model token) gets
+``y`` back exactly (its A and B rows are never read).
+
+The reference computes every slot's shrink at once and keeps each token's own (a mask, no host
+sync, so it is capturable), then one expand GEMM over the masked ranks. The Triton kernels
+(``kiln.ops.triton_lora``) are checked against it; ``kiln.ops.registry`` picks the kernel and
+``LoraBackendPass`` points the graph at it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kiln.forward_context import get_forward_context
+from kiln.ops.library import define_op
+
+GENERIC_LORA_OP = "kiln::add_lora"
+
+LoraImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def add_lora_reference(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                       token_slots: torch.Tensor) -> torch.Tensor:
+    """y: [T, out], x: [T, in], lora_a: [S, R, in], lora_b: [S, R, out], token_slots: [>= T] int
+    (0: no adapter, k: stack row k - 1) -> y + each token's LoRA term, [T, out] in y's dtype."""
+    num_tokens = x.shape[0]
+    num_slots, rank, _ = lora_a.shape
+    slots = token_slots[:num_tokens].long()
+    h = (x.to(lora_a.dtype) @ lora_a.reshape(num_slots * rank, -1).T).view(num_tokens, num_slots, rank)
+    mine = slots.unsqueeze(1) == torch.arange(1, num_slots + 1, device=x.device)  # [T, S]
+    h = torch.where(mine.unsqueeze(-1), h, 0.0).view(num_tokens, num_slots * rank)  # [T, S * R]
+    return y + (h @ lora_b.reshape(num_slots * rank, -1)).to(y.dtype)  # [T, out]
+
+
+def define_add_lora_op(qualname: str, impl: LoraImpl):
+    """Define op ``qualname`` with the schema of ``kiln::add_lora``, running ``impl`` on the step's
+    token slots (the forward context's; none: every token is the base model's)."""
+
+    def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
+        slots = get_forward_context().lora_slots
+        if slots is None:
+            return y.clone()  # outputs never alias inputs (kiln.ops.library)
+        return impl(y, x, lora_a, lora_b, slots)
+
+    def fake(y, x, lora_a, lora_b):
+        return torch.empty_like(y)
+
+    return define_op(qualname, add_lora, fake)
+
+
+add_lora = define_add_lora_op(GENERIC_LORA_OP, add_lora_reference)
