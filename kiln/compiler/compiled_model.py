@@ -581,6 +581,7 @@ class CompiledModel:
     def _forward_scope(self, ctx: ForwardContext, kv_scales: Optional[list[torch.Tensor]] = None) -> Iterator[None]:
         ctx.attention_impl = self.kernels.attention.impl
         ctx.kv_scales = self.kv_scales if kv_scales is None else kv_scales
+        ctx.lora_slots = self.inputs.lora_slots
         with forward_context(ctx), self.kernels.attention.forward_scope(ctx):
             yield
 

@@ -37,6 +37,7 @@ class InputLimits:
     max_num_tokens: int
     max_num_reqs: int
     max_blocks_per_req: int
+    lora_slots: bool = False  # multi-LoRA: a per-token adapter slot buffer (``lora_slots``)
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,13 @@ class InputBuffers:
         self.input_ids, self.positions, self.slot_mapping = d64[:T], d64[T64:T64 + T], d64[2 * T64:2 * T64 + T]
         self.seq_lens, self.query_start_loc = d32[:R], d32[R32:R32 + R + 1]
         self.block_tables = d32[2 * R32:].view(R, W)
+        # Multi-LoRA: each token's adapter slot (0: the base model), read by kiln.add_lora through
+        # the forward context; padding rows are slot 0.
+        self.lora_slots: Optional[torch.Tensor] = None
+        if limits.lora_slots:
+            self._lora_h = torch.zeros(T, dtype=torch.int32, pin_memory=pin)
+            self.lora_slots = self._lora_h if self.on_host else torch.zeros(T, dtype=torch.int32, device=device)
+            self.lora_slot_np = self._lora_h.numpy()
         # Recorded after each upload's copies: until it completes they may still read the host
         # mirrors, which must not be rewritten (``wait_for_upload``).
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
@@ -132,6 +140,8 @@ class InputBuffers:
         self.ids_np[first_token:end_tok] = 0
         self.pos_np[first_token:end_tok] = np.tile(np.arange(query_len), num_null)
         self.slot_np[first_token:end_tok] = NULL_BLOCK_ID
+        if self.lora_slots is not None:
+            self.lora_slot_np[first_token:end_tok] = 0
         self.seq_lens_np[first_req:num_reqs] = query_len
         self.table_np[first_req:num_reqs, :query_len] = NULL_BLOCK_ID
         self.qsl_np[first_req + 1:num_reqs + 1] = np.arange(first_token + query_len, end_tok + 1, query_len)
@@ -142,6 +152,8 @@ class InputBuffers:
         self.ids_np[first_token:num_tokens] = 0
         self.pos_np[first_token:num_tokens] = 0
         self.slot_np[first_token:num_tokens] = NULL_BLOCK_ID
+        if self.lora_slots is not None:
+            self.lora_slot_np[first_token:num_tokens] = 0
 
     def upload(self, num_tokens: int, num_reqs: int) -> None:
         """Copy the filled host prefixes to the device (asynchronous: the host buffers are only
@@ -155,6 +167,8 @@ class InputBuffers:
         n32 = self._table_start + num_reqs * self.max_blocks_per_req
         self._i64_d[:n64].copy_(self._i64_h[:n64], non_blocking=True)
         self._i32_d[:n32].copy_(self._i32_h[:n32], non_blocking=True)
+        if self.lora_slots is not None:
+            self.lora_slots[:num_tokens].copy_(self._lora_h[:num_tokens], non_blocking=True)
         if self._uploaded is not None:
             self._uploaded.record()
 

@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence, Union
 from tqdm.auto import tqdm
 
 from kiln.config import EngineConfig, ModelConfig
+from kiln.lora_request import LoRARequest
 from kiln.outputs import RequestOutput
 from kiln.runtime.engine import LLMEngine
 from kiln.sampling_params import SamplingParams
@@ -54,18 +55,21 @@ class LLM:
         use_tqdm: bool = True,
         priority: Optional[Sequence[int]] = None,
         add_special_tokens: bool = True,
+        lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of ``prompts``."""
+        """Run every prompt to completion; outputs come back in the order of ``prompts``.
+        ``lora_request``: the adapter every prompt runs with, or one per prompt (None: the base model)."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
+        loras = _as_lora_list(lora_request, len(prompts))
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p, prio in zip(prompts, params, priorities):
+            for prompt, p, prio, lora in zip(prompts, params, priorities, loras):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p, prio, add_special_tokens)
+                self.engine.add_request(rid, prompt, p, prio, add_special_tokens, lora_request=lora)
                 ids.append(rid)
         except Exception:
             for rid in ids:  # a bad prompt in the batch must not leave the others holding blocks
@@ -143,6 +147,18 @@ def _as_prompt_list(prompts) -> list[Prompt]:
         if not isinstance(p, (str, list)):
             raise ValueError(f"each prompt must be a string or a list of token ids, got {type(p).__name__}")
     return prompts
+
+
+def _as_lora_list(loras, n: int) -> list[Optional[LoRARequest]]:
+    if loras is None or isinstance(loras, LoRARequest):
+        return [loras] * n
+    loras = list(loras)
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} LoRA requests for {n} prompts")
+    for lora in loras:
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise ValueError(f"each lora_request must be a LoRARequest or None, got {type(lora).__name__}")
+    return loras
 
 
 def _as_params_list(params, n: int) -> list[SamplingParams]:

@@ -136,9 +136,14 @@ class LlamaAttention(nn.Module):
             q_dim, k_dim = (arch.head_dim, arch.head_dim) if self.qk_norm == "head" else (self.q_size, self.kv_size)
             self.q_norm = RMSNorm(q_dim, arch.rms_norm_eps, arch.traits.norm)
             self.k_norm = RMSNorm(k_dim, arch.rms_norm_eps, arch.traits.norm)
+        # Multi-LoRA (kiln.models.lora.attach_lora): each adds its adapters' term after its linear.
+        self.qkv_lora: Optional[nn.Module] = None
+        self.o_lora: Optional[nn.Module] = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        if self.qkv_lora is not None:
+            qkv = self.qkv_lora(qkv, x)
         if self.qk_norm is None:
             # Heads first, then the split: a view of the whole (contiguous) projection. A view of a
             # row-strided slice makes Inductor guard num_tokens != 1 while lowering it, and every
@@ -160,7 +165,10 @@ class LlamaAttention(nn.Module):
             v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         # q, k, v are row-strided views (last dim contiguous); the attention kernels take strides.
         o = torch.ops.kiln.attend_paged(q, k, v, self.layer_idx, self.scale, **self.attn_options)  # [T, H, D]
-        out = self.o_proj(o.flatten(1))  # [T, hidden]: a partial sum over this rank's heads
+        o = o.flatten(1)  # [T, H * D]
+        out = self.o_proj(o)  # [T, hidden]: a partial sum over this rank's heads
+        if self.o_lora is not None:
+            out = self.o_lora(out, o)
         return torch.ops.kiln.all_reduce(out) if self.tp_size > 1 else out
 
 
@@ -174,11 +182,19 @@ class LlamaMLP(nn.Module):
         inter = local_intermediate_size(arch, tp)  # gate_up_proj column-parallel, down_proj row-parallel
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, arch.hidden_size, bias=False)
+        self.gate_up_lora: Optional[nn.Module] = None  # multi-LoRA, as LlamaAttention's
+        self.down_lora: Optional[nn.Module] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate / tp] each
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate / tp]
+        if self.gate_up_lora is not None:
+            gate_up = self.gate_up_lora(gate_up, x)
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate / tp] each
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        out = self.down_proj(act * up)  # [T, hidden]: a partial sum over this rank's rows
+        h = act * up
+        out = self.down_proj(h)  # [T, hidden]: a partial sum over this rank's rows
+        if self.down_lora is not None:
+            out = self.down_lora(out, h)
         return torch.ops.kiln.all_reduce(out) if self.tp_size > 1 else out
 
 

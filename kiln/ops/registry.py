@@ -11,6 +11,7 @@ the first candidate of an op whose device matches and whose loader returns a ker
     silu_and_mul  kiln_triton::silu_and_mul                                  kiln::silu_and_mul
     moe           kiln_triton::fused_moe                                     kiln::fused_moe
     argmax        kiln_triton::argmax                                        kiln::argmax
+    lora          kiln_triton::add_lora                                      kiln::add_lora
     linear_int8   kiln_cuda::linear_int8    kiln_cpu::linear_int8 (aten)     kiln::linear_int8
                   (Triton)
     linear_int4   kiln_cuda::linear_int4_triton, else kiln_cuda::linear_int4 (aten tinygemm)
@@ -217,6 +218,18 @@ def _reference_argmax() -> Kernel:
     return Kernel("reference", torch.ops.kiln.argmax)
 
 
+def _reference_lora() -> Kernel:
+    import kiln.ops.lora  # noqa: F401  (defines the op)
+
+    return Kernel("reference", torch.ops.kiln.add_lora)
+
+
+def _triton_lora() -> Kernel:
+    import kiln.ops.triton_lora  # noqa: F401
+
+    return Kernel("triton", torch.ops.kiln_triton.add_lora, fast=True)
+
+
 def _triton_argmax() -> Optional[Kernel]:
     from kiln.ops import quant_cuda
 
@@ -256,6 +269,7 @@ class KernelSet:
     joined_dense: Optional[JoinedLinearKernel] = None
     joined_int4: Optional[JoinedLinearKernel] = None
     argmax: Kernel = field(default_factory=_reference_argmax)  # greedy rows' tokens in full graphs
+    lora: Kernel = field(default_factory=_reference_lora)  # batched LoRA of the targeted linears
 
     def quant_linear(self, scheme: str) -> QuantLinearKernel:
         """The GEMM of quantization ``scheme`` (int8 | int4 | fp8)."""
@@ -272,7 +286,7 @@ class KernelSet:
         rope = self.attention.name if self.attention.rope_op is not None else "none"
         return {"attention": self.attention.name, "attention_rope": rope, "add_rms_norm": self.add_rms_norm.name,
                 "silu_and_mul": self.silu_and_mul.name, "moe": self.moe.name, "linear_dense": self.linear_dense.name,
-                "argmax": self.argmax.name,
+                "argmax": self.argmax.name, "lora": self.lora.name,
                 **{f"linear_{s}": self.quant_linear(s).name for s in QUANT_SCHEMES},
                 **{f"joined_{s}": getattr(getattr(self, f"joined_{s}"), "name", "none") for s in JOINED_SCHEMES}}
 
@@ -464,6 +478,7 @@ REGISTRY: dict[str, tuple[tuple[str, Callable[[], Optional[Kernel]]], ...]] = {
     "silu_and_mul": (("cuda", _triton_silu_and_mul), (ANY_DEVICE, _reference_silu_and_mul)),
     "moe": (("cuda", _triton_moe), (ANY_DEVICE, _reference_moe)),
     "argmax": (("cuda", _triton_argmax), (ANY_DEVICE, _reference_argmax)),
+    "lora": (("cuda", _triton_lora), (ANY_DEVICE, _reference_lora)),
     "linear_int8": (("cuda", _triton_int8), ("cpu", _cpu_int8), (ANY_DEVICE, _reference_int8)),
     "linear_int4": (("cuda", _triton_int4), ("cuda", _cuda_int4), ("cpu", _cpu_int4), (ANY_DEVICE, _reference_int4)),
     "linear_fp8": (("cuda", _cuda_fp8), (ANY_DEVICE, _reference_fp8)),

@@ -10,6 +10,7 @@ The list (``build_passes``) runs in order; each pass says where it runs (``KilnP
    ``RopeAttentionFusionPass`` (dynamo): the rotary of q and k moves into that op's rotating
    variant (``AttentionKernel.rope_op``: the Triton decode kernel rotates as it loads).
    ``MoEBackendPass`` (dynamo): likewise the generic ``kiln.fused_moe`` (mixture-of-experts models).
+   ``LoraBackendPass`` (dynamo): likewise the generic ``kiln.add_lora`` (a model served with adapters).
 3. ``QuantLinearPass`` (dynamo): a linear on a dequantized weight -> the KernelSet's quantized GEMM.
    ``DenseLinearPass`` (dynamo): a linear on a bf16/fp16 weight -> the set's dense GEMM (CUDA: a
    Triton GEMV at one row, cuBLAS above).
@@ -62,6 +63,7 @@ from kiln.passes.base import STAGES, KilnPass, source_hash
 from kiln.passes.dense_linear import DenseLinearPass
 from kiln.passes.gemm_input_fusion import GemmInputFusionPass
 from kiln.passes.heads_view import HeadsViewPass
+from kiln.passes.lora_backend import LoraBackendPass
 from kiln.passes.merge_linears import MergeSiblingLinearsPass
 from kiln.passes.moe_backend import MoEBackendPass
 from kiln.passes.noop_elimination import NoOpEliminationPass
@@ -103,6 +105,7 @@ def build_passes(config: PassConfig) -> list[KilnPass]:
         AttentionBackendPass(k),
         RopeAttentionFusionPass(k, enabled=config.fusion_enabled(k.attention) and rope_join_enabled()),
         MoEBackendPass(k),
+        LoraBackendPass(k),
         QuantLinearPass(k),
         DenseLinearPass(enabled=config.fusion_enabled(k.linear_dense), op=k.linear_dense.op, device_type=k.device_type),
         NoOpEliminationPass(),

@@ -84,6 +84,7 @@ from typing import Any, Mapping, Optional, Union
 
 from kiln.clock import age_at_kiln_import, process_age_s
 from kiln.config import EngineConfig
+from kiln.lora_request import LoRARequest
 from kiln.models.loader import resolve_device, resolve_dtype
 from kiln.outputs import RequestDelta, RequestOutput
 from kiln.runtime.executor import make_executor
@@ -219,13 +220,15 @@ class LLMEngine:
         self._overlap = overlap
         self._in_flight: Optional[tuple[SchedulerOutput, Any]] = None  # (step, executor handle)
         self.executor = make_executor(config.model, config.cache, config.compile, config.parallel, config.scheduler,
-                                      config.speculative)
+                                      config.speculative, config.lora)
         self.tokenizer = self.executor.tokenizer
         self.max_model_len = self.executor.max_model_len
         self.kv_manager = KVCacheManager(
             self.executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.speculative)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.speculative,
+                                   max_loras=config.lora.max_loras if config.lora.enabled else 0)
+        self.lora_stats: dict[str, dict[str, int]] = {}  # adapter name -> requests, prompt and generated tokens
         self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens)
         self.output_processor = OutputProcessor(self.tokenizer, delta=delta_outputs)
         self._schedule_ahead = (overlap and getattr(self.executor, "can_schedule_ahead", False)
@@ -261,9 +264,11 @@ class LLMEngine:
         priority: int = 0,
         add_special_tokens: bool = True,
         pooling: Optional[str] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> None:
         """Queue a request (n samples); a refusal or failure leaves nothing behind. ``pooling``
-        ("last" | "mean"): an embedding request, which runs its prompt and returns its vector."""
+        ("last" | "mean"): an embedding request, which runs its prompt and returns its vector.
+        ``lora_request``: the adapter it runs with (read and checked here on first use)."""
         if self.output_processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         if pooling not in (None, "last", "mean"):
@@ -271,6 +276,8 @@ class LLMEngine:
         if pooling is not None and params.n != 1:
             raise ValueError("n must be 1 for an embedding request")
         processed = self.inputs.process(prompt, params, add_special_tokens)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         samples = [
             Request(
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}",
@@ -280,6 +287,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 priority=priority,
                 pooling=pooling,
+                lora_request=lora_request,
             )
             for i in range(params.n)
         ]
@@ -290,6 +298,27 @@ class LLMEngine:
         except BaseException:
             self.abort_request(request_id)  # the samples already queued give their place back
             raise
+
+        if lora_request is not None:
+            counts = self._lora_counts(lora_request.lora_name)
+            counts["requests"] += 1
+            counts["prompt_tokens"] += len(processed.token_ids) * params.n
+
+    # ---- LoRA adapters --------------------------------------------------------------------------
+    def add_lora(self, lora: LoRARequest) -> bool:
+        """Load adapter ``lora`` (read and checked: ValueError naming the file and field); False when
+        it was loaded already."""
+        if not self.config.lora.enabled:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} asked for, but this engine serves none; "
+                             "start it with lora={...} (lora.enabled=true)")
+        return self.executor.add_lora(lora)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload adapter ``lora_id`` (requests still running with it read it again from its path)."""
+        return self.config.lora.enabled and self.executor.remove_lora(lora_id)
+
+    def _lora_counts(self, name: str) -> dict[str, int]:
+        return self.lora_stats.setdefault(name, {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0})
 
     def abort_request(self, request_id: str) -> Optional[Union[RequestOutput, RequestDelta]]:
         """Finish a user request now (all its samples) and free its blocks."""
@@ -413,6 +442,9 @@ class LLMEngine:
         for sid in failed:  # freed now, like an abort; the step in flight drops their tokens
             self.scheduler.finish_request(sid, RequestStatus.FINISHED_ABORTED)
         finished = [r.request_id for r in updated if r.is_finished]
+        for r in updated:
+            if r.is_finished and r.lora_request is not None:
+                self._lora_counts(r.lora_request.lora_name)["generation_tokens"] += len(r.output_token_ids)
         finished += [sid for sid in failed if sid not in finished]
         if finished:
             self.executor.forget(finished)
@@ -427,6 +459,7 @@ class LLMEngine:
             "num_usable_blocks": self.kv_manager.num_usable_blocks,
             "prefix_cache_hit_rate": self.kv_manager.hit_rate,
             **self.spec_stats.as_dict(),
+            **({"lora": {name: dict(c) for name, c in self.lora_stats.items()}} if self.lora_stats else {}),
         }
 
     def shutdown(self) -> None:

@@ -38,12 +38,14 @@ class InputBatch:
         self.block_size = block_size
         self.placeholder_rows: list[tuple[int, str]] = []  # of the last prepare: (token row, request id)
 
-    def prepare(self, sched: SchedulerOutput, drafts: Optional[dict[str, list[int]]] = None
-                ) -> tuple[ModelInputs, list[int]]:
+    def prepare(self, sched: SchedulerOutput, drafts: Optional[dict[str, list[int]]] = None,
+                lora_slots: Optional[list[int]] = None) -> tuple[ModelInputs, list[int]]:
         """Write ``sched`` into the host mirrors; returns the step's shape and its sample rows.
 
         ``drafts``: speculative decoding's proposed tokens per request (at most its lookahead
-        slots); they follow its last known token, and each of its rows is a sample row."""
+        slots); they follow its last known token, and each of its rows is a sample row.
+        ``lora_slots``: each scheduled request's LoRA slot (0: the base model), written to every
+        token row of the request."""
         buf, bs = self.buffers, self.block_size
         # A step that samples nothing (a prefill chunk) is not read back: its upload may still be
         # pending when the next step is prepared, and must read the mirrors it was given.
@@ -79,6 +81,8 @@ class InputBatch:
                     ids = ids + list(draft)
                     n += len(draft)
                 self.write_chunk(i, num_tokens, start, ids)
+            if lora_slots is not None:
+                buf.lora_slot_np[num_tokens:num_tokens + n] = lora_slots[i]
             num_tokens += n
             buf.seq_lens_np[i] = start + n
             buf.qsl_np[i + 1] = num_tokens

@@ -10,6 +10,10 @@ every block before it, so equal hashes mean equal prefixes, not just equal block
     hash   | h0 = H(None,| h1 = H(h0,  | not full:   |
            |    t0..t3)  |    t4..t7)  | not cached  |
 
+A request with a LoRA adapter roots its chain at the adapter's id instead of None (H(("lora", id),
+t0..t3)): the K/V an adapter computes differ from the base model's, so two adapters (or an adapter
+and the base) never share a block.
+
 Rules kept here:
 - Requests are keyed by request_id; free() forgets everything about a request and is safe to call
   for a request that holds nothing.
@@ -189,7 +193,7 @@ class KVCacheManager:
         size = self.block_size
         while len(hashes) < num_blocks:
             index = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else (("lora", request.lora_id) if request.lora_id else None)
             token_ids = request.token_ids_slice(index * size, (index + 1) * size)
             hashes.append(hash((parent, tuple(token_ids))))
         return hashes[:num_blocks]

@@ -32,7 +32,7 @@ import torch
 from kiln.compiler import ArtifactCache, CompiledModel, InputLimits, VerifyShape, forward_profile_key
 from kiln.compiler.artifact_cache import use_kernel_caches
 from kiln.compiler.saved_forward import prefetch_source_keys, prefetch_triton_key
-from kiln.config import (CacheConfig, CompileConfig, ModelConfig, SchedulerConfig,
+from kiln.config import (CacheConfig, CompileConfig, LoraConfig, ModelConfig, SchedulerConfig,
                          SpeculativeConfig, resolve_for_device)
 from kiln.models.loader import LoadedModel, kv_cache_dtype, load_model, resolve_device, resolve_dtype
 from kiln.models.parallel import SINGLE, TensorParallel, local_num_kv_heads, min_over_ranks
@@ -41,6 +41,7 @@ from kiln.runtime import kv_sizing
 from kiln.runtime.draft_proposer import DraftProposer, DraftTarget
 from kiln.runtime.input_batch import InputBatch
 from kiln.runtime.kv_sizing import KVShape
+from kiln.runtime.lora_manager import LoraManager
 from kiln.runtime.ngram_proposer import NgramProposer
 from kiln.runtime.rejection_sampler import VerifiedTokens, verify
 from kiln.runtime.request import Request
@@ -101,9 +102,9 @@ class ConstrainedStep:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, compile_config: CompileConfig,
                  scheduler_config: Optional[SchedulerConfig] = None, tp: TensorParallel = SINGLE,
-                 speculative: SpeculativeConfig = SpeculativeConfig()):
+                 speculative: SpeculativeConfig = SpeculativeConfig(), lora: LoraConfig = LoraConfig()):
         try:
-            self._start(model_config, cache_config, compile_config, scheduler_config, tp, speculative)
+            self._start(model_config, cache_config, compile_config, scheduler_config, tp, speculative, lora)
         except BaseException:
             # A first CUDA start's build began with the weight read: stop both rather than leave
             # their threads holding the model, GPU memory and the one-build lock (an LLM(...)
@@ -115,7 +116,8 @@ class ModelRunner:
             raise
 
     def _start(self, model_config: ModelConfig, cache_config: CacheConfig, compile_config: CompileConfig,
-               scheduler_config: Optional[SchedulerConfig], tp: TensorParallel, speculative: SpeculativeConfig):
+               scheduler_config: Optional[SchedulerConfig], tp: TensorParallel, speculative: SpeculativeConfig,
+               lora: LoraConfig = LoraConfig()):
         t_start = time.perf_counter()
         self.tp = tp  # under tensor parallelism: this rank's shard; rank 0 alone samples
         self.device = resolve_device(model_config.device)
@@ -136,6 +138,8 @@ class ModelRunner:
                                              self.kernels, background=True)
         load_seconds = load_call_seconds = time.perf_counter() - t0
         self.model, self.arch = self.loaded.model, self.loaded.arch
+        # Multi-LoRA: the adapter slots are part of the model (and of its compiled graph) from here.
+        self.lora = LoraManager(self.model, lora, self.dtype, self.device) if lora.enabled else None
         self.max_model_len = self.loaded.max_model_len
         sched = scheduler_config
         self.kv_shape = KVShape(self.arch.num_layers, self.block_size, local_num_kv_heads(self.arch, tp),
@@ -161,7 +165,8 @@ class ModelRunner:
             if compile_config.mode == "kiln" and compile_config.build == "startup":
                 prefetch_source_keys()
         self.compile_config = compile_config
-        limits = InputLimits(sched.max_num_batched_tokens, sched.max_num_seqs, -(-self.max_model_len // self.block_size))
+        limits = InputLimits(sched.max_num_batched_tokens, sched.max_num_seqs, -(-self.max_model_len // self.block_size),
+                             lora_slots=self.lora is not None)
         self.compiled = CompiledModel(self.model, compile_config, self.kernels, limits, self.max_model_len, artifacts,
                                       forward_key=self._profile_key)
         if self.device.type == "cuda" and kept_profile is None:
@@ -421,7 +426,8 @@ class ModelRunner:
         num_proposed = {rid: len(d) for rid, d in drafts.items()}
         if drafts and self.compiled.verify_graphs is not None:
             drafts = pad_drafts(sched, drafts)
-        inputs, sample_rows = self.input_batch.prepare(sched, drafts)
+        lora_slots = self.lora.token_slots(s.request for s in sched.scheduled) if self.lora is not None else None
+        inputs, sample_rows = self.input_batch.prepare(sched, drafts, lora_slots)
         if self.input_batch.placeholder_rows:
             inputs.device_input_ids = self._fed_input_ids(self.input_batch.placeholder_rows, after)
         out = self.compiled.run(inputs)

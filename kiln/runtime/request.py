@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from kiln.lora_request import LoRARequest
 from kiln.sampling_params import SamplingParams
 
 
@@ -52,6 +53,12 @@ class Request:
     # Scheduling ahead (``Scheduler.schedule_ahead``): the token of the step in flight, not yet
     # known, is held as a placeholder at the end of output_token_ids until update() writes it.
     num_output_placeholders: int = 0
+    lora_request: Optional[LoRARequest] = None  # the adapter it runs with; None: the base model
+
+    @property
+    def lora_id(self) -> int:
+        """The adapter's id (``LoRARequest.lora_int_id``), 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -24,6 +24,10 @@ Rules kept here:
   with the step in flight is not scheduled again; one stopped by a token (eos, stop ids) holds a
   wasted row in the step scheduled ahead, as a stop string does. A request preempted while its
   step is in flight still receives that step's token. No block is hashed over a placeholder.
+- LoRA: the running requests use at most ``max_loras`` distinct adapters (the model runner's
+  device slots; the base model takes none), so every step's adapters fit the slots at once. A
+  waiting request whose adapter would be one more waits at the head of the queue until a running
+  request of another adapter finishes.
 - update() also ends a request (FINISHED_LENGTH) once it holds as many tokens as the whole pool
   can (plus the last sampled one), so a request alone always fits and never preempts itself.
 - Speculative decoding: while at most ``speculative.max_batch_size`` requests run, a decoding
@@ -88,13 +92,14 @@ class _Step:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
-                 speculative: SpeculativeConfig = SpeculativeConfig()) -> None:
+                 speculative: SpeculativeConfig = SpeculativeConfig(), max_loras: int = 0) -> None:
         if not config.is_resolved:
             raise ValueError("the scheduler needs max_num_seqs and max_num_batched_tokens: resolve the config "
                              "for its device first (kiln.config.resolve_for_device)")
         self.config = config
         self.kv_manager = kv_manager
         self.speculative = speculative
+        self.max_loras = max_loras  # distinct adapters running at once (LoRA's device slots)
         self.waiting: list[Request] = []  # queue order, head first
         self.running: list[Request] = []  # admission order
         self._requests: dict[str, Request] = {}  # unfinished requests only
@@ -257,6 +262,8 @@ class Scheduler:
                 return  # no overtaking: later requests wait behind the head
 
     def _admit(self, request: Request, step: _Step) -> bool:
+        if request.lora_id and not self._lora_fits(request.lora_id):
+            return False
         computed_blocks, num_computed_tokens = self.kv_manager.get_computed_blocks(request)
         num_new_tokens = self._num_new_tokens(request, num_computed_tokens, step.token_budget)
         if num_new_tokens == 0:
@@ -272,6 +279,10 @@ class Scheduler:
         self.running.append(request)
         step.add(request, num_new_tokens, block_ids)
         return True
+
+    def _lora_fits(self, lora_id: int) -> bool:
+        running = {r.lora_id for r in self.running if r.lora_id}
+        return lora_id in running or len(running) < self.max_loras
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
         """Tokens to compute this step; 0 when the rest must run whole and does not fit yet."""
@@ -359,6 +370,9 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if num_prompt_tokens == 0:
             raise ValueError(f"request {request.request_id}: the prompt is empty")
+        if request.lora_id and not self.max_loras:
+            raise ValueError(f"request {request.request_id} asks for LoRA adapter {request.lora_request.lora_name!r}, "
+                             "but this engine serves none; start it with lora={...} (lora.enabled=true)")
         if request.max_model_len is not None and num_prompt_tokens > request.max_model_len:
             raise ValueError(
                 f"request {request.request_id}: prompt has {num_prompt_tokens} tokens, more than "

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from kiln.config import CacheConfig, CompileConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
+from kiln.config import (CacheConfig, CompileConfig, LoraConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                         SpeculativeConfig)
 from kiln.runtime.executor.base import Executor
 from kiln.runtime.executor.mp import MultiprocExecutor
 from kiln.runtime.executor.uniproc import UniProcExecutor
@@ -22,7 +23,9 @@ __all__ = ["Executor", "MultiprocExecutor", "UniProcExecutor", "make_executor"]
 
 def make_executor(model: ModelConfig, cache: CacheConfig, compile: CompileConfig, parallel: ParallelConfig,
                   scheduler: Optional[SchedulerConfig] = None,
-                  speculative: SpeculativeConfig = SpeculativeConfig()) -> Executor:
+                  speculative: SpeculativeConfig = SpeculativeConfig(), lora: LoraConfig = LoraConfig()) -> Executor:
+    if lora.enabled and parallel.backend != "uni":
+        raise ValueError(f"LoRA adapters are served with parallel.backend=uni for now, not {parallel.backend}")
     if parallel.backend == "mp":
         return MultiprocExecutor(model, cache, compile, parallel, scheduler)
     if parallel.backend == "ray":
@@ -34,4 +37,4 @@ def make_executor(model: ModelConfig, cache: CacheConfig, compile: CompileConfig
             f"parallel.backend=uni runs one process; tensor_parallel_size={parallel.tensor_parallel_size} "
             "needs parallel.backend=mp (or ray)"
         )
-    return UniProcExecutor(model, cache, compile, scheduler, speculative)
+    return UniProcExecutor(model, cache, compile, scheduler, speculative, lora)

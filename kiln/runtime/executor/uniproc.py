@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from kiln.config import CacheConfig, CompileConfig, LoraConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from kiln.lora_request import LoRARequest
 from kiln.runtime.executor.base import Executor
 from kiln.runtime.model_runner import LaunchedStep, RunnerOutput
 from kiln.runtime.scheduler_output import SchedulerOutput
@@ -35,10 +36,11 @@ class UniProcExecutor(Executor):
     """One ``ModelRunner`` in this process."""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, compile: CompileConfig,
-                 scheduler: Optional[SchedulerConfig] = None, speculative: SpeculativeConfig = SpeculativeConfig()):
+                 scheduler: Optional[SchedulerConfig] = None, speculative: SpeculativeConfig = SpeculativeConfig(),
+                 lora: LoraConfig = LoraConfig()):
         from kiln.runtime.model_runner import ModelRunner
 
-        self.runner = ModelRunner(model, cache, compile, scheduler, speculative=speculative)
+        self.runner = ModelRunner(model, cache, compile, scheduler, speculative=speculative, lora=lora)
         self._describe_model(self.runner.num_blocks, self.runner.max_model_len, self.runner.tokenizer,
                              self.runner.arch)
         self._launch_in_submit = self.runner.device.type == "cuda"
@@ -67,6 +69,16 @@ class UniProcExecutor(Executor):
 
     def shutdown(self) -> None:
         self.runner.shutdown()
+
+    def add_lora(self, lora: LoRARequest) -> bool:
+        """Read and check an adapter onto the runner's host cache (ValueError when refused)."""
+        if self.runner.lora is None:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} asked for, but this engine serves none; "
+                             "start it with lora={...} (lora.enabled=true)")
+        return self.runner.lora.add(lora)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.runner.lora is not None and self.runner.lora.remove(lora_id)
 
     @property
     def has_pending_captures(self) -> bool:
