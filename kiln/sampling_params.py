@@ -8,6 +8,10 @@ from typing import Any, Optional, Union
 
 # Seeds are signed 64-bit integers (as OpenAI's API and vLLM take them); the generators accept them all.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+# |length_penalty| bound: a score divides by length ** length_penalty, which stays a finite float
+# for every length a model's context allows.
+MAX_LENGTH_PENALTY = 10.0
+EARLY_STOPPING = (False, True, "never")  # transformers' values
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,14 @@ class SamplingParams:
     skip_special_tokens: bool = True  # in the output text
     prompt_logprobs: Optional[int] = None  # top logprobs per prompt token (0: only the prompt's own)
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # best_of > n: best_of samples, the n with the highest cumulative logprob returned. With
+    # use_beam_search: a beam search of width best_of (else n) returning its n best beams
+    # (kiln.entrypoints.beam_search), scored with length_penalty and stopped by early_stopping as
+    # transformers' ``generate(num_beams=...)``. Both run in LLM.generate and the server, not the engine.
+    best_of: Optional[int] = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, str] = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -126,6 +138,35 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        self._check_ranking()
+
+    def _check_ranking(self) -> None:
+        """best_of, use_beam_search, length_penalty and early_stopping, and what beam search refuses."""
+        if self.best_of is not None and not (isinstance(self.best_of, int) and self.best_of >= self.n):
+            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        _check_beam_scoring(self.length_penalty, self.early_stopping)
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0 or self.early_stopping is not False:
+                raise ValueError("length_penalty and early_stopping score beams: set use_beam_search=True, "
+                                 "or leave them at 1.0 and False")
+            return
+        refused = [name for name, on in (
+            ("temperature", self.temperature != 0.0), ("top_p", self.top_p != 1.0), ("top_k", self.top_k != 0),
+            ("min_p", self.min_p != 0.0), ("presence_penalty", self.presence_penalty != 0.0),
+            ("frequency_penalty", self.frequency_penalty != 0.0), ("repetition_penalty", self.repetition_penalty != 1.0),
+            ("logit_bias", bool(self.logit_bias)), ("stop", bool(self.stop)),
+            ("prompt_logprobs", self.prompt_logprobs is not None),
+            ("structured_outputs", self.structured_outputs is not None)) if on]
+        if refused:
+            raise ValueError(f"use_beam_search: beam search keeps the most likely beams by their raw logprobs and "
+                             f"samples nothing, so it cannot apply {', '.join(refused)}; set temperature=0 and leave "
+                             "top_p, top_k, min_p, the penalties, logit_bias, stop, prompt_logprobs and "
+                             "structured_outputs unset")
+
+    @property
+    def beam_width(self) -> int:
+        """The beams kept per step (use_beam_search), or the samples drawn: best_of, else n."""
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def greedy(self) -> bool:
@@ -136,3 +177,45 @@ class SamplingParams:
         """Whether logits are edited before sampling (logit bias, min_tokens, a grammar); such
         requests are sampled one token a step (speculative decoding skips them)."""
         return bool(self.logit_bias) or self.min_tokens > 0 or self.structured_outputs is not None
+
+
+def _check_beam_scoring(length_penalty: float, early_stopping: Union[bool, str]) -> None:
+    if not (isinstance(length_penalty, (int, float)) and abs(length_penalty) <= MAX_LENGTH_PENALTY):
+        raise ValueError(f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], "
+                         f"got {length_penalty!r}")
+    if not any(early_stopping is v for v in EARLY_STOPPING):
+        raise ValueError(f"early_stopping must be true, false or \"never\", got {early_stopping!r}")
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """``LLM.beam_search``'s options (vLLM's names): ``beam_width`` beams kept per step, up to
+    ``max_tokens`` generated tokens each (None: up to the context). A finished beam scores
+    ``sum of logprobs / (generated tokens ** length_penalty)``; ``early_stopping`` (transformers'
+    meaning: False stops once no running beam can beat the finished ones at its current length,
+    True as soon as ``beam_width`` beams finished, "never" only when none can ever beat them).
+    ``min_tokens``: EOS cannot end a beam before this many tokens. ``temperature`` must be 0 (the
+    search is deterministic); ``include_stop_str_in_output`` is accepted for vLLM's callers and
+    changes nothing (beam search takes no stop strings)."""
+
+    beam_width: int
+    max_tokens: Optional[int]
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: Union[bool, str] = False
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.beam_width, int) and self.beam_width >= 1):
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if self.max_tokens is not None and not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature != 0.0:
+            raise ValueError(f"temperature must be 0: beam search keeps the most likely beams, it samples none "
+                             f"(got {self.temperature})")
+        if not (isinstance(self.min_tokens, int) and self.min_tokens >= 0
+                and (self.max_tokens is None or self.min_tokens <= self.max_tokens)):
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        _check_beam_scoring(self.length_penalty, self.early_stopping)

@@ -13,10 +13,13 @@ from typing import Any, Optional, Sequence, Union
 from tqdm.auto import tqdm
 
 from kiln.config import EngineConfig, ModelConfig
+from kiln.entrypoints.beam_search import (
+    BeamSearch, BeamSearchOutput, best_of_params, keep_best, new_search, ranks_outputs, search_output,
+)
 from kiln.lora_request import LoRARequest
 from kiln.outputs import RequestOutput
 from kiln.runtime.engine import LLMEngine
-from kiln.sampling_params import SamplingParams
+from kiln.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,8 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        if any(ranks_outputs(p) for p in params):
+            return self._generate_ranked(prompts, params, priorities, loras, add_special_tokens, use_tqdm)
         ids = []
         try:
             for prompt, p, prio, lora in zip(prompts, params, priorities, loras):
@@ -76,6 +81,65 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: Union[Prompt, dict, Sequence[Union[Prompt, dict]]], params: BeamSearchParams,
+                    lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None,
+                    add_special_tokens: bool = True) -> list[BeamSearchOutput]:
+        """Beam search (``kiln.entrypoints.beam_search``: transformers' ``num_beams`` search) of each
+        prompt: a string, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``.
+        Each output holds the ``params.beam_width`` best beams, best first."""
+        if isinstance(prompts, dict):
+            prompts = [prompts]
+        if isinstance(prompts, list) and any(isinstance(p, dict) for p in prompts):
+            prompts = [_undict(p) for p in prompts]
+        prompts = _as_prompt_list(prompts)
+        searches = [BeamSearch(self.engine.tokenize(p, add_special_tokens), params, self._eos_token_ids(),
+                               self.engine.max_model_len) for p in prompts]
+        self._run_searches(searches, _as_lora_list(lora_request, len(prompts)))
+        return [BeamSearchOutput(s.results(self.tokenizer)) for s in searches]
+
+    def _generate_ranked(self, prompts: list[Prompt], params: list[SamplingParams], priorities: list[int],
+                         loras: list[Optional[LoRARequest]], add_special_tokens: bool,
+                         use_tqdm: bool) -> list[RequestOutput]:
+        """``generate`` when some request asks for beam search or best_of > n: the sampled ones
+        first (best_of samples each, the best n kept), then every beam search together."""
+        outs: list[Optional[RequestOutput]] = [None] * len(prompts)
+        sampled = [i for i, p in enumerate(params) if not p.use_beam_search]
+        if sampled:
+            done = self.generate([prompts[i] for i in sampled], [best_of_params(params[i]) for i in sampled], use_tqdm,
+                                 [priorities[i] for i in sampled], add_special_tokens, [loras[i] for i in sampled])
+            for i, out in zip(sampled, done):
+                outs[i] = keep_best(out, params[i])
+        beams = [i for i, p in enumerate(params) if p.use_beam_search]
+        searches = [new_search(self.engine.tokenize(prompts[i], add_special_tokens), params[i], self._eos_token_ids(),
+                               self.engine.max_model_len) for i in beams]
+        self._run_searches(searches, [loras[i] for i in beams])
+        for i, search in zip(beams, searches):
+            prompt = prompts[i] if isinstance(prompts[i], str) else None
+            outs[i] = search_output(search, str(next(self._ids)), prompt, params[i], self.tokenizer)
+        return outs
+
+    def _run_searches(self, searches: list[BeamSearch], loras: list[Optional[LoRARequest]]) -> None:
+        """Step every search until each is done: all running beams of all of them in one batch of
+        one-token requests per step (their common prefixes' blocks found in the prefix cache)."""
+        while live := [(s, lora) for s, lora in zip(searches, loras) if not s.done]:
+            ids = []
+            try:
+                for search, lora in live:
+                    for prompt in search.step_prompts():
+                        rid = str(next(self._ids))
+                        self.engine.add_request(rid, prompt, search.step_params(), lora_request=lora)
+                        ids.append(rid)
+            except Exception:
+                for rid in ids:
+                    self.engine.abort_request(rid)
+                raise
+            outs = iter(self._run(ids, use_tqdm=False))
+            for search, _ in live:
+                search.advance([next(outs).outputs[0].logprobs[0] for _ in search.running])
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        return self.engine.executor.eos_token_ids
 
     def embed(self, prompts: Union[Prompt, Sequence[Prompt]], pooling: str = "last",
               use_tqdm: bool = False) -> list[list[float]]:
@@ -159,6 +223,17 @@ def _as_lora_list(loras, n: int) -> list[Optional[LoRARequest]]:
         if lora is not None and not isinstance(lora, LoRARequest):
             raise ValueError(f"each lora_request must be a LoRARequest or None, got {type(lora).__name__}")
     return loras
+
+
+def _undict(prompt: Union[Prompt, dict]) -> Prompt:
+    """vLLM's prompt dicts as kiln's prompts."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    raise ValueError(f"a prompt dict needs `prompt` or `prompt_token_ids`, got keys {sorted(prompt)}")
 
 
 def _as_params_list(params, n: int) -> list[SamplingParams]:

@@ -67,6 +67,9 @@ class InputProcessor:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request that cannot run as asked."""
+        if params.use_beam_search or params.beam_width != params.n:
+            raise ValueError("use_beam_search and best_of are run by LLM.generate and the OpenAI server (as requests "
+                             "of n samples each); LLMEngine.add_request takes neither")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty; give at least one token of text")

@@ -620,6 +620,14 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class LoraAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's fields)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_path: Optional[str] = None  # load: a PEFT adapter directory on the server
+
+
 # ---- /v1/embeddings ------------------------------------------------------------------------------
 class EmbeddingRequest(_Request):
     model: Optional[Text] = None

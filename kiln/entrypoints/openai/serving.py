@@ -26,6 +26,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from kiln.config import ServerConfig
+from kiln.lora_request import LoRARequest
 from kiln.entrypoints.openai.errors import APIError, bad_request, engine_unavailable
 from kiln.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from kiln.entrypoints.prompt_encoder import PromptEncoder
@@ -77,6 +78,7 @@ class ServingContext:
     model_name: str
     metrics: ServerMetrics
     server: ServerConfig = field(default_factory=ServerConfig)  # its per-request limits
+    loras: dict[str, LoRARequest] = field(default_factory=dict)  # adapter name -> adapter ("model": name)
     _prompt_encoder: Optional[PromptEncoder] = field(default=None, init=False, repr=False)
 
     def prompt_encoder(self) -> Optional[PromptEncoder]:
@@ -88,18 +90,24 @@ class ServingContext:
 
     def check(self, model: Optional[str]) -> None:
         """Refuse a request for another model (404) or while the engine cannot take it (503)."""
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
-                           "model", "model_not_found")
+        if model is not None and model != self.model_name and model not in self.loras:
+            adapters = "".join(f", `{name}`" for name in self.loras)
+            raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`"
+                           f"{adapters}", "model", "model_not_found")
         if not self.engine.is_healthy():
             raise engine_unavailable(f"the engine is not running: {self.engine.error!r}"
                                      if self.engine.error else "the engine has shut down")
         if not self.engine.is_ready():
             raise engine_unavailable("the engine is still loading the model; retry shortly")
 
+    def lora_for(self, model: Optional[str]) -> Optional[LoRARequest]:
+        """The adapter a request's ``model`` names, None for the base model."""
+        return self.loras.get(model) if model is not None else None
+
     async def start(
         self, request_id: str, prompts: list[Prompt], params: SamplingParams, priority: int = 0,
         add_special_tokens: bool = True, *, prompt_param: str = "prompt", pooling: Optional[str] = None,
+        lora: Optional[LoRARequest] = None,
     ) -> list[TimedStream]:
         """One engine request per prompt (ids ``<request_id>-<i>``); all or none are started.
 
@@ -117,7 +125,8 @@ class ServingContext:
         timers = [self.metrics.timer() for _ in prompts]
         results = await asyncio.gather(
             *(self.engine.add_request(f"{request_id}-{i}", p, params, priority, add_special_tokens,
-                                      **({"pooling": pooling} if pooling else {}))
+                                      **({"pooling": pooling} if pooling else {}),
+                                      **({"lora_request": lora} if lora else {}))
               for i, p in enumerate(processed)),
             return_exceptions=True,
         )
