@@ -41,8 +41,8 @@ import zmq
 
 from kiln.config import EngineConfig
 from kiln.engine.messages import (
-    AbortRequests, AddRequest, Ready, Refusal, Shutdown, StartFailed, StepOutputs, Stopped, encoder,
-    to_engine_decoder,
+    AbortRequests, AddRequest, LoadLora, Ready, Refusal, Shutdown, StartFailed, StepOutputs, Stopped, UnloadLora,
+    encoder, to_engine_decoder,
 )
 from kiln.outputs import RequestDelta
 from kiln.runtime.engine import LLMEngine
@@ -117,6 +117,8 @@ class EngineCore:
                 message = self._decode(frame.buffer)
                 if isinstance(message, Shutdown):
                     self._leave(client)
+                elif isinstance(message, (LoadLora, UnloadLora)):
+                    self._lora_op(client, message)
                 elif isinstance(message, AbortRequests):
                     for request_id in message.request_ids:
                         self._owner.pop(request_id, None)
@@ -137,7 +139,8 @@ class EngineCore:
     def _add(self, client: int, message: AddRequest) -> None:
         try:
             self.engine.add_request(message.request_id, TokenizedPrompt(message.prompt, message.prompt_token_ids),
-                                    message.params, message.priority, pooling=message.pooling)
+                                    message.params, message.priority, pooling=message.pooling,
+                                    lora_request=message.lora_request)
         except ValueError as e:
             self._refused[client].append(Refusal(message.request_id, True, str(e)))
         except Exception as e:  # noqa: BLE001 - one request must not stop the engine
@@ -146,6 +149,21 @@ class EngineCore:
         else:
             self._owner[message.request_id] = client
             self._accepted[client].append(message.request_id)
+
+    def _lora_op(self, client: int, message: "LoadLora | UnloadLora") -> None:
+        """Load or unload an adapter between steps; the answer travels as a request's would."""
+        try:
+            if isinstance(message, LoadLora):
+                self.engine.add_lora(message.lora)
+            else:
+                self.engine.remove_lora(message.lora_int_id)
+        except ValueError as e:
+            self._refused[client].append(Refusal(message.op_id, True, str(e)))
+        except Exception as e:  # noqa: BLE001 - a bad adapter must not stop the engine
+            logger.exception("LoRA operation %s failed", message.op_id)
+            self._refused[client].append(Refusal(message.op_id, False, f"{type(e).__name__}: {e}"))
+        else:
+            self._accepted[client].append(message.op_id)
 
     def _send(self, outputs: list[RequestDelta], force_stats: bool = False) -> None:
         now = time.monotonic()

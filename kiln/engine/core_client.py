@@ -42,9 +42,11 @@ import zmq
 
 from kiln.clock import process_age_s
 from kiln.config import EngineConfig
+from kiln.lora_request import LoRARequest
 from kiln.engine.core import inherited_log_level, run_engine_core
 from kiln.engine.messages import (
-    AbortRequests, AddRequest, Ready, Shutdown, StartFailed, StepOutputs, Stopped, encoder, from_engine_decoder,
+    AbortRequests, AddRequest, LoadLora, Ready, Shutdown, StartFailed, StepOutputs, Stopped, UnloadLora, encoder,
+    from_engine_decoder,
 )
 from kiln.engine.streams import (
     ACCEPTED, ClientState, EngineDeadError, QueueLimits, RequestFailedError, RequestStream, Sink, post,
@@ -186,14 +188,15 @@ class EngineCoreClient(ClientState):
         return self._inputs.process(prompt, params, add_special_tokens)
 
     async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
-                          add_special_tokens: bool = True, pooling: Optional[str] = None) -> RequestStream:
-        """Hand a request to the engine. Raises ValueError for bad input, QueueFullError when the
+                          add_special_tokens: bool = True, pooling: Optional[str] = None,
+                          lora_request: Optional[LoRARequest] = None) -> RequestStream:
+        """Hand a request to the engine (``lora_request``: the adapter it runs with). Raises ValueError for bad input, QueueFullError when the
         queue is at a limit, RequestFailedError when kiln failed it, EngineDeadError when the engine
         has stopped."""
         processed = self.process(prompt, params, add_special_tokens)
         ids = processed.token_ids
         sink = Sink(asyncio.get_running_loop(), params.n, params.n * len(ids), processed.text, ids)
-        message = AddRequest(request_id, processed.text, ids, params, priority, pooling)
+        message = AddRequest(request_id, processed.text, ids, params, priority, pooling, lora_request)
         with self._lock:
             if self._done.is_set() or self._stopping:
                 raise self._dead_error()
@@ -203,6 +206,28 @@ class EngineCoreClient(ClientState):
             self._sinks[request_id] = sink
             self._to_engine.send(self._encode(message), copy=False)
         return await self._accepted(request_id, sink, True)
+
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Have the engine read and check an adapter now (ValueError naming the file and field)."""
+        await self._lora_op(LoadLora(f"lora-load-{lora.lora_int_id}-{os.urandom(4).hex()}", lora))
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        await self._lora_op(UnloadLora(f"lora-unload-{lora_int_id}-{os.urandom(4).hex()}", lora_int_id))
+
+    async def _lora_op(self, message) -> None:
+        sink = Sink(asyncio.get_running_loop())
+        with self._lock:
+            if self._done.is_set() or self._stopping:
+                raise self._dead_error()
+            self._sinks[message.op_id] = sink
+            self._to_engine.send(self._encode(message), copy=False)
+        try:
+            first = await sink.queue.get()
+        finally:
+            with self._lock:
+                self._sinks.pop(message.op_id, None)
+        if isinstance(first, BaseException):
+            raise first
 
     def abort(self, request_id: str) -> None:
         """Finish a request now and free its blocks. Safe from any thread; unknown ids are ignored."""

@@ -1,6 +1,6 @@
 """The typed messages between a frontend and the engine-core process, encoded with msgspec (msgpack).
 
-    frontend ──► engine core   AddRequest | AbortRequests | Shutdown          (one PUSH/PULL pair)
+    frontend ──► engine core   AddRequest | AbortRequests | LoadLora | UnloadLora | Shutdown
     frontend ◄── engine core   Ready | StartFailed | StepOutputs | Stopped     (one PUSH/PULL pair)
 
 Rules:
@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 
 import msgspec
 
+from kiln.lora_request import LoRARequest
 from kiln.outputs import RequestDelta
 from kiln.runtime.engine import StartupReport
 from kiln.sampling_params import SamplingParams
@@ -31,6 +32,19 @@ class AddRequest(msgspec.Struct, tag=True):
     params: SamplingParams
     priority: int = 0
     pooling: Optional[str] = None  # "last" | "mean": an embedding request
+    lora_request: Optional[LoRARequest] = None  # the adapter it runs with
+
+
+class LoadLora(msgspec.Struct, tag=True):
+    """Read and check an adapter now; answered like an AddRequest (taken or refused) under ``op_id``."""
+
+    op_id: str
+    lora: LoRARequest
+
+
+class UnloadLora(msgspec.Struct, tag=True):
+    op_id: str
+    lora_int_id: int
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -77,7 +91,7 @@ class Stopped(msgspec.Struct, tag=True):
     error: Optional[str] = None
 
 
-ToEngine = Union[AddRequest, AbortRequests, Shutdown]
+ToEngine = Union[AddRequest, AbortRequests, LoadLora, UnloadLora, Shutdown]
 FromEngine = Union[Ready, StartFailed, StepOutputs, Stopped]
 
 

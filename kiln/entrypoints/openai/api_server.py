@@ -45,12 +45,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kiln.config import EngineConfig, ServerConfig
+from kiln.lora_request import LoRARequest
 from kiln.version import __version__
 from kiln.entrypoints.openai.errors import error_response, install_error_handlers
 from kiln.entrypoints.openai.metrics import MULTIPROCESS_ENV, ServerMetrics
 from kiln.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, ModelCard, ModelList,
-    TokenizeRequest,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, LoraAdapterRequest, ModelCard,
+    ModelList, TokenizeRequest,
 )
 from kiln.entrypoints.openai.serving import ServingContext
 from kiln.entrypoints.openai.serving_chat import create_chat_completion
@@ -80,7 +81,8 @@ def build_app(engine_client: EngineClient, server_config: ServerConfig) -> FastA
                   docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(engine_client.stats, engine_client.is_healthy)
     model_name = server_config.served_model_name or engine_client.model_name or "kiln"
-    ctx = ServingContext(engine_client, model_name, metrics, server_config)
+    ctx = ServingContext(engine_client, model_name, metrics, server_config, loras=lora_modules(server_config))
+    lora_routes = LoraRoutes(ctx)
     app.state.engine = engine_client
     app.state.metrics = metrics
     app.state.serving = ctx
@@ -113,7 +115,17 @@ def build_app(engine_client: EngineClient, server_config: ServerConfig) -> FastA
     @app.get("/v1/models")
     async def models() -> Response:
         card = ModelCard(id=model_name, max_model_len=engine_client.max_model_len)
-        return _json(ModelList(data=[card]))
+        adapters = [ModelCard(id=name, root=lora.lora_path, parent=model_name, max_model_len=engine_client.max_model_len)
+                    for name, lora in ctx.loras.items()]
+        return _json(ModelList(data=[card, *adapters]))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoraAdapterRequest) -> Response:
+        return await lora_routes.load(body)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: LoraAdapterRequest) -> Response:
+        return await lora_routes.unload(body)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -136,6 +148,51 @@ def build_app(engine_client: EngineClient, server_config: ServerConfig) -> FastA
         return _json(detokenize(ctx, body))
 
     return app
+
+
+def lora_modules(server: ServerConfig) -> dict[str, LoRARequest]:
+    """``server.lora_modules`` ("name=path" each) as adapters, ids from 1 in order."""
+    loras = {}
+    for i, entry in enumerate(server.lora_modules):
+        name, path = entry.split("=", 1)
+        loras[name] = LoRARequest(name, i + 1, path)
+    return loras
+
+
+class LoraRoutes:
+    """Adapters loaded and unloaded at run time: the engine reads and checks one before its name
+    is served (a bad one is a 400 naming the file and field); every load takes a fresh id, so a
+    reloaded adapter never hits blocks cached under the old one."""
+
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+        self._next_id = len(ctx.loras) + 1
+
+    async def load(self, body: LoraAdapterRequest) -> Response:
+        if not body.lora_path:
+            return error_response(400, "lora_path is required: a PEFT adapter directory", "lora_path")
+        if body.lora_name in self.ctx.loras or body.lora_name == self.ctx.model_name:
+            return error_response(400, f"the model name `{body.lora_name}` is in use; unload it first",
+                                  "lora_name")
+        add = getattr(self.ctx.engine, "add_lora", None)
+        if add is None:
+            return error_response(400, "this engine serves no LoRA adapters", "lora_name")
+        lora = LoRARequest(body.lora_name, self._next_id, body.lora_path)
+        self._next_id += 1
+        try:
+            await add(lora)
+        except ValueError as e:
+            return error_response(400, str(e), "lora_path")
+        self.ctx.loras[lora.lora_name] = lora
+        return Response(f"LoRA adapter {lora.lora_name} loaded", media_type="text/plain")
+
+    async def unload(self, body: LoraAdapterRequest) -> Response:
+        lora = self.ctx.loras.pop(body.lora_name, None)
+        if lora is None:
+            return error_response(404, f"the LoRA adapter `{body.lora_name}` is not loaded", "lora_name",
+                                  "model_not_found")
+        await self.ctx.engine.remove_lora(lora.lora_int_id)
+        return Response(f"LoRA adapter {lora.lora_name} unloaded", media_type="text/plain")
 
 
 def _json(result) -> Response:

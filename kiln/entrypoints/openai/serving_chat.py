@@ -62,7 +62,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     _parse_ready(ctx, params, reasoning, fmt)
     request_id = new_id("chatcmpl")
     streams = await ctx.start(request_id, [prompt], params, body.priority, add_special_tokens=False,
-                              prompt_param="messages")
+                              prompt_param="messages", lora=ctx.lora_for(body.model))
     if body.stream:
         return StreamingResponse(_stream(ctx, body, request_id, streams[0], fmt, reasoning),
                                  media_type="text/event-stream")

@@ -33,7 +33,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: R
         raise bad_request("prompt is empty; give a string, a list of strings or token ids", "prompt")
     params = sampling_params_or_400(lambda: body.sampling_params(body.max_tokens, body.logprobs))
     request_id = new_id("cmpl")
-    streams = await ctx.start(request_id, prompts, params, body.priority)
+    streams = await ctx.start(request_id, prompts, params, body.priority, lora=ctx.lora_for(body.model))
     if body.stream:
         return StreamingResponse(_stream(ctx, body, request_id, streams), media_type="text/event-stream")
     try:
