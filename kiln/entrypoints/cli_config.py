@@ -109,6 +109,8 @@ FIELD_HELP = {
     "server.api_key_file": "a file whose first line is the API key (instead of server.api_key)",
     "server.allowed_hosts": "Host headers served, e.g. [localhost,127.0.0.1,*.example.com]; [\"*\"]: any host",
     "server.served_model_name": "the model name the API reports; null: the loaded model's name",
+    "server.lora_modules": "LoRA adapters served from the start, [name=path,...] (PEFT directories); a request "
+                           "picks one with \"model\": name (turns lora.enabled on)",
     "server.cors_origins": "origins allowed by CORS; empty: no CORS",
     "server.max_request_bytes": "larger request bodies get HTTP 413",
     "server.max_prompts_per_request": "most prompts in one completion request; more: HTTP 400",
