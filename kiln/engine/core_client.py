@@ -28,6 +28,7 @@ Threads and rules (the frontend side; the engine side is ``kiln.engine.core``):
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import logging
 import multiprocessing
@@ -36,6 +37,7 @@ import pickle
 import shutil
 import tempfile
 import threading
+import weakref
 from typing import Callable, Optional
 
 import zmq
@@ -59,6 +61,17 @@ from kiln.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 LIVENESS_POLL_MS = 200  # how often the reader checks the process while the engine is silent
+
+# Clients not yet shut down. At interpreter exit multiprocessing joins the engine-core processes,
+# which wait for their frontend: shutting the clients down first (atexit runs last-registered first)
+# lets a script that never called shutdown() exit.
+_LIVE: "weakref.WeakSet[EngineCoreClient]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_clients() -> None:
+    for client in list(_LIVE):
+        client.shutdown(timeout=5)
 
 
 def _address(ipc_dir: str, index: int) -> tuple[str, str]:
@@ -152,6 +165,7 @@ class EngineCoreClient(ClientState):
             self._engine_pid = shared.engine_pid
         self._reader = threading.Thread(target=self._read, name="kiln-engine-client", daemon=True)
         self._reader.start()
+        _LIVE.add(self)
 
     # ---- state ----------------------------------------------------------------------------------
     @property
@@ -246,6 +260,7 @@ class EngineCoreClient(ClientState):
             if not self._shut:
                 self._shutdown(timeout)
                 self._shut = True
+                _LIVE.discard(self)
 
     def _shutdown(self, timeout: Optional[float]) -> None:
         with self._lock:
@@ -263,9 +278,8 @@ class EngineCoreClient(ClientState):
         if self._inputs is not None:
             self._inputs.grammars.shutdown()
         if self._reader is not threading.current_thread() and not self._reader.is_alive():
-            self._to_engine.close(linger=0)
-            self._from_engine.close(linger=0)
-            self._ctx.term()
+            self._to_engine.close()
+            self._from_engine.close()
         if self._shared is None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
@@ -294,8 +308,6 @@ class EngineCoreClient(ClientState):
                     if message.error is not None:
                         self._error = RuntimeError(message.error)
                     return
-        except zmq.ContextTerminated:
-            return
         except BaseException as e:  # noqa: BLE001 - any end must reach the waiting requests
             self._error = e
         finally:

@@ -154,6 +154,35 @@ def test_a_dead_engine_fails_every_pending_request_at_once():
         c.shutdown()
 
 
+_DROPPED_CLIENTS = textwrap.dedent("""
+    import gc, os, signal, time
+    from kiln.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig
+    from kiln.engine.core_client import EngineCoreClient
+
+    config = EngineConfig(model=ModelConfig("random:tiny"), cache=CacheConfig(num_blocks=64),
+                          compile=CompileConfig(mode="eager"))
+    kept, dropped = EngineCoreClient(config), EngineCoreClient(config)
+    kept.wait_ready(timeout=300)
+    dropped.wait_ready(timeout=300)
+    os.kill(dropped.pid, signal.SIGKILL)
+    while dropped.is_healthy():
+        time.sleep(0.05)
+    dropped.cycle = dropped  # collected by gc, its sockets with it
+    del dropped
+    gc.collect()
+    print("collected", flush=True)
+    # kept is never shut down: the script must still exit
+""")
+
+
+def test_clients_never_shut_down_are_collected_and_the_script_exits():
+    """A client dropped without shutdown (its engine dead) is garbage collected without waiting on
+    its sockets, and a script that never calls shutdown() exits, its engine core with it."""
+    done = subprocess.run([sys.executable, "-c", _DROPPED_CLIENTS], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["collected"]
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
