@@ -91,6 +91,7 @@ class AsyncEngine(ClientState):
         self._building = lambda: False  # the engine's live LLMEngine.building, once it exists
         self.tokenizer = None
         self.max_model_len: Optional[int] = None
+        self.eos_token_ids: tuple[int, ...] = ()
         self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
         self._thread.start()
 
@@ -186,6 +187,7 @@ class AsyncEngine(ClientState):
             engine = self._make_engine()
             self.tokenizer = engine.tokenizer
             self.max_model_len = engine.max_model_len
+            self.eos_token_ids = tuple(getattr(getattr(engine, "executor", None), "eos_token_ids", ()))
             self._input_processor = getattr(engine, "inputs", None)  # test stand-ins have none
             self._building = lambda: bool(getattr(engine, "building", False))
             self._stats = engine.stats()

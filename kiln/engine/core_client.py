@@ -142,6 +142,7 @@ class EngineCoreClient(ClientState):
         self._inputs: Optional[InputProcessor] = None
         self.tokenizer = None
         self.max_model_len: Optional[int] = None
+        self.eos_token_ids: tuple[int, ...] = ()  # the model's, once ready (beam search ends beams on them)
         self.startup: Optional[StartupReport] = None
         self._encode = encoder().encode
 
@@ -324,6 +325,7 @@ class EngineCoreClient(ClientState):
         self._inputs = InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len, grammars)
         self.tokenizer = tokenizer
         self.max_model_len = ready.max_model_len
+        self.eos_token_ids = tuple(ready.eos_token_ids)
         owner = self._shared.owner_pid if self._shared is not None else "self"
         self.startup = ready.startup.seen_from(self.age_at_spawn, process_age_s(owner))
         self._ready.set()

@@ -283,6 +283,7 @@ class EngineClient(Protocol):
     limits: QueueLimits
     tokenizer: Any  # None until the engine is ready
     max_model_len: Optional[int]
+    eos_token_ids: tuple[int, ...]  # the model's stop ids, () until the engine is ready
 
     def is_ready(self) -> bool: ...
     def is_healthy(self) -> bool: ...

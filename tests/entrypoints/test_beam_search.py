@@ -1,5 +1,5 @@
 """Beam search (kiln.entrypoints.beam_search) against transformers' ``generate(num_beams=...)``, and
-best_of, offline.
+best_of, offline and over HTTP (serving_beam_search.py).
 
 Two tiny random checkpoints (Llama, Qwen2) are saved with transformers and loaded by kiln by path,
 fp32 on the CPU. Each gets as its EOS a token its own unconstrained beams write early, so beams
@@ -12,13 +12,18 @@ from __future__ import annotations
 import contextlib
 import json
 
+import httpx
 import pytest
 import torch
 
 from kiln import LLM, SamplingParams
+from kiln.config import EngineConfig, ModelConfig
+from kiln.engine.core_client import EngineCoreClient
 from kiln.entrypoints.beam_search import BeamSearch
+from kiln.entrypoints.openai import build_app
 from kiln.sampling_params import BeamSearchParams
 from tests.helpers.hf import write_toy_tokenizer
+from tests.helpers.server import ServerThread, assert_error, idle_free_blocks
 
 VOCAB = 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -96,18 +101,33 @@ def _pick_eos(model, prompts) -> int:
     return max(counts, key=counts.get)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def family(request, tmp_path_factory):
-    """(HF model, its EOS id, kiln LLM over the same checkpoint, prompts)."""
-    model = _hf_model(request.param)
+# The toy tokenizer's words: a chat of "hello"s renders to token ids 3.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m.content }} {% endfor %}"
+
+
+def _checkpoint(family: str, path) -> tuple[object, int, list[list[int]]]:
+    """A saved checkpoint of ``family`` with its EOS picked (and a chat template): (HF model, EOS, prompts)."""
+    from transformers import PreTrainedTokenizerFast
+
+    model = _hf_model(family)
     prompts = _prompts()
     eos = _pick_eos(model, prompts)
     model.config.eos_token_id = eos
     model.generation_config.eos_token_id = eos
-    path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     write_toy_tokenizer(path)
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
     assert json.loads((path / "config.json").read_text())["eos_token_id"] == eos
+    return model, eos, prompts
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def family(request, tmp_path_factory):
+    """(HF model, its EOS id, kiln LLM over the same checkpoint, prompts)."""
+    path = tmp_path_factory.mktemp(request.param)
+    model, eos, prompts = _checkpoint(request.param, path)
     llm = LLM(str(path), dtype="float32", compile={"mode": "eager"})
     assert llm.engine.executor.eos_token_ids == (eos,)
     return model, eos, llm, prompts
@@ -246,3 +266,96 @@ def test_length_penalty_decides_between_a_short_and_a_long_beam():
 
     assert run(0.0) == [2]  # -0.69 against 3 tokens at -0.69 - 0.45
     assert run(2.0) == [3, 4, 5]  # -1.14 / 9 beats -0.69
+
+
+# ---- over HTTP ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(server over an engine-core process of the Llama checkpoint, its engine client, HF model, EOS, prompts)."""
+    path = tmp_path_factory.mktemp("llama-server")
+    model, eos, prompts = _checkpoint("llama", path)
+    config = EngineConfig(model=ModelConfig(str(path), dtype="float32", max_model_len=256))
+    engine = EngineCoreClient(config)
+    engine.wait_ready(timeout=300)
+    thread = ServerThread(build_app(engine, config.server))
+    yield thread, engine, model, eos, prompts
+    thread.stop()
+    engine.shutdown()
+
+
+def _post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=120)
+
+
+@pytest.mark.parametrize("n,best_of,length_penalty", [(2, 4, 1.0), (2, 2, 0.0), (1, 4, 2.0)])
+def test_completions_beam_search_equals_transformers(server, n, best_of, length_penalty):
+    thread, engine, model, eos, prompts = server
+    r = _post(thread.url, "/v1/completions", {
+        "prompt": prompts, "max_tokens": MAX_TOKENS, "n": n, "best_of": best_of, "use_beam_search": True,
+        "length_penalty": length_penalty, "return_token_ids": True, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(len(prompts) * n))
+    for i, ids in enumerate(prompts):
+        want, _ = _hf_beams(model, ids, best_of, n, length_penalty, False, eos)
+        got = choices[i * n:(i + 1) * n]
+        assert [c["token_ids"] for c in got] == want
+        for c, beam in zip(got, want):
+            assert c["finish_reason"] == ("stop" if beam[-1] == eos else "length")
+            assert len(c["logprobs"]["tokens"]) == len(beam)
+    assert r.json()["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in choices)
+    idle_free_blocks(engine)
+
+
+def test_chat_beam_search_returns_n_beams(server):
+    thread, engine, model, eos, _ = server
+    messages = [{"role": "user", "content": "hello hello"}, {"role": "user", "content": "hello"}]
+    r = _post(thread.url, "/v1/chat/completions", {
+        "messages": messages, "max_tokens": MAX_TOKENS, "n": 3, "use_beam_search": True,
+        "early_stopping": True, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    want, _ = _hf_beams(model, [3, 3, 3], 3, 3, 1.0, True, eos)  # the template's "hello hello hello "
+    assert [c["token_ids"] for c in r.json()["choices"]] == want
+    idle_free_blocks(engine)
+
+
+def test_best_of_over_http_returns_n_samples(server):
+    thread, engine, _, _, prompts = server
+    r = _post(thread.url, "/v1/completions", {"prompt": prompts[0], "max_tokens": 4, "n": 2, "best_of": 5,
+                                             "temperature": 1.0, "seed": 3})
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    assert all(c["logprobs"] is None for c in r.json()["choices"])
+    idle_free_blocks(engine)
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"use_beam_search": True, "n": 2, "stream": True}, "stream"),
+    ("/v1/completions", {"best_of": 3, "stream": True}, "stream"),
+    ("/v1/chat/completions", {"use_beam_search": True, "n": 2, "stream": True}, "stream"),
+    ("/v1/completions", {"use_beam_search": True, "n": 2, "temperature": 0.7}, "use_beam_search"),
+    ("/v1/chat/completions", {"use_beam_search": True, "top_p": 0.5}, "use_beam_search"),
+    ("/v1/completions", {"use_beam_search": True, "n": 2, "stop": ["x"]}, "use_beam_search"),
+    ("/v1/completions", {"use_beam_search": True, "best_of": 11}, None),
+    ("/v1/completions", {"n": 3, "best_of": 2}, "best_of"),
+    ("/v1/completions", {"length_penalty": 2.0}, "length_penalty"),
+    ("/v1/completions", {"use_beam_search": True, "length_penalty": 11}, "length_penalty"),
+    ("/v1/completions", {"use_beam_search": True, "early_stopping": "sometimes"}, "early_stopping"),
+    ("/v1/chat/completions", {"best_of": 2}, "best_of"),  # completions only, as vLLM's
+    ("/v1/completions", {"use_beam_search": True, "max_tokens": 300}, "max_tokens"),
+])
+def test_beam_search_refusals_are_400s(server, path, body, param):
+    thread, engine, _, _, prompts = server
+    base = {"prompt": prompts[0], "max_tokens": 4} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    error = assert_error(_post(thread.url, path, {**base, **body}), 400, param)
+    assert error["type"] == "invalid_request_error"
+    idle_free_blocks(engine)
+
+
+def test_beam_search_fields_are_in_the_openapi_schema(server):
+    thread = server[0]
+    schemas = thread.app.openapi()["components"]["schemas"]
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        assert {"use_beam_search", "length_penalty", "early_stopping"} <= set(schemas[name]["properties"])
+    assert "best_of" in schemas["CompletionRequest"]["properties"]

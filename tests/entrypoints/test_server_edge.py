@@ -96,7 +96,7 @@ OUT_OF_RANGE = [
     (C, {"prompt": "hi", "max_tokens": 1 << 31}, "max_tokens"),
     (C, {**P, "n": 129}, "n"),
     (C, {**P, "n": 2, "best_of": 1}, "best_of"),
-    (C, {**P, "best_of": 3}, "best_of"),
+    (C, {**P, "best_of": 129}, "best_of"),
     (C, {**P, "priority": 1 << 31}, "priority"),
     (C, {**P, "logprobs": -1}, "logprobs"),
     (CH, {**M, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),

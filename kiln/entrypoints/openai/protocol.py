@@ -20,7 +20,9 @@ return_token_ids, min_tokens, skip_special_tokens, prompt_logprobs, structured_o
 ``{"json" | "json_object" | "regex" | "choice" | "grammar": ...}``; its older guided_json,
 guided_regex, guided_choice and guided_grammar are accepted too), parse_special_tokens
 (completions), add_generation_prompt, continue_final_message and chat_template_kwargs (chat; the
-template's variables, every string in them marked as user text). A schema error becomes a 400 whose
+template's variables, every string in them marked as user text), use_beam_search, length_penalty and
+early_stopping (a beam search of best_of beams on completions, n on chat, returning the n best:
+``serving_beam_search.py``). A schema error becomes a 400 whose
 ``param`` names the field (errors.py).
 """
 
@@ -35,7 +37,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from kiln.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
+from kiln.sampling_params import (
+    MAX_LENGTH_PENALTY, SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams,
+)
 
 MAX_TOKEN_ID = (1 << 31) - 1  # the schema's bound; the engine refuses ids past the vocabulary
 MAX_INT32 = (1 << 31) - 1
@@ -225,6 +229,10 @@ class _SamplingFields(_Request):
     guided_regex: Optional[Text] = None
     guided_choice: Optional[list[Text]] = None
     guided_grammar: Optional[Text] = None
+    # vLLM's beam search; early_stopping is transformers' (false, true or "never")
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
+    early_stopping: Union[bool, Literal["never"]] = False
 
     def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
         """The one output constraint asked for (response_format, structured_outputs or a guided_*
@@ -258,7 +266,8 @@ class _SamplingFields(_Request):
         return SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
+            # OpenAI's default temperature is 1; beam search samples nothing, so its default is 0.
+            temperature=(0.0 if self.use_beam_search else 1.0) if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
             min_p=self.min_p,
@@ -276,6 +285,10 @@ class _SamplingFields(_Request):
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=structured_outputs or self.structured_outputs_params(),
             prompt_logprobs=self.num_prompt_logprobs,
+            best_of=getattr(self, "best_of", None),  # a completions field: chat searches n beams
+            use_beam_search=self.use_beam_search,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
         )
 
     @property
@@ -321,19 +334,20 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Optional[int] = Field(16, ge=1, le=MAX_INT32)
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: Optional[int] = Field(None, ge=1, le=128)  # only best_of == n: kiln ranks no samples
+    # best_of >= n candidates, the n best returned: beams with use_beam_search, else samples ranked
+    # by their cumulative logprob
+    best_of: Optional[int] = Field(None, ge=1, le=128)
     suffix: Unimplemented = None
     # kiln extension: special-token strings in the prompt become those tokens (default: text)
     parse_special_tokens: bool = False
 
     @field_validator("best_of")
     @classmethod
-    def _best_of_is_n(cls, best_of: Optional[int], info: ValidationInfo) -> Optional[int]:
+    def _best_of_at_least_n(cls, best_of: Optional[int], info: ValidationInfo) -> Optional[int]:
         n = info.data.get("n", 1)
-        if best_of is not None and best_of != n:
-            raise PydanticCustomError("not_implemented", "kiln does not implement best_of other than n "
-                                      "(got best_of={best_of}, n={n}); it ranks no samples",
-                                      {"best_of": best_of, "n": n})
+        if best_of is not None and best_of < n:
+            raise PydanticCustomError("invalid_value", "must be at least n (got best_of={best_of}, n={n}): the n "
+                                      "returned are the best of best_of", {"best_of": best_of, "n": n})
         return best_of
 
     @property

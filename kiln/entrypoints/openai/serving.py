@@ -209,7 +209,7 @@ def _param_of(message: str, prompt_param: str = "prompt") -> Optional[str]:
     first = message.split(" ", 1)[0].rstrip(":")
     known = {"structured_outputs", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "stop", "seed", "min_tokens", "logit_bias",
-             "prompt_logprobs"}
+             "prompt_logprobs", "best_of", "use_beam_search", "length_penalty", "early_stopping"}
     if first in known:
         return first
     if "max_tokens" in message:

@@ -13,6 +13,7 @@ from typing import AsyncIterator, Optional, Union
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from kiln.entrypoints.beam_search import ranks_outputs
 from kiln.entrypoints.openai.errors import bad_request
 from kiln.entrypoints.openai.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, UsageInfo,
@@ -21,6 +22,7 @@ from kiln.entrypoints.openai.serving import (
     SSE_DONE, ClientGone, ServingContext, TimedStream, api_error, close_all, collect_finals, merge_streams, new_id,
     prompt_logprobs_out, sampling_params_or_400, sse, until_disconnected,
 )
+from kiln.entrypoints.openai.serving_beam_search import refuse_stream, run_ranked
 from kiln.outputs import CompletionOutput, RequestOutput
 from kiln.runtime.input_processor import TokenizedPrompt
 
@@ -33,6 +35,15 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: R
         raise bad_request("prompt is empty; give a string, a list of strings or token ids", "prompt")
     params = sampling_params_or_400(lambda: body.sampling_params(body.max_tokens, body.logprobs))
     request_id = new_id("cmpl")
+    if ranks_outputs(params):  # beam search or best_of > n: answered once every candidate is done
+        refuse_stream(params, body.stream)
+        ranked = run_ranked(ctx, request_id, prompts, params, body.priority, lora=ctx.lora_for(body.model))
+        try:
+            return _response(ctx, body, request_id, await until_disconnected(raw, ranked))
+        except ClientGone:
+            return Response(status_code=499)
+        except Exception as e:  # noqa: BLE001 - a kiln bug or a stopped engine: an answer in OpenAI's schema
+            raise api_error(e, request_id) from e
     streams = await ctx.start(request_id, prompts, params, body.priority, lora=ctx.lora_for(body.model))
     if body.stream:
         return StreamingResponse(_stream(ctx, body, request_id, streams), media_type="text/event-stream")
