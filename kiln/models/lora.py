@@ -201,7 +201,7 @@ class LoraStack(nn.Module):
                              persistent=False)  # [S, slices * R, out]
 
     def forward(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.kiln.add_lora(y, x, self.lora_a, self.lora_b)
+        return torch.ops.kiln.add_lora(y, x, self.lora_a, self.lora_b, list(self.out_sizes))
 
     @torch.no_grad()
     def write(self, index: int, slices: list[Optional[tuple[torch.Tensor, torch.Tensor]]]) -> None:

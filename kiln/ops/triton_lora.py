@@ -1,99 +1,197 @@
-"""Triton kernels behind ``kiln.add_lora`` on CUDA: punica's BGMV, shrink then expand by slot.
+"""Triton kernels behind ``kiln.add_lora`` on CUDA: shrink then expand over token tiles, by slot.
 
-    shrink  grid (T, cdiv(R, BLOCK_R))   h[t, r] = sum_k x[t, k] * A[slot(t) - 1, r, k]   (float32)
-    expand  grid (T, cdiv(N, BLOCK_N))   out[t, n] = y[t, n] + sum_r h[t, r] * B[slot(t) - 1, r, n]
+    shrink  grid (tiles, S, R blocks * SPLIT_K)   part[sp, t, r] = sum_{k in split sp} x[t, k] * A[s, r, k]
+    expand  grid (tiles, S + 1, column blocks)     out[t, n] = y[t, n] + sum_sp,r part[sp, t, r] * B[s, r, n]
 
-Each program reads its token's slot from the step's slot table (a device tensor: nothing is read
-on the host, so a CUDA graph captured once replays any mix of adapters); a base-model token (slot
-0) reads no adapter weights and writes ``y`` through unchanged. The rank dimension is one block
-(ranks are at most ``lora.max_lora_rank`` times the linear's slices), so expand sums it in
-registers. ``check_against_reference`` compares the op with ``add_lora_reference`` on fresh random
-inputs; ``kiln_triton::add_lora`` (the generic op's schema) is what ``kiln.ops.registry`` hands
-``LoraBackendPass`` on CUDA.
+A program (m, s, ...) takes the tokens of tile m (BLOCK_T consecutive tokens of the step) whose
+slot is s + 1 (shrink) or s (expand), and exits at once when the tile holds none: adapter s's
+weights are read once per tile for all its tokens there (one ``tl.dot``), not once per token,
+and a base-model token (slot 0) reads no adapter weights. Tokens are taken in the step's order,
+without sorting them by slot: the slots are the same for the 128 calls of a step, so a sort per
+call would add kernels to every call; requests' tokens are contiguous in a step (a prefill's
+tile holds one adapter) and a decode batch's tiles hold each adapter at most once per tile.
+
+The shrink splits K across SPLIT_K programs (enough programs when the step has few tokens) and
+each writes its own float32 partial: nothing is zeroed and no atomics are needed; the expand sums
+the partials of its tokens' ranks. Expand program (m, s, nb) covers columns of one slice j of the
+fused linear (``slice_sizes``; a column block never crosses a slice) and reads only B's rank rows
+j*R..(j+1)*R; program (m, 0, nb) copies the tile's base-model tokens' y.
+
+Every choice (tile, split, blocks) is a function of the shapes only, so a CUDA graph captured once
+replays any mix of adapters. ``check_against_reference`` compares the op with
+``add_lora_reference`` on fresh random inputs; ``kiln_triton::add_lora`` (the generic op's schema)
+is what ``kiln.ops.registry`` hands ``LoraBackendPass`` on CUDA.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.lora import add_lora_reference, define_add_lora_op
+from kiln.ops.lora import add_lora_reference, define_add_lora_op, slice_rank
+
+MAX_SLICES = 4  # slice boundaries travel as scalar arguments (fused linears have at most 3 slices)
+TARGET_PROGRAMS = 256  # about two programs per SM of an H100/H200 for the shrink's K split
+MAX_SPLIT_K = 64
+BLOCK_K = 64
+BLOCK_N = 64
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, slots_ptr, h_ptr, K, R, stride_x, stride_as, stride_ar, stride_h,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    t, rb = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(slots_ptr + t).to(tl.int64)
-    used = slot > 0
-    stack = tl.maximum(slot - 1, 0)
-    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + t * stride_x + cols, mask=used & (cols < K), other=0.0).to(tl.float32)
-        a = tl.load(a_ptr + stack * stride_as + rows[:, None] * stride_ar + cols[None, :],
-                    mask=used & (rows[:, None] < R) & (cols[None, :] < K), other=0.0).to(tl.float32)
-        acc += tl.sum(a * x[None, :], axis=1)
-    tl.store(h_ptr + t * stride_h + rows, acc, mask=rows < R)
+def _tile_rows(slots_ptr, T, slot, BLOCK_T: tl.constexpr):
+    """Tile program_id(0)'s token indices and which of them have ``slot``."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_slot = tl.load(slots_ptr + rows, mask=rows < T, other=-1)
+    return rows.to(tl.int64), tok_slot == slot
 
 
 @triton.jit
-def _expand_kernel(y_ptr, h_ptr, b_ptr, slots_ptr, out_ptr, N, R, stride_y, stride_h, stride_bs, stride_br,
-                   stride_o, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    t, nb = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(slots_ptr + t).to(tl.int64)
-    used = slot > 0
-    stack = tl.maximum(slot - 1, 0)
-    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    ranks = tl.arange(0, BLOCK_R)
-    h = tl.load(h_ptr + t * stride_h + ranks, mask=used & (ranks < R), other=0.0)
-    b = tl.load(b_ptr + stack * stride_bs + ranks[:, None] * stride_br + cols[None, :],
-                mask=used & (ranks[:, None] < R) & (cols[None, :] < N), other=0.0).to(tl.float32)
-    delta = tl.sum(h[:, None] * b, axis=0)  # [BLOCK_N]
-    y = tl.load(y_ptr + t * stride_y + cols, mask=cols < N, other=0.0)
-    tl.store(out_ptr + t * stride_o + cols, (y.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=cols < N)
+def _shrink_kernel(x_ptr, a_ptr, slots_ptr, part_ptr, T, K, RR, k_per_split, num_r_blocks,
+                   stride_x, stride_as, stride_ar, stride_ps, stride_pt,
+                   BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    s = tl.program_id(1)
+    rb, sp = tl.program_id(2) % num_r_blocks, tl.program_id(2) // num_r_blocks
+    rows, mine = _tile_rows(slots_ptr, T, s + 1, BLOCK_T)
+    if tl.max(mine.to(tl.int32), axis=0) > 0:
+        ranks = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+        a_base = a_ptr + s.to(tl.int64) * stride_as + ranks[None, :] * stride_ar
+        acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+        k_lo = sp * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :],
+                        mask=mine[:, None] & (cols[None, :] < k_hi), other=0.0)  # [BLOCK_T, BLOCK_K]
+            a = tl.load(a_base + cols[:, None], mask=(cols[:, None] < k_hi) & (ranks[None, :] < RR),
+                        other=0.0)  # [BLOCK_K, BLOCK_R]
+            acc = tl.dot(x.to(a.dtype), a, acc, input_precision=DOT_PRECISION)
+        tl.store(part_ptr + sp * stride_ps + rows[:, None] * stride_pt + ranks[None, :], acc,
+                 mask=mine[:, None] & (ranks[None, :] < RR))
+
+
+@triton.jit
+def _slice_of_block(nb, N, n_end0, n_end1, n_end2, b_end0, b_end1, b_end2, BLOCK_N: tl.constexpr):
+    """Column block ``nb`` -> (slice j, its first column, the slice's end column)."""
+    j = (nb >= b_end0).to(tl.int32) + (nb >= b_end1).to(tl.int32) + (nb >= b_end2).to(tl.int32)
+    n_start = tl.where(j == 0, 0, tl.where(j == 1, n_end0, tl.where(j == 2, n_end1, n_end2)))
+    b_start = tl.where(j == 0, 0, tl.where(j == 1, b_end0, tl.where(j == 2, b_end1, b_end2)))
+    n_stop = tl.where(j == 0, n_end0, tl.where(j == 1, n_end1, tl.where(j == 2, n_end2, N)))
+    return j, n_start + (nb - b_start) * BLOCK_N, n_stop
+
+
+@triton.jit
+def _expand_kernel(y_ptr, part_ptr, b_ptr, slots_ptr, out_ptr, T, N, R,
+                   n_end0, n_end1, n_end2, b_end0, b_end1, b_end2,
+                   stride_y, stride_ps, stride_pt, stride_bs, stride_br, stride_o,
+                   SPLIT_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    slot = tl.program_id(1)
+    rows, mine = _tile_rows(slots_ptr, T, slot, BLOCK_T)
+    if tl.max(mine.to(tl.int32), axis=0) > 0:
+        j, n0, n_stop = _slice_of_block(tl.program_id(2), N, n_end0, n_end1, n_end2, b_end0, b_end1, b_end2,
+                                            BLOCK_N)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        io_mask = mine[:, None] & (cols[None, :] < n_stop)
+        y = tl.load(y_ptr + rows[:, None] * stride_y + cols[None, :], mask=io_mask, other=0.0)
+        res = y
+        if slot > 0:
+            ranks = tl.arange(0, BLOCK_R)
+            h_ptrs = part_ptr + rows[:, None] * stride_pt + (j * R + ranks)[None, :]
+            h_mask = mine[:, None] & (ranks[None, :] < R)
+            h = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+            for sp in tl.static_range(SPLIT_K):
+                h += tl.load(h_ptrs + sp * stride_ps, mask=h_mask, other=0.0)
+            b = tl.load(b_ptr + (slot - 1).to(tl.int64) * stride_bs + (j * R + ranks)[:, None] * stride_br
+                        + cols[None, :], mask=(ranks[:, None] < R) & (cols[None, :] < n_stop), other=0.0)
+            delta = tl.dot(h.to(b.dtype), b, input_precision=DOT_PRECISION)  # [BLOCK_T, BLOCK_N]
+            res = (y.to(tl.float32) + delta).to(y.dtype)
+        tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], res, mask=io_mask)
+
+
+def _split_k(num_tiles: int, num_tokens: int, num_slots: int, num_r_blocks: int, in_features: int) -> int:
+    """Shrink programs per tile: a power of two giving about TARGET_PROGRAMS busy programs when the
+    tiles hold min(tokens, slots) adapters, at most one BLOCK_K chunk per program."""
+    busy = num_tiles * min(num_tokens, num_slots) * num_r_blocks
+    split = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, busy))
+    chunks = triton.cdiv(in_features, BLOCK_K)
+    return max(1, min(split, MAX_SPLIT_K, 1 << (chunks.bit_length() - 1)))
+
+
+def _slice_bounds(slice_sizes: list[int]) -> tuple[list[int], list[int], int]:
+    """Column ends and column-block ends of the slices but the last (padded to MAX_SLICES - 1 with
+    the totals), and the number of column blocks."""
+    if len(slice_sizes) > MAX_SLICES:
+        raise ValueError(f"kiln_triton.add_lora: at most {MAX_SLICES} slices, got {list(slice_sizes)}")
+    n_ends, b_ends, n, blocks = [], [], 0, 0
+    for size in slice_sizes:
+        n, blocks = n + size, blocks + triton.cdiv(size, BLOCK_N)
+        n_ends.append(n)
+        b_ends.append(blocks)
+    pad = MAX_SLICES - len(slice_sizes)
+    return n_ends[:-1] + [n] * pad, b_ends[:-1] + [blocks] * pad, blocks
 
 
 def triton_add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                    token_slots: torch.Tensor) -> torch.Tensor:
-    """``add_lora_reference``'s contract: y [T, out], x [T, in], lora_a [S, R, in], lora_b [S, R, out]."""
+                    slice_sizes: list[int], token_slots: torch.Tensor) -> torch.Tensor:
+    """``add_lora_reference``'s contract: y [T, out], x [T, in], lora_a [S, slices * R, in],
+    lora_b [S, slices * R, out]."""
     num_tokens, out_features = y.shape
-    rank, in_features = lora_a.shape[1], lora_a.shape[2]
+    num_slots, ranks, in_features = lora_a.shape
+    rank = slice_rank(lora_a, lora_b, slice_sizes)
+    y = y.contiguous()
     out = torch.empty_like(y)
     if num_tokens == 0:
         return out
     x, lora_a, lora_b = x.contiguous(), lora_a.contiguous(), lora_b.contiguous()
-    h = torch.empty(num_tokens, rank, dtype=torch.float32, device=x.device)
-    block_r = min(triton.next_power_of_2(rank), 64)
-    _shrink_kernel[(num_tokens, triton.cdiv(rank, block_r))](
-        x, lora_a, token_slots, h, in_features, rank, x.stride(0), lora_a.stride(0), lora_a.stride(1), h.stride(0),
-        BLOCK_R=block_r, BLOCK_K=128)
-    block_n = 64
-    _expand_kernel[(num_tokens, triton.cdiv(out_features, block_n))](
-        y, h, lora_b, token_slots, out, out_features, rank, y.stride(0), h.stride(0), lora_b.stride(0),
-        lora_b.stride(1), out.stride(0), BLOCK_R=triton.next_power_of_2(rank), BLOCK_N=block_n)
+    precision = "ieee" if lora_a.dtype == torch.float32 else "tf32"
+    block_t = min(64, max(16, triton.next_power_of_2(num_tokens)))
+    num_tiles = triton.cdiv(num_tokens, block_t)
+    block_r = min(64, max(16, triton.next_power_of_2(ranks)))
+    num_r_blocks = triton.cdiv(ranks, block_r)
+    split_k = _split_k(num_tiles, num_tokens, num_slots, num_r_blocks, in_features)
+    k_per_split = triton.cdiv(triton.cdiv(in_features, BLOCK_K), split_k) * BLOCK_K
+    part = torch.empty(split_k, num_tokens, ranks, dtype=torch.float32, device=x.device)  # [SPLIT_K, T, slices * R]
+    _shrink_kernel[(num_tiles, num_slots, num_r_blocks * split_k)](
+        x, lora_a, token_slots, part, num_tokens, in_features, ranks, k_per_split, num_r_blocks,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), part.stride(0), part.stride(1),
+        BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=BLOCK_K, DOT_PRECISION=precision)
+    n_ends, b_ends, num_col_blocks = _slice_bounds(slice_sizes)
+    _expand_kernel[(num_tiles, num_slots + 1, num_col_blocks)](
+        y, part, lora_b, token_slots, out, num_tokens, out_features, rank, *n_ends, *b_ends,
+        y.stride(0), part.stride(0), part.stride(1), lora_b.stride(0), lora_b.stride(1), out.stride(0),
+        SPLIT_K=split_k, BLOCK_T=block_t, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_N=BLOCK_N,
+        DOT_PRECISION=precision)
     return out
 
 
 add_lora = define_add_lora_op("kiln_triton::add_lora", triton_add_lora)
 
 
-def check_against_reference(num_tokens: int, in_features: int, out_features: int, rank: int, num_slots: int,
-                            dtype: torch.dtype, device: str, seed: int = 0) -> float:
-    """Relative L2 error of the kernels against ``add_lora_reference`` on fresh random inputs, with
-    tokens of every slot and of the base model (slot 0) mixed."""
+def check_against_reference(num_tokens: int, in_features: int, slice_sizes: list[int], rank: int, num_slots: int,
+                            dtype: torch.dtype, device: str, seed: int = 0,
+                            slots: Optional[torch.Tensor] = None) -> float:
+    """Relative L2 error of the kernels against ``add_lora_reference`` on fresh random inputs (B
+    random off its slices' blocks too, which neither may read), with ``slots`` (default: every
+    slot and the base model's mixed at random); base-model tokens must come back exactly."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device=device).to(dtype)
 
+    out_features, ranks = sum(slice_sizes), len(slice_sizes) * rank
     y, x = randn(num_tokens, out_features), randn(num_tokens, in_features)
-    a, b = randn(num_slots, rank, in_features), randn(num_slots, rank, out_features)
-    slots = torch.randint(0, num_slots + 1, (num_tokens,), generator=gen, device=device, dtype=torch.int32)
-    got, want = triton_add_lora(y, x, a, b, slots), add_lora_reference(y, x, a, b, slots)
-    base = slots == 0
+    a, b = randn(num_slots, ranks, in_features), randn(num_slots, ranks, out_features)
+    if slots is None:
+        slots = torch.randint(0, num_slots + 1, (num_tokens,), generator=gen, device=device, dtype=torch.int32)
+    got = triton_add_lora(y, x, a, b, list(slice_sizes), slots)
+    want = add_lora_reference(y, x, a, b, list(slice_sizes), slots)
+    base = slots[:num_tokens] == 0
     if base.any() and not torch.equal(got[base], y[base]):
         return float("inf")  # a base-model token must come back exactly
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+    if base.all():
+        return 0.0
+    return ((got.double() - want.double()).norm() / (want.double() - y.double()).norm()).item()

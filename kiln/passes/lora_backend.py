@@ -6,8 +6,8 @@ inputs, written in place when a slot changes adapter) and the token slots come f
 context, so the graph is captured once for every mix of adapters. On CUDA the set's kernel is the
 Triton shrink/expand pair (``kiln.ops.triton_lora``)::
 
-    before:  qkv = linear(x, w_qkv);  qkv2 = torch.ops.kiln.add_lora(qkv, x, lora_a, lora_b)
-    after:   qkv = linear(x, w_qkv);  qkv2 = torch.ops.kiln_triton.add_lora(qkv, x, lora_a, lora_b)
+    before:  qkv = linear(x, w_qkv);  qkv2 = torch.ops.kiln.add_lora(qkv, x, lora_a, lora_b, [q, kv, kv])
+    after:   qkv = linear(x, w_qkv);  qkv2 = torch.ops.kiln_triton.add_lora(qkv, x, lora_a, lora_b, [q, kv, kv])
 
 Runs at ``dynamo`` stage, like the MoE swap; a model without adapters has no call to move.
 """

@@ -1,8 +1,10 @@
 """``kiln.add_lora`` (``kiln/ops/lora.py``) and its Triton kernels (``kiln/ops/triton_lora.py``).
 
-The reference is checked against a per-token loop (the definition); the kernels against the
-reference on fresh random inputs, mixing every slot and base-model tokens (which must come back
-exactly). Without CUDA the kernels run in Triton's interpreter in a child process.
+The reference is checked against a per-token loop over each slice's own rank rows (the
+definition); the kernels against the reference on fresh random inputs: one token, a few, one
+tile and tiles across slot boundaries; one slice, qkv's three unequal ones and gate_up's two;
+every slot and base-model tokens mixed (which must come back exactly), one slot for all, all
+base. Without CUDA the kernels run in Triton's interpreter in a child process.
 """
 
 from __future__ import annotations
@@ -20,23 +22,30 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RUN_KERNELS_HERE = DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _loop(y, x, a, b, slots):
+def _loop(y, x, a, b, slots, slice_sizes):
     out = y.clone()
+    rank = a.shape[1] // len(slice_sizes)
     for t in range(x.shape[0]):
         s = int(slots[t])
-        if s:
-            out[t] += (x[t] @ a[s - 1].T) @ b[s - 1]
+        col = 0
+        for j, size in enumerate(slice_sizes):
+            rows = slice(j * rank, (j + 1) * rank)
+            if s:
+                out[t, col:col + size] += (x[t] @ a[s - 1, rows].T) @ b[s - 1, rows, col:col + size]
+            col += size
     return out
 
 
-@pytest.mark.parametrize("num_tokens,seed", [(1, 0), (7, 1), (33, 2)])
-def test_reference_is_the_per_token_sum(num_tokens, seed):
+@pytest.mark.parametrize("num_tokens,slice_sizes,seed", [(1, [24], 0), (7, [12, 6, 6], 1), (33, [10, 14], 2)])
+def test_reference_is_the_per_token_sum(num_tokens, slice_sizes, seed):
     g = torch.Generator().manual_seed(seed)
-    y, x = torch.randn(num_tokens, 24, generator=g), torch.randn(num_tokens, 40, generator=g)
-    a, b = torch.randn(3, 8, 40, generator=g), torch.randn(3, 8, 24, generator=g)
+    out_f, ranks = sum(slice_sizes), 4 * len(slice_sizes)
+    y, x = torch.randn(num_tokens, out_f, generator=g), torch.randn(num_tokens, 40, generator=g)
+    # B dense: its rows off each slice's block must be ignored
+    a, b = torch.randn(3, ranks, 40, generator=g), torch.randn(3, ranks, out_f, generator=g)
     slots = torch.randint(0, 4, (num_tokens + 5,), generator=g, dtype=torch.int32)  # longer: padded buffers
-    got = add_lora_reference(y, x, a, b, slots)
-    torch.testing.assert_close(got, _loop(y, x, a, b, slots), rtol=1e-5, atol=1e-5)
+    got = add_lora_reference(y, x, a, b, slice_sizes, slots)
+    torch.testing.assert_close(got, _loop(y, x, a, b, slots, slice_sizes), rtol=1e-5, atol=1e-5)
     base = slots[:num_tokens] == 0
     assert torch.equal(got[base], y[base])
 
@@ -47,10 +56,18 @@ def test_op_reads_the_forward_contexts_slots():
     a, b = torch.randn(2, 4, 6, generator=g), torch.randn(2, 4, 8, generator=g)
     slots = torch.tensor([0, 1, 2, 1], dtype=torch.int32)
     with forward_context(ForwardContext(attn=None, kv_caches=[], lora_slots=slots)):
-        got = torch.ops.kiln.add_lora(y, x, a, b)
-    torch.testing.assert_close(got, _loop(y, x, a, b, slots))
+        got = torch.ops.kiln.add_lora(y, x, a, b, [8])
+    torch.testing.assert_close(got, _loop(y, x, a, b, slots, [8]))
     with forward_context(ForwardContext(attn=None, kv_caches=[])):  # no slots: the base model
-        assert torch.equal(torch.ops.kiln.add_lora(y, x, a, b), y)
+        assert torch.equal(torch.ops.kiln.add_lora(y, x, a, b, [8]), y)
+
+
+def test_slices_must_fit_the_stack():
+    a, b = torch.zeros(2, 6, 5), torch.zeros(2, 6, 9)
+    with pytest.raises(ValueError, match="slice_sizes"):
+        add_lora_reference(torch.zeros(1, 9), torch.zeros(1, 5), a, b, [4, 4, 1, 0], torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="slice_sizes"):
+        add_lora_reference(torch.zeros(1, 9), torch.zeros(1, 5), a, b, [4, 4], torch.zeros(1, dtype=torch.int32))
 
 
 @pytest.mark.skipif(RUN_KERNELS_HERE, reason="kernels run in this process")
@@ -60,12 +77,22 @@ def test_kernels_in_triton_interpreter():
 
 
 @pytest.mark.skipif(not RUN_KERNELS_HERE, reason="CPU: runs in the Triton interpreter")
-@pytest.mark.parametrize("num_tokens,in_f,out_f,rank,slots,seed",
-                         [(1, 64, 96, 8, 1, 0), (9, 100, 70, 24, 3, 1), (5, 256, 200, 48, 4, 2)])
-def test_triton_matches_reference(num_tokens, in_f, out_f, rank, slots, seed):
+@pytest.mark.parametrize("num_tokens", [1, 3, 64, 130])
+@pytest.mark.parametrize("slice_sizes,rank", [([96], 8), ([128, 40, 40], 12), ([160, 160], 16)])
+@pytest.mark.parametrize("mix", ["mixed", "one_slot", "base"])
+def test_triton_matches_reference(num_tokens, slice_sizes, rank, mix):
     from kiln.ops.triton_lora import check_against_reference
 
-    assert check_against_reference(num_tokens, in_f, out_f, rank, slots, torch.float32, DEVICE, seed) < 1e-5
+    num_slots, seed = 4, num_tokens + rank
+    in_f = 256 if num_tokens <= 3 else 72  # long K (split across programs) where the interpreter is quick
+    slots = {"mixed": None, "one_slot": torch.full((num_tokens + 3,), 3, dtype=torch.int32),
+             "base": torch.zeros(num_tokens, dtype=torch.int32)}[mix]
+    if mix == "mixed" and num_tokens > 3:  # runs of one slot across tile boundaries, base tokens among them
+        slots = (torch.arange(num_tokens, dtype=torch.int32) // 11) % (num_slots + 1)
+        slots[::7] = 0
+    err = check_against_reference(num_tokens, in_f, slice_sizes, rank, num_slots, torch.float32, DEVICE, seed,
+                                  slots=None if slots is None else slots.to(DEVICE))
+    assert err < 1e-5
 
 
 @pytest.mark.gpu
@@ -73,7 +100,9 @@ def test_triton_matches_reference(num_tokens, in_f, out_f, rank, slots, seed):
 def test_triton_bfloat16_at_real_shapes():
     from kiln.ops.triton_lora import check_against_reference
 
-    assert check_against_reference(300, 4096, 6144, 48, 8, torch.bfloat16, DEVICE, 0) < 2e-2
+    for num_tokens in (1, 64, 300):
+        assert check_against_reference(num_tokens, 4096, [4096, 1024, 1024], 16, 8, torch.bfloat16, DEVICE, 0) < 2e-2
+        assert check_against_reference(num_tokens, 14336, [4096], 16, 8, torch.bfloat16, DEVICE, 1) < 2e-2
 
 
 def test_cuda_kernel_set_selects_the_triton_kernel():
