@@ -84,6 +84,8 @@ setup(
         "debug": ["depyf"],
         # parallel.backend=ray (tensor-parallel ranks as Ray actors, also across nodes); tested with 2.60.
         "ray": ["ray>=2.60"],
+        # images in, text out (vision-language models): decoding images, fetching http(s) image URLs.
+        "vision": ["pillow", "httpx"],
     },
     entry_points={"console_scripts": ["kiln=kiln.entrypoints.cli:main"]},
     # The Hydra YAML ships inside the package (kiln/configs/), so `kiln` works from a wheel too.

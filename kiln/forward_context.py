@@ -64,6 +64,9 @@ class ForwardContext:
     # ``kiln.add_lora``; a persistent input buffer, so CUDA graphs replay the current step's. None:
     # the model serves no adapters.
     lora_slots: Optional[torch.Tensor] = None
+    # A step with image tokens: (token rows [M] int64, their vision embeddings [M, hidden]), the
+    # slices of the encoder cache this step's chunks cover, read by ``kiln.merge_mm_embeds``.
+    mm_embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
 
 _current: Optional[ForwardContext] = None

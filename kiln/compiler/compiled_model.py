@@ -532,6 +532,8 @@ class CompiledModel:
         q = inputs.uniform_query_len
         mode, padded = dispatch(self.full_graphs, self.piecewise_graphs, n, num_reqs, inputs.num_decodes,
                                 self.verify_graphs, q)
+        if inputs.mm_embeds is not None:
+            mode, padded = GraphMode.NONE, n
         if self._any_pending:
             self._want_graph(n, num_reqs, inputs.num_decodes, mode, padded)
         if mode is GraphMode.FULL:
@@ -548,7 +550,7 @@ class CompiledModel:
         meta = buf.metadata(n, num_reqs, inputs.num_decodes, inputs.query_lens, inputs.seq_lens)
         graphs = (self.piecewise_graphs.replaying(padded, n) if mode is GraphMode.PIECEWISE
                   else contextlib.nullcontext())
-        ctx = ForwardContext(attn=meta, kv_caches=self.kv_caches)
+        ctx = ForwardContext(attn=meta, kv_caches=self.kv_caches, mm_embeds=inputs.mm_embeds)
         if self._calibrate_kv_scales and inputs.num_decodes < num_reqs:  # real prompt tokens, never a capture's
             ctx.calibrate_kv_scales, self._calibrate_kv_scales = True, False
         with self._forward_scope(ctx), graphs, self._eager_calls():

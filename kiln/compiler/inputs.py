@@ -66,6 +66,10 @@ class ModelInputs:
     # Token ids already on the device for rows [0, len) (a draft model's own argmax, fed back
     # without a host read): they replace the host mirror's ids once the step is uploaded.
     device_input_ids: Optional[torch.Tensor] = None
+    # A step with image tokens: (token rows [M] int64, vision embeddings [M, hidden]) on the device,
+    # which ``kiln.merge_mm_embeds`` writes over those rows' token embeddings; such a step runs
+    # without CUDA graphs (a graph would replay the embeddings of its capture).
+    mm_embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def is_uniform_decode(self) -> bool:

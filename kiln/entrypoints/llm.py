@@ -16,6 +16,7 @@ from kiln.config import EngineConfig, ModelConfig
 from kiln.entrypoints.beam_search import (
     BeamSearch, BeamSearchOutput, best_of_params, keep_best, new_search, ranks_outputs, search_output,
 )
+from kiln.entrypoints.media import OFFLINE, split_image_parts
 from kiln.lora_request import LoRARequest
 from kiln.outputs import RequestOutput
 from kiln.runtime.engine import LLMEngine
@@ -172,8 +173,11 @@ class LLM:
         ``add_generation_prompt=False``); ``chat_template_kwargs``: more of the template's variables
         (``{"enable_thinking": False}`` for Qwen3's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt, continue_final_message, chat_template_kwargs)
-                   for c in conversations]
+        prompts = []
+        for c in conversations:  # image parts (image_url, image_pil) become the template's placeholders
+            c, images = split_image_parts(c, OFFLINE)
+            text = self.apply_chat_template(c, add_generation_prompt, continue_final_message, chat_template_kwargs)
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
         return self.generate(prompts, sampling_params, use_tqdm, add_special_tokens=False)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
@@ -202,14 +206,14 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):  # a dict: {"prompt": ..., "multi_modal_data": {"image": [...]}}
         return [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     for p in prompts:
-        if not isinstance(p, (str, list)):
-            raise ValueError(f"each prompt must be a string or a list of token ids, got {type(p).__name__}")
+        if not isinstance(p, (str, list, dict)):
+            raise ValueError(f"each prompt must be a string, a list of token ids or a prompt dict, got {type(p).__name__}")
     return prompts
 
 

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.attend_paged)
+from kiln.forward_context import ForwardContext, forward_context
 
 IMPLS = ("auto", "native", "transformers")
 ATTENTION_NAME = "kiln"  # the attention implementation registered in transformers' AttentionInterface
@@ -233,6 +234,11 @@ class HFGenericForCausalLM(nn.Module):
         # writes them into the captured graph.
         self.attention_layers: tuple[tuple[int, float], ...] = ()
 
+    @property
+    def text_model(self) -> nn.Module:
+        """The module whose attention runs on kiln's paged cache (a vision tower keeps its own)."""
+        return self.hf
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens] int64 -> final hidden states [num_tokens, hidden]."""
         out = self.hf.base_model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
@@ -254,11 +260,11 @@ class HFGenericForCausalLM(nn.Module):
     def capture_scope(self) -> Iterator[None]:
         """Entered around Dynamo's capture (compile.mode=kiln): attention runs as SDPA, for the
         attention pass to find and replace; back to ``"kiln"`` afterwards."""
-        _set_attention(self.hf, CAPTURE_ATTENTION)
+        _set_attention(self.text_model, CAPTURE_ATTENTION)
         try:
             yield
         finally:
-            _set_attention(self.hf, ATTENTION_NAME)
+            _set_attention(self.text_model, ATTENTION_NAME)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -301,11 +307,15 @@ def build_hf_model(config: Any, device: torch.device, dtype: torch.dtype) -> nn.
     """The transformers model of ``config`` with uninitialized parameters allocated once on
     ``device`` in ``dtype``, buffers as transformers computes them, tied weights tied."""
     import_transformers()
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     register_attention()
     with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
+        if getattr(config, "vision_config", None) is not None:  # the vision tower attends with SDPA
+            attention = {"": ATTENTION_NAME, "text_config": ATTENTION_NAME, "vision_config": "sdpa"}
+            model = AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation=attention)
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
     buffers = {name: b for name, b in model.named_buffers()}
     for name, b in buffers.items():
         if b.device.type == "meta":
@@ -466,12 +476,14 @@ def _check_causal(model: nn.Module) -> None:
                              "is not causal; kiln's paged attention is causal only")
 
 
-def build_generic(config: Any, device: torch.device, dtype: torch.dtype, tp_size: int = 1) -> HFGenericForCausalLM:
-    """The generic model of a transformers config with uninitialized weights (``load_weights`` next)."""
+def build_generic(config: Any, device: torch.device, dtype: torch.dtype, tp_size: int = 1,
+                  wrapper: type = HFGenericForCausalLM) -> HFGenericForCausalLM:
+    """The generic model of a transformers config with uninitialized weights (``load_weights`` next);
+    ``wrapper``: kiln's model class around it (``kiln.models.hf_multimodal`` passes its own)."""
     check_supported(config, tp_size)
     hf_model = build_hf_model(config, device, dtype)
-    _check_causal(hf_model)
-    model = HFGenericForCausalLM(hf_model, GenericArch.from_hf_config(hf_model.config))
+    model = wrapper(hf_model, GenericArch.from_hf_config(hf_model.config))
+    _check_causal(model.text_model)
     _probe_attention_layers(model)
     return model
 
@@ -497,11 +509,12 @@ def _probe_attention_layers(model: HFGenericForCausalLM) -> None:
     AttentionInterface.register(_PROBE_NAME, record)
     device = next(model.parameters()).device
     one = torch.zeros(1, dtype=torch.int64, device=device)
-    _set_attention(model.hf, _PROBE_NAME)
+    _set_attention(model.text_model, _PROBE_NAME)
     try:
-        model(one, one)
+        with forward_context(ForwardContext(attn=None, kv_caches=[])):  # kiln.merge_mm_embeds reads it
+            model(one, one)
     finally:
-        _set_attention(model.hf, ATTENTION_NAME)
+        _set_attention(model.text_model, ATTENTION_NAME)
     if seen != list(range(model.arch.num_layers)):
         raise ValueError(f"model.impl=transformers cannot run {type(model.hf).__name__}: its attention does not go "
                          f"through transformers' attention interface once per layer in order (saw layers {seen[:8]}, "

@@ -41,6 +41,7 @@ from kiln.errors import first_line
 from kiln.models.arch import FAMILIES, PRESETS, ArchConfig
 from kiln.models.gguf import convert_gguf, convert_gguf_tokenizer
 from kiln.models.hf_generic import HFGenericForCausalLM, build_generic, hf_config_from_dict, import_transformers
+from kiln.models.hf_multimodal import build_vision_generic, is_vision_config
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.parallel import SINGLE, TensorParallel
 from kiln.models.int4_checkpoint import dequantize_int4_checkpoint
@@ -292,7 +293,9 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
         raise ValueError(f"model directory {hf_dir!r} has no config.json; point model= at a Hugging Face "
                          f"checkpoint directory (config.json, *.safetensors, tokenizer files). {_choices()}")
     hf_config = read_json(os.path.join(hf_dir, "config.json"))
-    if use_generic(model_config.impl, hf_config.get("model_type")):
+    # A vision-language checkpoint (a vision_config beside its text config) takes the generic path,
+    # which serves it or refuses it with the reason.
+    if "vision_config" in hf_config or use_generic(model_config.impl, hf_config.get("model_type")):
         return _load_generic(hf_config, hf_dir, name, model_config, device, dtype, tp)
     try:
         arch = ArchConfig.from_hf_config(hf_config)
@@ -382,7 +385,9 @@ def use_generic(impl: str, model_type: Optional[str]) -> bool:
 def _load_generic(hf_config: dict, hf_dir: str, name: str, model_config: ModelConfig, device, dtype,
                   tp: TensorParallel) -> LoadedModel:
     """The generic path: transformers' model of ``config.json``, weights from the directory."""
-    model = build_generic(hf_config_from_dict(hf_config), device, dtype, tp.size)
+    config = hf_config_from_dict(hf_config)
+    build = build_vision_generic if is_vision_config(config) else build_generic
+    model = build(config, device, dtype, tp.size)
     model.arch = dataclasses.replace(model.arch, eos_token_id=stop_token_ids(hf_dir, model.arch))
     max_model_len = _max_model_len(model_config, model.arch)
     tokenizer = _load_tokenizer(hf_dir)

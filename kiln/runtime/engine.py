@@ -90,6 +90,7 @@ from kiln.outputs import RequestDelta, RequestOutput
 from kiln.runtime.executor import make_executor
 from kiln.runtime.input_processor import InputProcessor, TokenizedPrompt
 from kiln.runtime.kv_cache_manager import KVCacheManager
+from kiln.runtime.multimodal import MultimodalProcessor
 from kiln.runtime.output_processor import OutputProcessor
 from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.scheduler import Scheduler
@@ -213,6 +214,10 @@ class LLMEngine:
         ``delta_outputs``: ``step`` and ``abort_request`` return ``RequestDelta``s, each only what is
         new since the request's last one (``OutputProcessor(delta=True)``), as the engine-core process
         sends them."""
+        if config.parallel.data_parallel_size != 1:  # the server's DataParallelClient runs one per replica
+            raise ValueError(f"parallel.data_parallel_size={config.parallel.data_parallel_size} is for serving "
+                             "(kiln serve: one engine core per replica behind one frontend); an LLMEngine or "
+                             "the offline LLM runs one replica: set parallel.data_parallel_size=1")
         t_start, age_at_engine = time.perf_counter(), process_age_s()
         config = resolve_config(config, entrypoint)  # every `auto` decided here, before anything is built
         logger.info(start_line(config))
@@ -238,7 +243,10 @@ class LLMEngine:
         self.grammars = runner.grammars if runner is not None else GrammarCompiler(
             self.tokenizer, self.executor.vocab_size,
             list(self.executor.eos_token_ids) or None)
-        self.inputs = InputProcessor(self.tokenizer, self.executor.vocab_size, self.max_model_len, self.grammars)
+        # A vision-language model's images: its processor, and its runner's encoder cache in this process.
+        self.mm_processor = self._mm_processor(runner)
+        self.inputs = InputProcessor(self.tokenizer, self.executor.vocab_size, self.max_model_len, self.grammars,
+                                     self.mm_processor)
         self._captures_pending = self.executor.has_pending_captures
         self._capture_held = False  # the last step() left nothing in flight: capture before the next step
         self._num_steps_done = 0
@@ -247,6 +255,13 @@ class LLMEngine:
                                               time.perf_counter() - t_start, phases,
                                               runner is not None and runner.compiled.building,
                                               age_at_kiln_import(), age_at_engine)
+
+    def _mm_processor(self, runner: Any) -> Optional[MultimodalProcessor]:
+        """A vision-language model's image processing; None for a text model, and where the ranks
+        run in processes of their own (images are served by ``parallel.backend=uni``)."""
+        if runner is None or runner.encoder_cache is None:
+            return None
+        return MultimodalProcessor.from_model_dir(runner.loaded.hf_dir)
 
     # ---- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: Union[str, list[int]], add_special_tokens: bool = True) -> list[int]:
@@ -288,6 +303,7 @@ class LLMEngine:
                 priority=priority,
                 pooling=pooling,
                 lora_request=lora_request,
+                mm_features=processed.mm_features,
             )
             for i in range(params.n)
         ]
@@ -457,6 +473,7 @@ class LLMEngine:
             "num_free_blocks": self.kv_manager.num_free_blocks,
             "num_blocks": self.executor.num_blocks,
             "num_usable_blocks": self.kv_manager.num_usable_blocks,
+            "num_free_encoder_tokens": self.scheduler.encoder_cache.num_free,  # image embeddings held: the rest
             "prefix_cache_hit_rate": self.kv_manager.hit_rate,
             **self.spec_stats.as_dict(),
             **({"lora": {name: dict(c) for name, c in self.lora_stats.items()}} if self.lora_stats else {}),

@@ -14,8 +14,9 @@ Rules it keeps:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
+from kiln.runtime.multimodal import MM_DATA, ImageFeature, MultimodalProcessor
 from kiln.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 
 
@@ -25,32 +26,70 @@ class TokenizedPrompt:
 
     text: Optional[str]  # None when the prompt came as token ids
     token_ids: list[int]
+    mm_features: tuple[ImageFeature, ...] = ()  # its images, placeholders expanded in token_ids
 
 
-Prompt = Union[str, list[int], TokenizedPrompt]
+# A dict prompt is vLLM's: {"prompt": text or "prompt_token_ids": ids, "multi_modal_data": {"image": [...]}}.
+Prompt = Union[str, list[int], TokenizedPrompt, dict]
 
 
 class InputProcessor:
     """Tokenizes and checks prompts. It holds only the tokenizer and constants, so any thread may
     call it (the server calls it on its event loop, while the engine thread steps)."""
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, grammars=None):
-        """``grammars``: a ``GrammarCompiler`` (thread-safe, cached) that checks structured outputs."""
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, grammars=None,
+                 mm_processor: Optional[MultimodalProcessor] = None):
+        """``grammars``: a ``GrammarCompiler`` (thread-safe, cached) that checks structured outputs.
+        ``mm_processor``: a vision-language model's image processing (None: the model reads text only)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.grammars = grammars
+        self.mm_processor = mm_processor
 
     def process(self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool = True) -> TokenizedPrompt:
         """Raise ValueError (saying what to change) for a request that cannot run as asked."""
         if isinstance(prompt, TokenizedPrompt):
             processed = prompt
+        elif isinstance(prompt, dict):
+            processed = self._process_dict(prompt, add_special_tokens)
         elif isinstance(prompt, str):
             processed = TokenizedPrompt(prompt, self.tokenize(prompt, add_special_tokens))
         else:
             processed = TokenizedPrompt(None, list(prompt))
         self.validate(processed.token_ids, params)
+        self._validate_features(processed)
         return processed
+
+    def _process_dict(self, prompt: dict[str, Any], add_special_tokens: bool) -> TokenizedPrompt:
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", MM_DATA}
+        if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise ValueError(f"a dict prompt has `prompt` (text) or `prompt_token_ids`, and optionally `{MM_DATA}`; "
+                             f"got keys {sorted(prompt)}")
+        text = prompt.get("prompt")
+        ids = self.tokenize(text, add_special_tokens) if text is not None else list(prompt["prompt_token_ids"])
+        data = prompt.get(MM_DATA) or {}
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError(f"{MM_DATA} takes {{'image': [images]}}; kiln reads no other modality "
+                             f"(got {sorted(data) if isinstance(data, dict) else type(data).__name__})")
+        images = data.get("image", [])
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        if not images:
+            return TokenizedPrompt(text, ids)
+        if self.mm_processor is None:
+            raise ValueError(f"{MM_DATA}: this model reads text only; serve a vision-language model for images")
+        ids, features = self.mm_processor.expand(ids, images)
+        return TokenizedPrompt(text, ids, features)
+
+    def _validate_features(self, processed: TokenizedPrompt) -> None:
+        """Each image's placeholders lie in the prompt, in order, without overlapping."""
+        end = 0
+        for f in processed.mm_features:
+            if f.offset < end or f.length <= 0 or f.end > len(processed.token_ids):
+                raise ValueError(f"{MM_DATA}: image at tokens [{f.offset}, {f.end}) does not fit the prompt")
+            end = f.end
+        if processed.mm_features and self.mm_processor is None:
+            raise ValueError(f"{MM_DATA}: this model reads text only; serve a vision-language model for images")
 
     def tokenize(self, prompt: Union[str, list[int]], add_special_tokens: bool = True) -> list[int]:
         if not isinstance(prompt, str):

@@ -14,6 +14,10 @@ A request with a LoRA adapter roots its chain at the adapter's id instead of Non
 t0..t3)): the K/V an adapter computes differ from the base model's, so two adapters (or an adapter
 and the base) never share a block.
 
+A block covering image placeholder tokens adds the content hashes of those images to its key
+(H(parent, t0..t3, (image hashes))): placeholder ids are the same for every image, so the same
+image hits and a different image does not.
+
 Rules kept here:
 - Requests are keyed by request_id; free() forgets everything about a request and is safe to call
   for a request that holds nothing.
@@ -32,6 +36,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from kiln.runtime.block_pool import Block, BlockPool
+from kiln.runtime.multimodal import features_overlapping
 from kiln.runtime.request import Request
 
 
@@ -195,5 +200,9 @@ class KVCacheManager:
             index = len(hashes)
             parent = hashes[-1] if hashes else (("lora", request.lora_id) if request.lora_id else None)
             token_ids = request.token_ids_slice(index * size, (index + 1) * size)
-            hashes.append(hash((parent, tuple(token_ids))))
+            key = (parent, tuple(token_ids))
+            if request.mm_features:
+                images = features_overlapping(request.mm_features, index * size, (index + 1) * size)
+                key += tuple(f.mm_hash for f in images)
+            hashes.append(hash(key))
         return hashes[:num_blocks]

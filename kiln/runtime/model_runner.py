@@ -39,6 +39,7 @@ from kiln.models.parallel import SINGLE, TensorParallel, local_num_kv_heads, min
 from kiln.ops.registry import select_kernels
 from kiln.runtime import kv_sizing
 from kiln.runtime.draft_proposer import DraftProposer, DraftTarget
+from kiln.runtime.encoder_cache import EncoderCache
 from kiln.runtime.input_batch import InputBatch
 from kiln.runtime.kv_sizing import KVShape
 from kiln.runtime.lora_manager import LoraManager
@@ -223,6 +224,8 @@ class ModelRunner:
         if isinstance(self.proposer, DraftProposer):
             self.proposer.bind_kv_caches(self.draft_kv_caches)
         self.sampler = Sampler(seed=model_config.seed)
+        # A vision-language model: image embeddings by content hash, computed as steps ask.
+        self.encoder_cache = EncoderCache(self.model, self.device) if hasattr(self.model, "encode_images") else None
         # Pinned buffers the sampled ids are read back through on a GPU (_start_read_back).
         self._read_back: list[Optional[torch.Tensor]] = [None, None]
         self._read_back_done = [torch.cuda.Event(), torch.cuda.Event()] if self.device.type == "cuda" else []
@@ -428,6 +431,8 @@ class ModelRunner:
             drafts = pad_drafts(sched, drafts)
         lora_slots = self.lora.token_slots(s.request for s in sched.scheduled) if self.lora is not None else None
         inputs, sample_rows = self.input_batch.prepare(sched, drafts, lora_slots)
+        if self.encoder_cache is not None:
+            inputs.mm_embeds = self._image_embeds(sched)
         if self.input_batch.placeholder_rows:
             inputs.device_input_ids = self._fed_input_ids(self.input_batch.placeholder_rows, after)
         out = self.compiled.run(inputs)
@@ -461,6 +466,15 @@ class ModelRunner:
         samples = self.sampler.launch(logits, requests, greedy_ids)
         self._start_read_back(samples)
         return LaunchedStep(request_ids, samples, prompt_logprobs=prompt_logprobs, embeddings=embeddings)
+
+    def _image_embeds(self, sched: SchedulerOutput) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The encoder cache brought up to date for this step, and the embeddings of its image
+        tokens with their token rows (each request's first row from the step's query starts)."""
+        self.encoder_cache.update(sched.freed_encoder_hashes, sched.encoder_inputs)
+        qsl = self.input_batch.buffers.qsl_np
+        chunks = [(s.request, int(qsl[i]), s.start, s.start + s.num_new_tokens - s.num_lookahead_tokens)
+                  for i, s in enumerate(sched.scheduled) if s.request.mm_features]
+        return self.encoder_cache.gather(chunks) if chunks else None
 
     def _fed_input_ids(self, placeholders: list[tuple[int, str]], after: Optional[LaunchedStep]) -> torch.Tensor:
         """Token ids of rows [0, last placeholder row] on the device: each placeholder row takes
@@ -569,7 +583,7 @@ class ModelRunner:
         self.bitmasks.shutdown()
         if self.compiled is not None:
             self.compiled.cancel_build()
-        self.compiled = self.model = self.proposer = self.input_batch = None
+        self.compiled = self.model = self.proposer = self.input_batch = self.encoder_cache = None
         self.kv_caches = self.draft_kv_caches = None
         if self.device.type == "cuda":
             gc.collect()  # the graphs and caches sit in reference cycles (forward contexts, closures)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from kiln.lora_request import LoRARequest
+from kiln.runtime.multimodal import ImageFeature
 from kiln.sampling_params import SamplingParams
 
 
@@ -54,6 +55,7 @@ class Request:
     # known, is held as a placeholder at the end of output_token_ids until update() writes it.
     num_output_placeholders: int = 0
     lora_request: Optional[LoRARequest] = None  # the adapter it runs with; None: the base model
+    mm_features: tuple[ImageFeature, ...] = ()  # its images, in prompt order
 
     @property
     def lora_id(self) -> int:

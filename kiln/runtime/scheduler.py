@@ -35,6 +35,11 @@ Rules kept here:
   or the pool); update() takes the tokens the runner kept (several per request), stops at the
   first that finishes the request (the rest are dropped), and gives back the blocks that only
   rejected tokens used.
+- Images (``kiln.runtime.encoder_cache``): a chunk that reaches an image's tokens needs its
+  embeddings, in the encoder cache already or computed this step within the step's encoder budget
+  and the cache's free tokens; otherwise the chunk stops before the image (chunked prefill may
+  still cut inside an image whose embeddings are there). A request holds an image's entry until its
+  tokens are all computed.
 """
 
 from __future__ import annotations
@@ -44,12 +49,15 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from kiln.config import SchedulerConfig, SpeculativeConfig
+from kiln.runtime.encoder_cache import EncoderCacheManager
 from kiln.runtime.kv_cache_manager import KVCacheManager
+from kiln.runtime.multimodal import features_overlapping
 from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 PLACEHOLDER_TOKEN = -1  # an output token sampled in a step still in flight (schedule_ahead)
+MIN_ENCODER_TOKENS = 8192  # the encoder cache and its per-step budget hold at least this many embeddings
 
 
 def _priority_key(request: Request) -> tuple[int, float]:
@@ -69,6 +77,7 @@ class _Step:
     """The step being built: what is scheduled so far and the token budget left."""
 
     token_budget: int
+    encoder_budget: int = 0  # new image embedding tokens this step may still compute
     scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
     preempted_ids: list[str] = field(default_factory=list)
 
@@ -92,7 +101,11 @@ class _Step:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
-                 speculative: SpeculativeConfig = SpeculativeConfig(), max_loras: int = 0) -> None:
+                 speculative: SpeculativeConfig = SpeculativeConfig(), max_loras: int = 0,
+                 encoder_cache: Optional[EncoderCacheManager] = None) -> None:
+        """``encoder_cache``: image embeddings' bookkeeping; default a cache and a per-step budget of
+        ``max(max_num_batched_tokens, MIN_ENCODER_TOKENS)`` embedding tokens each (a step's chunk may
+        cover only part of an image, but its whole image is encoded)."""
         if not config.is_resolved:
             raise ValueError("the scheduler needs max_num_seqs and max_num_batched_tokens: resolve the config "
                              "for its device first (kiln.config.resolve_for_device)")
@@ -100,6 +113,8 @@ class Scheduler:
         self.kv_manager = kv_manager
         self.speculative = speculative
         self.max_loras = max_loras  # distinct adapters running at once (LoRA's device slots)
+        encoder_tokens = max(config.max_num_batched_tokens, MIN_ENCODER_TOKENS)
+        self.encoder_cache = encoder_cache or EncoderCacheManager(encoder_tokens, encoder_tokens)
         self.waiting: list[Request] = []  # queue order, head first
         self.running: list[Request] = []  # admission order
         self._requests: dict[str, Request] = {}  # unfinished requests only
@@ -130,12 +145,15 @@ class Scheduler:
         self._enqueue_waiting(request, front=False)
 
     def schedule(self) -> SchedulerOutput:
-        step = _Step(token_budget=self.config.max_num_batched_tokens)
+        step = _Step(token_budget=self.config.max_num_batched_tokens, encoder_budget=self.encoder_cache.budget)
         self._schedule_running(step)
         if not step.preempted_ids:
             # Blocks just ran out: a new request now would only be preempted again next step.
             self._schedule_waiting(step)
-        return step.to_output()
+        out = step.to_output()
+        if not out.is_empty:  # an empty step is never run: its frees wait for the next one
+            out.encoder_inputs, out.freed_encoder_hashes = self.encoder_cache.take_step()
+        return out
 
     def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput:
         """The step after ``in_flight``, scheduled before its tokens are known (module rules).
@@ -154,6 +172,8 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += s.num_new_tokens
+            if request.mm_features:
+                self._release_computed_images(request)
             if samples and request.pooling is None:
                 request.output_token_ids.append(PLACEHOLDER_TOKEN)
                 request.num_output_placeholders = 1
@@ -178,6 +198,8 @@ class Scheduler:
                 continue  # finished after schedule() (abort, stop string while in flight): token dropped
             samples = scheduled.samples  # read before num_computed_tokens moves
             request.num_computed_tokens += scheduled.num_new_tokens - scheduled.num_lookahead_tokens
+            if request.mm_features:
+                self._release_computed_images(request)
             if not samples:
                 continue
             if request.pooling is not None:  # an embedding: its prompt is done, the runner pooled it
@@ -244,6 +266,8 @@ class Scheduler:
                                                                               self.max_num_tokens_in_pool):
                 continue  # its token in flight ends it by length (schedule_ahead)
             num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, step.token_budget)
+            if request.mm_features:
+                num_new_tokens = self._fit_images(request, request.num_computed_tokens, num_new_tokens, step)
             if num_new_tokens == 0:
                 continue
             lookahead = self._num_lookahead_tokens(request, num_new_tokens, step.token_budget)
@@ -254,6 +278,7 @@ class Scheduler:
             if block_ids is None:
                 block_ids = self._allocate_or_preempt(request, num_new_tokens, step)
             if block_ids is not None:
+                self._hold_images(request, request.num_computed_tokens, num_new_tokens, step)
                 step.add(request, num_new_tokens, block_ids, lookahead)
 
     def _schedule_waiting(self, step: _Step) -> None:
@@ -266,11 +291,14 @@ class Scheduler:
             return False
         computed_blocks, num_computed_tokens = self.kv_manager.get_computed_blocks(request)
         num_new_tokens = self._num_new_tokens(request, num_computed_tokens, step.token_budget)
+        if request.mm_features:
+            num_new_tokens = self._fit_images(request, num_computed_tokens, num_new_tokens, step)
         if num_new_tokens == 0:
             return False
         block_ids = self.kv_manager.allocate_slots(request, num_new_tokens, computed_blocks)
         if block_ids is None:
             return False
+        self._hold_images(request, num_computed_tokens, num_new_tokens, step)
         self.waiting.pop(0)
         if request.status is RequestStatus.WAITING:  # first admission; a resumed request keeps its count
             request.num_cached_tokens = num_computed_tokens
@@ -279,6 +307,33 @@ class Scheduler:
         self.running.append(request)
         step.add(request, num_new_tokens, block_ids)
         return True
+
+    def _fit_images(self, request: Request, start: int, num_new_tokens: int, step: _Step) -> int:
+        """``num_new_tokens`` cut before the first image of the chunk whose embeddings are neither
+        cached nor computable this step (0: the request waits; so does a cut without chunked prefill)."""
+        cache, budget, free, counted = self.encoder_cache, step.encoder_budget, self.encoder_cache.num_free, set()
+        for f in features_overlapping(request.mm_features, start, start + num_new_tokens):
+            if cache.has(f.mm_hash) or f.mm_hash in counted:
+                continue
+            if f.length > min(budget, free):
+                cut = f.offset - start if f.offset > start else 0
+                return cut if cut and self.config.enable_chunked_prefill else 0
+            budget, free = budget - f.length, free - f.length
+            counted.add(f.mm_hash)
+        return num_new_tokens
+
+    def _hold_images(self, request: Request, start: int, num_new_tokens: int, step: _Step) -> None:
+        """The request holds the encoder-cache entries of the images its scheduled chunk reaches."""
+        cache = self.encoder_cache
+        for f in features_overlapping(request.mm_features, start, start + num_new_tokens):
+            if not cache.has(f.mm_hash):
+                step.encoder_budget -= f.length
+            cache.hold(request.request_id, f)
+
+    def _release_computed_images(self, request: Request) -> None:
+        for f in request.mm_features:
+            if f.end <= request.num_computed_tokens and self.encoder_cache.holds(request.request_id, f.mm_hash):
+                self.encoder_cache.release(request.request_id, f.mm_hash)
 
     def _lora_fits(self, lora_id: int) -> bool:
         running = {r.lora_id for r in self.running if r.lora_id}
@@ -326,6 +381,7 @@ class Scheduler:
         self.running.remove(request)
         # Free before resetting num_computed_tokens: it tells the manager which blocks hold K/V.
         self.kv_manager.free(request)
+        self.encoder_cache.release(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -361,6 +417,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv_manager.free(request)
+        self.encoder_cache.release(request.request_id)
         del self._requests[request.request_id]
 
     def _check_can_run(self, request: Request) -> None:
@@ -384,6 +441,11 @@ class Scheduler:
                 f"scheduler.max_num_batched_tokens={self.config.max_num_batched_tokens}; raise "
                 "max_num_batched_tokens or enable chunked prefill (scheduler.enable_chunked_prefill=true)"
             )
+        largest = max((f.length for f in request.mm_features), default=0)
+        if largest > min(self.encoder_cache.budget, self.encoder_cache.num_tokens):
+            raise ValueError(f"request {request.request_id}: an image of {largest} tokens is larger than the encoder "
+                             f"cache ({self.encoder_cache.num_tokens} tokens) or its budget per step "
+                             f"({self.encoder_cache.budget}); raise scheduler.max_num_batched_tokens or send smaller images")
         if num_prompt_tokens > self.kv_manager.num_usable_blocks * block_size:
             raise ValueError(
                 f"request {request.request_id}: prompt needs {-(-num_prompt_tokens // block_size)} KV blocks "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from kiln.runtime.multimodal import ImageFeature
 from kiln.runtime.request import Request
 
 
@@ -37,6 +38,10 @@ class SchedulerOutput:
     # Set by Scheduler.schedule_ahead once the next step was scheduled while this one was in flight:
     # per scheduled request, whether its chunk samples (read before its num_computed_tokens moved).
     advanced: Optional[list[bool]] = None
+    # The encoder cache (kiln.runtime.encoder_cache): entries to drop, then images whose vision
+    # embeddings to compute, before this step's forward.
+    freed_encoder_hashes: list[str] = field(default_factory=list)
+    encoder_inputs: list[ImageFeature] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
