@@ -330,9 +330,17 @@ class ParallelConfig:
     all_reduce: str = "nccl"
     # ray: how the placement group lays the ranks (one bundle each) over nodes; PACK fills a node first.
     placement_strategy: str = "PACK"  # PACK | STRICT_PACK | SPREAD | STRICT_SPREAD
+    # Engine cores (replicas, each its own process and KV cache) behind one server, which balances
+    # requests by load and prefix-cache affinity (kiln.engine.dp_client); replica i takes GPU i.
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _check_positive("parallel", "tensor_parallel_size", self.tensor_parallel_size)
+        _check_positive("parallel", "data_parallel_size", self.data_parallel_size)
+        if self.data_parallel_size > 1 and (self.tensor_parallel_size != 1 or self.backend != "uni"):
+            raise ValueError(f"parallel.data_parallel_size={self.data_parallel_size} runs each replica in one "
+                             "process for now (parallel.tensor_parallel_size=1, parallel.backend=uni); set "
+                             "parallel.data_parallel_size=1 to split the model instead")
         _check_positive("parallel", "step_timeout_s", self.step_timeout_s)
         _check_choice("parallel", "all_reduce", self.all_reduce, ("nccl", "symm_mem"))
         _check_choice("parallel", "backend", self.backend, ("uni", "mp", "ray"))
@@ -437,6 +445,9 @@ class EngineConfig:
         if self.speculative.method == "draft" and not self.speculative.draft_model:
             raise ValueError("speculative.method=draft needs speculative.draft_model (a model name, a Hugging "
                              "Face directory or random:<preset> with the target's vocabulary)")
+        if self.parallel.data_parallel_size > 1 and self.server.api_server_count != 1:
+            raise ValueError(f"parallel.data_parallel_size={self.parallel.data_parallel_size} is served by one "
+                             "frontend process for now; set server.api_server_count=1")
         if self.speculative.enabled and self.parallel.backend != "uni":
             raise ValueError(f"speculative.method={self.speculative.method} runs with parallel.backend=uni "
                              f"for now, not {self.parallel.backend}; set speculative.method=none")

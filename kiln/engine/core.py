@@ -35,8 +35,10 @@ import pickle
 import shutil
 import signal
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch
 import zmq
 
 from kiln.config import EngineConfig
@@ -198,11 +200,33 @@ class EngineCore:
         return self._parent_alive()
 
 
-def run_engine_core(config: EngineConfig, addresses: list[tuple[str, str]], log_level: Optional[int] = None) -> None:
+@dataclass(frozen=True)
+class ReplicaPlacement:
+    """Replica ``index`` of ``count`` data-parallel engine cores (``parallel.data_parallel_size``)."""
+
+    index: int
+    count: int
+
+    def visible_devices(self, visible: Optional[str]) -> str:
+        """The replica's CUDA_VISIBLE_DEVICES: the index-th of the parent's (``visible``), so its GPU
+        is cuda:0. Set at spawn, before the child's torch can read it."""
+        devices = visible.split(",") if visible else [str(i) for i in range(self.count)]
+        return devices[self.index % len(devices)]
+
+    def apply(self) -> None:
+        """Take this replica's share of the CPU cores: replicas on one host would otherwise each
+        start a thread per core and contend."""
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.count))
+
+
+def run_engine_core(config: EngineConfig, addresses: list[tuple[str, str]], log_level: Optional[int] = None,
+                    placement: Optional[ReplicaPlacement] = None) -> None:
     """The engine-core process's target: build the engine, say Ready (or StartFailed) to every
     frontend, serve, say Stopped. ``addresses`` holds each frontend's (input, output) endpoints."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if placement is not None:
+        placement.apply()
     if log_level is not None:
         logging.basicConfig(level=log_level, format=LOG_FORMAT)
     ctx = zmq.Context()

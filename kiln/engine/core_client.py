@@ -45,7 +45,7 @@ import zmq
 from kiln.clock import process_age_s
 from kiln.config import EngineConfig
 from kiln.lora_request import LoRARequest
-from kiln.engine.core import inherited_log_level, run_engine_core
+from kiln.engine.core import ReplicaPlacement, inherited_log_level, run_engine_core
 from kiln.engine.messages import (
     AbortRequests, AddRequest, LoadLora, Ready, Shutdown, StartFailed, StepOutputs, Stopped, UnloadLora, encoder,
     from_engine_decoder,
@@ -79,11 +79,28 @@ def _address(ipc_dir: str, index: int) -> tuple[str, str]:
     return f"ipc://{ipc_dir}/in{index}", f"ipc://{ipc_dir}/out{index}"
 
 
-def _spawn_engine_core(config: EngineConfig, ipc_dir: str, count: int) -> multiprocessing.Process:
+def _spawn_engine_core(config: EngineConfig, ipc_dir: str, count: int,
+                       placement: Optional[ReplicaPlacement] = None) -> multiprocessing.Process:
     proc = multiprocessing.get_context("spawn").Process(
-        target=run_engine_core, name="kiln-engine-core", args=(config, [_address(ipc_dir, i) for i in range(count)], inherited_log_level()))
-    proc.start()
+        target=run_engine_core, name="kiln-engine-core",
+        args=(config, [_address(ipc_dir, i) for i in range(count)], inherited_log_level(), placement))
+    if placement is None:
+        proc.start()
+        return proc
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    with _SPAWN_ENV_LOCK:  # the child inherits the environment as it is when it starts
+        os.environ["CUDA_VISIBLE_DEVICES"] = placement.visible_devices(previous)
+        try:
+            proc.start()
+        finally:
+            if previous is None:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = previous
     return proc
+
+
+_SPAWN_ENV_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,10 +146,10 @@ def _running(pid: int) -> bool:
 class EngineCoreClient(ClientState):
     def __init__(self, config: EngineConfig, model_name: Optional[str] = None,
                  limits: QueueLimits = QueueLimits(), on_dead: Optional[Callable[[], None]] = None,
-                 shared: Optional[EngineCoreAddress] = None):
+                 shared: Optional[EngineCoreAddress] = None, placement: Optional[ReplicaPlacement] = None):
         """Start the engine-core process for ``config`` (or, with ``shared``, attach to one that
-        ``SharedEngineCore`` started); ``on_dead`` runs (on the reader thread) if the engine stops
-        without being asked to."""
+        ``SharedEngineCore`` started; ``placement``: as one data-parallel replica); ``on_dead`` runs
+        (on the reader thread) if the engine stops without being asked to."""
         super().__init__(limits)  # its _lock also guards the input socket
         self.model_name = model_name or config.model.model
         self._on_dead = on_dead
@@ -159,7 +176,7 @@ class EngineCoreClient(ClientState):
         self._proc: Optional[multiprocessing.Process] = None
         if shared is None:
             self.age_at_spawn = process_age_s()  # where the engine core's own start-up clock begins
-            self._proc = _spawn_engine_core(config, self._ipc_dir, 1)
+            self._proc = _spawn_engine_core(config, self._ipc_dir, 1, placement)
             self._engine_pid = self._proc.pid
         else:
             self.age_at_spawn = shared.age_at_spawn
@@ -194,6 +211,10 @@ class EngineCoreClient(ClientState):
         """The engine's stats as of its latest message (empty before it is ready), and what is
         admitted now against the queue limits."""
         return {**self._stats, **self._admission.counts()}
+
+    def holds(self, request_id: str) -> bool:
+        """Whether a request of this id is unfinished here."""
+        return request_id in self._sinks
 
     # ---- requests -------------------------------------------------------------------------------
     def process(self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool = True) -> TokenizedPrompt:

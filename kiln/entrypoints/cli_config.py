@@ -133,6 +133,8 @@ FIELD_HELP = {
     "parallel.step_timeout_s": "a rank silent this long in one step fails the engine",
     "parallel.all_reduce": "symm_mem: small all-reduces through PyTorch symmetric memory (CUDA, one host), NCCL above",
     "parallel.placement_strategy": "ray: how the ranks are laid over nodes; PACK fills a node first",
+    "parallel.data_parallel_size": "engine cores (replicas: a process, KV cache and GPU each) behind one server, "
+                                   "requests balanced by load and prefix-cache affinity; serving only",
     "speculative.method": "none; ngram: propose what followed the context's last n-gram earlier in it; "
                           "draft: a smaller model with the same vocabulary proposes",
     "speculative.num_speculative_tokens": "k: tokens proposed per request and step, all checked in one forward",

@@ -14,7 +14,9 @@ any host), a POST body declared as anything but JSON a 415, and a body over
 ``server.max_request_bytes`` a 413, all before the app parses anything. Stopping uvicorn
 (SIGINT/SIGTERM) drains, then shuts the engine-core process down; if that process dies, every
 pending request fails, ``/health`` says 503 and the server exits with status 1, so a supervisor
-restarts it.
+restarts it. With ``parallel.data_parallel_size=N`` (``DataParallelClient``) a dead replica fails
+only its own requests: the others keep serving, ``/health`` says 503 naming it, and the server
+exits with status 1 once no replica is left.
 
 With ``server.api_server_count=N`` above 1, this process binds the port, starts the engine core
 (``SharedEngineCore``) and N frontend processes that accept on the one socket, each with its own
@@ -61,6 +63,7 @@ from kiln.entrypoints.openai.serving_tokens import detokenize, tokenize
 from kiln.entrypoints.openai.timeouts import BodyReadTimeoutMiddleware, uvicorn_options
 from kiln.engine.core import LOG_FORMAT, inherited_log_level
 from kiln.engine.core_client import EngineCoreAddress, EngineCoreClient, SharedEngineCore
+from kiln.engine.dp_client import DataParallelClient
 from kiln.engine.streams import EngineClient, QueueLimits
 
 logger = logging.getLogger(__name__)
@@ -98,6 +101,9 @@ def build_app(engine_client: EngineClient, server_config: ServerConfig) -> FastA
 
     @app.get("/health")
     async def health() -> Response:
+        degraded = getattr(engine_client, "degraded", lambda: None)()  # data parallel: a replica stopped
+        if degraded is not None:
+            return error_response(503, degraded, None, "engine_unavailable")
         if engine_client.is_ready():
             return JSONResponse({"status": "ok"})
         if engine_client.is_healthy():
@@ -321,8 +327,12 @@ def _serve(config: EngineConfig, sock: socket.socket, drain_s: float,
         if uv_server:
             uv_server[0].should_exit = True
 
-    engine = EngineCoreClient(config, model_name=config.model.model, limits=QueueLimits.from_server(server),
-                              on_dead=on_dead, shared=shared)
+    if config.parallel.data_parallel_size > 1:
+        engine = DataParallelClient(config, model_name=config.model.model, limits=QueueLimits.from_server(server),
+                                    on_dead=on_dead)
+    else:
+        engine = EngineCoreClient(config, model_name=config.model.model, limits=QueueLimits.from_server(server),
+                                  on_dead=on_dead, shared=shared)
     try:
         engine.wait_ready()
         app = build_app(engine, server)
@@ -333,6 +343,8 @@ def _serve(config: EngineConfig, sock: socket.socket, drain_s: float,
             ready_line = engine.startup.ready_line(api_url(server.host, server.port))
             if shared is not None:
                 ready_line += f"; {server.api_server_count} frontend processes"
+            if config.parallel.data_parallel_size > 1:
+                ready_line += f"; {config.parallel.data_parallel_size} data-parallel replicas"
         uv_server.append(_DrainingServer(uv_config, engine, drain_s, ready_line))
         if not died.is_set():
             uv_server[0].run(sockets=[sock])

@@ -54,6 +54,26 @@ class _EngineCollector:
             g.add_metric([], float(value))
             yield g
         yield from _spec_decode_counters(s)
+        yield from _replica_metrics(s.get("replicas", []))
+
+
+def _replica_metrics(replicas: list[dict]):
+    """Each data-parallel replica's own (``parallel.data_parallel_size``; none without it); the
+    gauges above sum the live ones."""
+    if not replicas:
+        return
+    families = [
+        (GaugeMetricFamily, "kiln_dp_replica_healthy", "1 while the replica's engine core runs, else 0.", "healthy"),
+        (GaugeMetricFamily, "kiln_dp_replica_num_requests_running", "Requests the replica is running.", "num_running"),
+        (GaugeMetricFamily, "kiln_dp_replica_num_requests_waiting", "Requests waiting at the replica.", "num_waiting"),
+        (CounterMetricFamily, "kiln_dp_replica_requests_routed", "Requests the frontend sent to the replica.",
+         "num_routed"),
+    ]
+    for family, name, doc, key in families:
+        m = family(name, doc, labels=["replica"])
+        for i, r in enumerate(replicas):
+            m.add_metric([str(i)], float(r.get(key, 0)))
+        yield m
 
 
 def _spec_decode_counters(s: dict):
