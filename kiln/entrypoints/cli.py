@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import sys
 from pathlib import Path
@@ -34,6 +35,8 @@ from kiln.entrypoints.cli_config import (  # noqa: F401  (compose_config: the te
     extract_secrets, fail, group_options, prepare_overrides, register_configs, to_cli_config,
 )
 from kiln.errors import first_line
+
+logger = logging.getLogger(__name__)
 
 COMMANDS = {
     "serve": "run the OpenAI-compatible server",
@@ -66,6 +69,9 @@ def _user_errors(run: Callable[[], None]) -> None:
 
 # ---- commands (each gets a validated CliConfig) ------------------------------------------------
 def cmd_serve(cli: CliConfig) -> None:
+    # Importing torch and the server takes seconds before the engine's first line: say so at once.
+    logger.info("kiln: starting the server for %s on %s:%s (importing torch, then loading the model)",
+                cli.model.model, cli.server.host, cli.server.port)
     try:
         from kiln.entrypoints.openai.api_server import run_server
     except ImportError as exc:
