@@ -269,9 +269,19 @@ class ServerConfig:
     # Frontend processes (HTTP, tokenizing, detokenizing, SSE) on the one port, all in front of one
     # engine core; the queue limits above are split evenly between them, and /metrics adds up.
     api_server_count: int = 1
+    # Images in chat content parts: data URLs always; http(s) URLs only from these hosts (fetched
+    # within media_fetch_timeout_s, at most max_media_bytes); file:// URLs only under this directory.
+    allowed_media_domains: tuple[str, ...] = ()
+    allowed_local_media_path: Optional[str] = None
+    media_fetch_timeout_s: float = 5.0
+    max_media_bytes: int = 20 << 20
+    # An image's width x height (decompression bombs included), and images per request; over: 400.
+    max_image_pixels: int = 4096 * 4096
+    limit_mm_per_prompt: int = 8
 
     def __post_init__(self) -> None:
         _check_choice("server", "tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        object.__setattr__(self, "allowed_media_domains", tuple(self.allowed_media_domains))
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"server.reasoning_parser={self.reasoning_parser!r} is not a known reasoning parser; "
                              f"known: {', '.join(REASONING_PARSERS)} (or null: no parsing)")
@@ -288,7 +298,8 @@ class ServerConfig:
         if self.api_key not in (None, "", REDACTED) and self.api_key_file:
             raise ValueError("give server.api_key or server.api_key_file, not both")
         for name in ("max_prompts_per_request", "max_seqs_per_request", "max_queued_seqs", "max_queued_tokens",
-                     "header_read_timeout_s", "body_read_timeout_s", "keep_alive_timeout_s", "api_server_count"):
+                     "header_read_timeout_s", "body_read_timeout_s", "keep_alive_timeout_s", "api_server_count",
+                     "media_fetch_timeout_s", "max_media_bytes", "max_image_pixels", "limit_mm_per_prompt"):
             _check_positive("server", name, getattr(self, name))
 
     def resolved_api_key(self) -> Optional[str]:

@@ -140,7 +140,8 @@ class EngineCore:
 
     def _add(self, client: int, message: AddRequest) -> None:
         try:
-            self.engine.add_request(message.request_id, TokenizedPrompt(message.prompt, message.prompt_token_ids),
+            prompt = TokenizedPrompt(message.prompt, message.prompt_token_ids, tuple(message.mm_features))
+            self.engine.add_request(message.request_id, prompt,
                                     message.params, message.priority, pooling=message.pooling,
                                     lora_request=message.lora_request)
         except ValueError as e:
@@ -263,8 +264,9 @@ def _serve(engine: LLMEngine, inputs: list[zmq.Socket], outputs: list[zmq.Socket
     core = EngineCore(engine, inputs, outputs, parent.is_alive if parent is not None else (lambda: True))
     try:
         executor = engine.executor
+        processor = pickle.dumps(engine.mm_processor.processor) if engine.mm_processor is not None else b""
         ready = encode(Ready(pickle.dumps(engine.tokenizer), executor.vocab_size, engine.max_model_len,
-                             list(executor.eos_token_ids), engine.startup))
+                             list(executor.eos_token_ids), engine.startup, processor))
         for socket in outputs:
             socket.send(ready)
         if not core.run():

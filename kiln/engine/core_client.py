@@ -55,6 +55,7 @@ from kiln.engine.streams import (
 )
 from kiln.runtime.engine import StartupReport
 from kiln.runtime.input_processor import InputProcessor, Prompt, TokenizedPrompt
+from kiln.runtime.multimodal import MultimodalProcessor
 from kiln.runtime.structured_output import GrammarCompiler
 from kiln.sampling_params import SamplingParams
 
@@ -216,6 +217,11 @@ class EngineCoreClient(ClientState):
         """Whether a request of this id is unfinished here."""
         return request_id in self._sinks
 
+    @property
+    def reads_images(self) -> bool:
+        """Whether the model takes images (a vision-language model's processor came with ``Ready``)."""
+        return self._inputs is not None and self._inputs.mm_processor is not None
+
     # ---- requests -------------------------------------------------------------------------------
     def process(self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool = True) -> TokenizedPrompt:
         """Tokenize and check a prompt on the caller's thread (ValueError for bad input)."""
@@ -232,7 +238,8 @@ class EngineCoreClient(ClientState):
         processed = self.process(prompt, params, add_special_tokens)
         ids = processed.token_ids
         sink = Sink(asyncio.get_running_loop(), params.n, params.n * len(ids), processed.text, ids)
-        message = AddRequest(request_id, processed.text, ids, params, priority, pooling, lora_request)
+        message = AddRequest(request_id, processed.text, ids, params, priority, pooling, lora_request,
+                             list(processed.mm_features))
         with self._lock:
             if self._done.is_set() or self._stopping:
                 raise self._dead_error()
@@ -343,7 +350,8 @@ class EngineCoreClient(ClientState):
     def _take_ready(self, ready: Ready) -> None:
         tokenizer = pickle.loads(ready.tokenizer_pickle)
         grammars = GrammarCompiler(tokenizer, ready.vocab_size, ready.eos_token_ids or None)
-        self._inputs = InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len, grammars)
+        images = MultimodalProcessor(pickle.loads(ready.processor_pickle)) if ready.processor_pickle else None
+        self._inputs = InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len, grammars, images)
         self.tokenizer = tokenizer
         self.max_model_len = ready.max_model_len
         self.eos_token_ids = tuple(ready.eos_token_ids)

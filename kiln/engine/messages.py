@@ -5,7 +5,9 @@
 
 Rules:
 - No pickle on the hot path. ``Ready`` alone carries a pickled tokenizer (once per start, so the
-  frontend tokenizes exactly as the engine does without loading the model's files itself).
+  frontend tokenizes exactly as the engine does without loading the model's files itself), and a
+  vision model's pickled processor. A request's images travel as their pixel tensors' bytes
+  (``ImageFeature``).
 - ``StepOutputs.outputs`` are ``RequestDelta``s: what is new since that request's last output
   (``OutputProcessor(delta=True)``), without the prompt (the frontend has it).
 - Every message is a tagged ``msgspec.Struct``, so one decoder per direction reads them all.
@@ -20,6 +22,7 @@ import msgspec
 from kiln.lora_request import LoRARequest
 from kiln.outputs import RequestDelta
 from kiln.runtime.engine import StartupReport
+from kiln.runtime.multimodal import ImageFeature
 from kiln.sampling_params import SamplingParams
 
 
@@ -33,6 +36,7 @@ class AddRequest(msgspec.Struct, tag=True):
     priority: int = 0
     pooling: Optional[str] = None  # "last" | "mean": an embedding request
     lora_request: Optional[LoRARequest] = None  # the adapter it runs with
+    mm_features: list[ImageFeature] = []  # its images, placeholders expanded in prompt_token_ids
 
 
 class LoadLora(msgspec.Struct, tag=True):
@@ -63,6 +67,7 @@ class Ready(msgspec.Struct, tag=True):
     max_model_len: int
     eos_token_ids: list[int]
     startup: StartupReport
+    processor_pickle: bytes = b""  # a vision model's transformers processor; empty: text only
 
 
 class StartFailed(msgspec.Struct, tag=True):

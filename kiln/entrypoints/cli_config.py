@@ -126,6 +126,13 @@ FIELD_HELP = {
     "server.header_read_timeout_s": "a request's headers must arrive within this, else the connection closes",
     "server.body_read_timeout_s": "a request's body must arrive within this of its start, else HTTP 408",
     "server.keep_alive_timeout_s": "an idle keep-alive connection closes after this",
+    "server.allowed_media_domains": "hosts whose http(s) image URLs chat requests may name, e.g. [images.example.com]; "
+                                    "empty: data URLs only",
+    "server.allowed_local_media_path": "a directory whose file:// image URLs chat requests may name; null: none",
+    "server.media_fetch_timeout_s": "an image URL must be fetched within this, else HTTP 400",
+    "server.max_media_bytes": "larger fetched or inline images get HTTP 400",
+    "server.max_image_pixels": "images of more pixels (width x height, decompression bombs too) get HTTP 400",
+    "server.limit_mm_per_prompt": "most images in one request; more: HTTP 400",
     "server.api_server_count": "frontend processes (HTTP, tokenizing, detokenizing) on the one port in front of "
                                "one engine core; the queue limits are split between them, /metrics adds up",
     "parallel.tensor_parallel_size": "devices the model is split over (tensor parallelism)",

@@ -42,11 +42,12 @@ class MediaPolicy:
     max_bytes: int = 20 << 20
     max_pixels: int = 4096 * 4096
     max_images: int = 8
+    reads_images: bool = True  # False: the model reads text only, every image part is refused
 
     @classmethod
-    def from_server(cls, server: Any) -> "MediaPolicy":
+    def from_server(cls, server: Any, reads_images: bool = True) -> "MediaPolicy":
         return cls(tuple(server.allowed_media_domains), server.allowed_local_media_path, server.media_fetch_timeout_s,
-                   server.max_media_bytes, server.max_image_pixels, server.limit_mm_per_prompt)
+                   server.max_media_bytes, server.max_image_pixels, server.limit_mm_per_prompt, reads_images)
 
 
 OFFLINE = MediaPolicy(max_images=1 << 30)  # LLM.chat: data URLs and PIL images, any number
@@ -68,6 +69,8 @@ def split_image_parts(conversation: list[dict], policy: MediaPolicy) -> tuple[li
                 parts.append(part)
                 continue
             where = f"messages[{i}].content[{j}]"
+            if not policy.reads_images:
+                raise MediaError(where, "this model reads text only; send text parts, or serve a vision-language model")
             if len(images) == policy.max_images:
                 raise MediaError(where, f"more than {policy.max_images} images in one request "
                                         "(server.limit_mm_per_prompt); send fewer images")

@@ -244,7 +244,7 @@ def test_serve_help_lists_its_groups_only(capsys):
     assert "compile.cudagraph=auto  (auto | none | piecewise | full | full_and_piecewise)" in out
     assert FIELD_HELP["compile.mode"] in out and "server.port=8000" in out
     assert "model  (model_preset=hf-local | llama3-8b-random" in out
-    assert "bench." not in out and "prompt=" not in out
+    assert "bench." not in out and "  prompt=" not in out  # generate's key, not server.limit_mm_per_prompt
     # values are what the command line composes to
     out = exit_of(["serve", "--help", "compile=kiln-full", "model=random:tiny"], capsys)[1]
     assert "compile.mode=kiln " in out and "compile.cudagraph=full " in out and "model.model=random:tiny\n" in out

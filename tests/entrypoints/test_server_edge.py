@@ -179,8 +179,6 @@ UNSUPPORTED = [
     (CH, {**M, "modalities": ["text", "audio"]}, "modalities"),
     (CH, {**M, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     (CH, {**M, "prediction": {"type": "content", "content": "x"}}, "prediction"),
-    (CH, {**M, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages.0.content"),
     (CH, {**M, "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
      "messages.0.content"),
     (C, {**P, "suffix": "end"}, "suffix"),
@@ -191,6 +189,15 @@ UNSUPPORTED = [
 def test_unimplemented_openai_fields_are_400_naming_them(edge, path, body, param):
     error = assert_error(_post(edge.url, path, {"model": TINY, **body}), 400, param)
     assert error["code"] == "unsupported_parameter" and "kiln does not implement" in error["message"]
+    _still_serves(edge.url)
+
+
+def test_images_to_a_text_model_are_a_400_naming_the_part(edge):
+    url = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+    parts = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": url}}]
+    error = assert_error(_post(edge.url, CH, {"model": TINY, "messages": [{"role": "user", "content": parts}]}), 400,
+                         "messages[0].content[1]")
+    assert "reads text only" in error["message"]
     _still_serves(edge.url)
 
 

@@ -367,23 +367,34 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
-def _content(value: Any) -> Optional[str]:
-    """A message's content: a string, or a list of text parts (joined); other parts are refused."""
+def _content(value: Any) -> Union[None, str, list[dict]]:
+    """A message's content: a string, or a list of text parts (joined); with image_url parts, the
+    list of text and image parts (read by ``kiln.entrypoints.media``); other parts are refused."""
     if value is None or isinstance(value, str):
         return value if value is None else _utf8(value)
     if not isinstance(value, list):
         raise PydanticCustomError("content_type", "must be a string or a list of content parts")
     texts = []
+    parts: list[dict] = []
     for part in value:
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image_url":
+            spec = part.get("image_url")
+            if set(part) - {"type", "image_url"} or not isinstance(spec, dict) or not isinstance(spec.get("url"), str) \
+                    or set(spec) - {"url", "detail"}:
+                raise PydanticCustomError("content_type", "an image_url part is {\"type\": \"image_url\", "
+                                          "\"image_url\": {\"url\": <data:, http(s): or file: URL>}}")
+            parts.append({"type": "image_url", "image_url": {"url": spec["url"]}})
+            continue
         if kind != "text":
             shown = ascii(kind)[:40]  # the type as a client sent it, safe to echo
             raise PydanticCustomError("not_implemented", "kiln does not implement content parts of type {kind}; "
-                                      "send parts of type 'text'", {"kind": shown})
+                                      "send parts of type 'text' or 'image_url'", {"kind": shown})
         if set(part) - {"type", "text"} or not isinstance(part.get("text"), str):
             raise PydanticCustomError("content_type", "a text part has a string `text` and no other field")
         texts.append(_utf8(part["text"]))
-    return "".join(texts)
+        parts.append({"type": "text", "text": texts[-1]})
+    return parts if any(p["type"] == "image_url" for p in parts) else "".join(texts)
 
 
 class FunctionCall(_Request):
@@ -400,7 +411,7 @@ class ToolCall(_Request):
 class ChatMessage(_Request):
     # developer is OpenAI's newer name for system; tool messages answer an assistant's tool_calls.
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[Optional[str], BeforeValidator(_content)] = None
+    content: Annotated[Union[None, str, list[dict]], BeforeValidator(_content)] = None
     name: Optional[Text] = None  # the template may use it
     tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
     tool_call_id: Optional[Text] = None  # a tool message: the call it answers

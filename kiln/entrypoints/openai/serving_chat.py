@@ -25,6 +25,7 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from kiln.entrypoints.media import MediaError, MediaPolicy, split_image_parts
 from kiln.entrypoints.openai.errors import bad_request
 from kiln.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
@@ -135,6 +136,11 @@ def _render(ctx: ServingContext, body: ChatCompletionRequest, fmt: Optional[Tool
         conversation = tools_as_text(fmt or choose_format(ctx.server.tool_call_parser, template), tools or [],
                                      conversation)
         tools = None
+    try:  # image parts out, each its template placeholder (400s name the part)
+        policy = MediaPolicy.from_server(ctx.server, reads_images=getattr(ctx.engine, "reads_images", False))
+        conversation, images = split_image_parts(conversation, policy)
+    except MediaError as e:
+        raise bad_request(str(e), e.param) from e
     _check_text(conversation)
     encoder = ctx.prompt_encoder()
     try:
@@ -145,7 +151,12 @@ def _render(ctx: ServingContext, body: ChatCompletionRequest, fmt: Optional[Tool
         # the first line: not the rendered chat some templates' errors carry
         raise bad_request(f"the chat template refused these messages: {first_line(e)}", "messages") from e
     try:
-        return TokenizedPrompt(encoder.plain(rendered), encoder.encode_chat(rendered))
+        prompt = TokenizedPrompt(encoder.plain(rendered), encoder.encode_chat(rendered))
+        if images:  # placeholders expanded and pixels made by the model's processor, off the engine
+            processed = ctx.engine.process({"prompt_token_ids": prompt.token_ids, "multi_modal_data": {"image": images}},
+                                           SamplingParams(max_tokens=1), add_special_tokens=False)
+            prompt = TokenizedPrompt(prompt.text, processed.token_ids, processed.mm_features)
+        return prompt
     except ValueError as e:
         raise bad_request(f"messages: {e}", "messages") from e
 
