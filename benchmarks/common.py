@@ -84,13 +84,14 @@ def copy_bandwidth(num_bytes: int = 2**30, iters: int = 20) -> float:
     return 2 * num_bytes / sorted(times)[iters // 2]
 
 
-def timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> float:
-    """Seconds for ``llm`` to generate exactly ``max_tokens`` greedy tokens for every prompt."""
+def timed_generate(llm, prompts: list[list[int]], max_tokens: int, **generate_kwargs) -> float:
+    """Seconds for ``llm`` to generate exactly ``max_tokens`` greedy tokens for every prompt
+    (``generate_kwargs``: more of ``LLM.generate``'s, e.g. ``lora_request``)."""
     from kiln import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False, **generate_kwargs)
     elapsed = time.perf_counter() - t0
     assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
     return elapsed

@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "quant-gpu": ("benchmarks.offline.quant_gpu", "GPU decode by weight precision: bf16, FP8, int4"),
     "quant-cpu": ("benchmarks.offline.quant_cpu", "CPU decode by precision and compile mode"),
     "spec-decode": ("benchmarks.offline.spec_decode", "what speculative decoding buys, by batch size"),
+    "lora": ("benchmarks.offline.lora", "LoRA adapters mixed in a batch and at batch 1, against the base model"),
     "moe": ("benchmarks.offline.moe", "the fused MoE kernel, then a MoE model offline"),
     "generic-vs-native": ("benchmarks.offline.generic_vs_native", "transformers' modeling code against kiln's"),
     "tp-decode": ("benchmarks.offline.tp_decode", "tensor parallelism: batch-1 decode and throughput at TP 1-8"),
