@@ -167,11 +167,16 @@ class EngineCoreClient(ClientState):
         self._shared = shared
         self._ipc_dir = shared.ipc_dir if shared is not None else tempfile.mkdtemp(prefix="kiln-engine-")
         input_address, output_address = _address(self._ipc_dir, shared.index if shared is not None else 0)
-        self._ctx = zmq.Context()
-        self._to_engine = self._ctx.socket(zmq.PUSH)
+        # The process-wide context, never terminated: a client dropped without shutdown is garbage
+        # collected with its sockets, and a context's finalizer can run before theirs and wait for
+        # them forever. Unsent messages are dropped on close (LINGER 0): their engine core is gone.
+        ctx = zmq.Context.instance()
+        self._to_engine = ctx.socket(zmq.PUSH)
+        self._to_engine.setsockopt(zmq.LINGER, 0)
         self._to_engine.setsockopt(zmq.SNDHWM, 0)
         self._to_engine.bind(input_address)
-        self._from_engine = self._ctx.socket(zmq.PULL)
+        self._from_engine = ctx.socket(zmq.PULL)
+        self._from_engine.setsockopt(zmq.LINGER, 0)
         self._from_engine.setsockopt(zmq.RCVHWM, 0)
         self._from_engine.bind(output_address)
         self._proc: Optional[multiprocessing.Process] = None
