@@ -20,9 +20,10 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Optional, Union
+from typing import AsyncIterator, Awaitable, Callable, Optional, Union
 
 from fastapi import Request
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from kiln.config import ServerConfig
@@ -280,6 +281,17 @@ async def until_disconnected(request: Request, work: Awaitable):
     with contextlib.suppress(asyncio.CancelledError):
         await task
     raise ClientGone()
+
+
+async def respond_when_done(request: Request, request_id: str, work: Awaitable, respond: Callable):
+    """``respond(result of work)``, or a 499 once the client has gone (``work`` cancelled); what
+    fails on the way is an answer in OpenAI's schema (``api_error``)."""
+    try:
+        return respond(await until_disconnected(request, work))
+    except ClientGone:
+        return Response(status_code=499)
+    except Exception as e:  # noqa: BLE001 - a kiln bug or a stopped engine: an answer in OpenAI's schema
+        raise api_error(e, request_id) from e
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -32,8 +32,8 @@ from kiln.entrypoints.openai.protocol import (
     ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, NamedToolChoice, TopLogprob, UsageInfo,
 )
 from kiln.entrypoints.openai.serving import (
-    SSE_DONE, ClientGone, ServingContext, TimedStream, api_error, new_id, prompt_logprobs_out,
-    sampling_params_or_400, sse, until_disconnected,
+    SSE_DONE, ServingContext, TimedStream, api_error, new_id, prompt_logprobs_out, respond_when_done,
+    sampling_params_or_400, sse,
 )
 from kiln.entrypoints.openai.output_parser import OutputStream, parse_output
 from kiln.entrypoints.openai.reasoning import ReasoningSplit, reasoning_format
@@ -46,6 +46,31 @@ from kiln.runtime.structured_output import xgrammar_reason
 
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw: Request) -> Response:
+    chat = prepare_chat(ctx, body)
+    request_id = new_id("chatcmpl")
+    streams = await ctx.start(request_id, [chat.prompt], chat.params, body.priority, add_special_tokens=False,
+                              prompt_param="messages", lora=ctx.lora_for(body.model))
+    if body.stream:
+        return StreamingResponse(_stream(ctx, body, request_id, streams[0], chat.fmt, chat.reasoning),
+                                 media_type="text/event-stream")
+    return await respond_when_done(raw, request_id, collect(streams[0]),
+                                   lambda final: _response(ctx, body, request_id, final, chat.fmt, chat.reasoning))
+
+
+@dataclasses.dataclass
+class PreparedChat:
+    """What running a chat request takes: its prompt, its sampling params and how its text is read."""
+
+    prompt: TokenizedPrompt
+    params: SamplingParams
+    fmt: Optional[ToolFormat]  # None: no tool calls are read
+    reasoning: Optional[ReasoningSplit]  # None: no reasoning parser
+    tools: Optional[list[dict]]  # the functions calls are read against (with ``fmt``)
+
+
+def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> PreparedChat:
+    """Checks (400s), the rendered prompt and the sampling params of a chat request (also the one
+    a Responses request runs as)."""
     ctx.check(body.model)
     try:
         body.check_tools()
@@ -61,19 +86,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     call_grammar = _call_grammar(body, fmt)
     params = sampling_params_or_400(lambda: body.sampling_params(max_tokens, num_logprobs, call_grammar))
     _parse_ready(ctx, params, reasoning, fmt)
-    request_id = new_id("chatcmpl")
-    streams = await ctx.start(request_id, [prompt], params, body.priority, add_special_tokens=False,
-                              prompt_param="messages", lora=ctx.lora_for(body.model))
-    if body.stream:
-        return StreamingResponse(_stream(ctx, body, request_id, streams[0], fmt, reasoning),
-                                 media_type="text/event-stream")
-    try:
-        final = await until_disconnected(raw, _collect(streams[0]))
-        return _response(ctx, body, request_id, final, fmt, reasoning)
-    except ClientGone:
-        return Response(status_code=499)
-    except Exception as e:  # noqa: BLE001 - a kiln bug or a stopped engine: an answer in OpenAI's schema
-        raise api_error(e, request_id) from e
+    return PreparedChat(prompt, params, fmt, reasoning, body.tool_dicts() if fmt is not None else None)
 
 
 def _tool_format(ctx: ServingContext, body: ChatCompletionRequest) -> Optional[ToolFormat]:
@@ -188,7 +201,7 @@ def _check_text(conversation: list[dict]) -> None:
                                   f"{e.start}; send text without lone surrogates", f"messages[{i}].{key}") from e
 
 
-async def _collect(stream: TimedStream) -> RequestOutput:
+async def collect(stream: TimedStream) -> RequestOutput:
     final = None
     try:
         async for out in stream:
