@@ -28,6 +28,7 @@ from kiln.entrypoints.openai import build_app
 from kiln.entrypoints.openai.protocol import (
     IGNORED_FIELDS, UNIMPLEMENTED_FIELDS, ChatCompletionRequest, ChatMessage, CompletionRequest, EmbeddingRequest,
 )
+from kiln.entrypoints.openai.protocol_responses import ReasoningConfig, ResponsesRequest, TextConfig
 from kiln.entrypoints.prompt_encoder import PromptEncoder
 from kiln.engine.async_engine import AsyncEngine
 from tests.helpers.paths import REPO
@@ -69,9 +70,10 @@ def _post(url: str, path: str, body, **kw) -> httpx.Response:
 
 
 # ---- ranges: every number the engine reads --------------------------------------------------------
-C, CH = "/v1/completions", "/v1/chat/completions"
+C, CH, R = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 P = {"prompt": "hi", "max_tokens": 2}
 M = {"messages": CHAT, "max_tokens": 2}
+I = {"input": "Name a colour.", "max_output_tokens": 2}
 OUT_OF_RANGE = [
     (C, {**P, "seed": 1 << 63}, "seed"),
     (C, {**P, "seed": -(1 << 63) - 1}, "seed"),
@@ -103,6 +105,11 @@ OUT_OF_RANGE = [
     (CH, {**M, "logprobs": 5}, "logprobs"),
     (CH, {**M, "max_completion_tokens": 1 << 31}, "max_completion_tokens"),
     (CH, {**M, "n": 0}, "n"),
+    (R, {"input": "hi", "max_output_tokens": 1 << 31}, "max_output_tokens"),
+    (R, {**I, "top_p": 1.5}, "top_p"),
+    (R, {**I, "seed": 1 << 63}, "seed"),
+    (R, {**I, "top_k": -2}, "top_k"),
+    (R, {**I, "tools": [{"type": "function", "name": "no spaces"}]}, "tools.0.name"),
 ]
 
 
@@ -155,6 +162,12 @@ SURROGATES = [
      "structured_outputs.json"),
     (CH, '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template_kwargs": {"x": ["\\ud800"]}}',
      "chat_template_kwargs"),
+    (R, '{"input": "a\\ud800b", "max_output_tokens": 2}', "input"),
+    (R, '{"input": [{"role": "user", "content": [{"type": "input_text", "text": "\\udc00"}]}]}', "input"),
+    (R, '{"input": [{"type": "function_call_output", "call_id": "c", "output": "\\ud800"}]}', "input"),
+    (R, '{"input": "hi", "instructions": "\\ud800"}', "instructions"),
+    (R, '{"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"enum": ["\\ud800"]}}]}',
+     "tools.0.parameters"),
 ]
 
 
@@ -182,13 +195,23 @@ UNSUPPORTED = [
     (CH, {**M, "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
      "messages.0.content"),
     (C, {**P, "suffix": "end"}, "suffix"),
+    (R, {**I, "include": ["message.output_text.logprobs"]}, "include"),
+    (R, {**I, "top_logprobs": 3}, "top_logprobs"),
+    (R, {**I, "reasoning": {"summary": "auto"}}, "reasoning.summary"),
+    (R, {**I, "text": {"verbosity": "low"}}, "text.verbosity"),
+    (R, {**I, "tools": [{"type": "file_search", "vector_store_ids": ["x"]}]}, "tools"),
+    (R, {**I, "input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input"),
+    (R, {**I, "input": [{"type": "item_reference", "id": "x"}]}, "input"),
+    (R, {**I, "previous_response_id": "resp-1"}, "previous_response_id"),
+    (R, {**I, "background": True}, "background"),
 ]
 
 
 @pytest.mark.parametrize("path,body,param", UNSUPPORTED)
 def test_unimplemented_openai_fields_are_400_naming_them(edge, path, body, param):
     error = assert_error(_post(edge.url, path, {"model": TINY, **body}), 400, param)
-    assert error["code"] == "unsupported_parameter" and "kiln does not implement" in error["message"]
+    assert error["code"] == "unsupported_parameter"
+    assert "kiln does not implement" in error["message"] or "stateless" in error["message"]
     _still_serves(edge.url)
 
 
@@ -205,6 +228,8 @@ def test_reasoning_effort_without_a_template_that_reads_it_is_a_400(edge):
     # SmolLM2's template has no reasoning_effort (test_reasoning.py serves one that does).
     error = assert_error(_post(edge.url, CH, {"model": TINY, **M, "reasoning_effort": "high"}), 400, "reasoning_effort")
     assert "chat template has no reasoning_effort" in error["message"]
+    error = assert_error(_post(edge.url, R, {"model": TINY, **I, "reasoning": {"effort": "high"}}), 400, "reasoning.effort")
+    assert "chat template has no reasoning_effort" in error["message"]
 
 
 UNKNOWN = [
@@ -212,13 +237,18 @@ UNKNOWN = [
     (C, {**P, "stream_options": {"include_usage": True, "extra": 1}}, "stream_options.extra"),
     (CH, {**M, "messages": [{"role": "user", "content": "hi", "mood": "sly"}]}, "messages.0.mood"),
     (CH, {**M, "echo": True}, "echo"),  # a completions field
+    (R, {**I, "messages": CHAT}, "messages"),  # a chat field
+    (R, {**I, "input": [{"role": "user", "content": "hi", "mood": "sly"}]}, "input"),
 ]
 
 
 @pytest.mark.parametrize("path,body,param", UNKNOWN)
 def test_unknown_fields_are_400_naming_them(edge, path, body, param):
     error = assert_error(_post(edge.url, path, {"model": TINY, **body}), 400, param)
-    assert error["code"] == "unknown_parameter" and f"`{param}`" in error["message"]
+    if path == R and param == "input":  # an item's field: named in the message
+        assert error["code"] == "invalid_value" and "mood" in error["message"]
+    else:
+        assert error["code"] == "unknown_parameter" and f"`{param}`" in error["message"]
     _still_serves(edge.url)
 
 
@@ -252,10 +282,17 @@ def test_harmless_and_null_fields_are_accepted(edge, client):
     out = client.chat.completions.create(model=TINY, messages=CHAT, max_tokens=2, user="u", store=False,
                                          metadata={"a": "b"}, tools=[], response_format={"type": "text"})
     assert out.choices[0].finish_reason in ("length", "stop")
+    r = client.responses.create(model=TINY, input="hi", max_output_tokens=2, store=True, user="u", service_tier="auto",
+                                metadata={"a": "b"}, parallel_tool_calls=True, truncation="disabled", include=[],
+                                prompt_cache_key="k", safety_identifier="s", previous_response_id=None, background=False,
+                                text={"format": {"type": "text"}, "verbosity": None}, tools=[], tool_choice="none",
+                                stream_options=None, reasoning={"summary": None})
+    assert r.status in ("completed", "incomplete") and r.store is False
 
 
 def test_the_documented_field_lists_match_the_schema():
-    models = (CompletionRequest, ChatCompletionRequest, ChatMessage, EmbeddingRequest)
+    models = (CompletionRequest, ChatCompletionRequest, ChatMessage, EmbeddingRequest, ResponsesRequest, ReasoningConfig,
+              TextConfig)
     declared = {name for model in models for name in model.model_fields}
     assert set(IGNORED_FIELDS) <= declared and set(UNIMPLEMENTED_FIELDS) <= declared
 
@@ -460,8 +497,8 @@ def test_404_and_405_are_json(edge):
                                  ("DELETE", "/v1/models", 405), ("PUT", CH, 405)):
         r = httpx.request(method, edge.url + path)
         error = assert_error(r, status)
-        for route in ("GET /v1/models", "POST /v1/completions", "POST /v1/chat/completions", "POST /v1/embeddings",
-                      "POST /tokenize", "POST /detokenize", "GET /health", "GET /metrics"):
+        for route in ("GET /v1/models", "POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses",
+                      "POST /v1/embeddings", "POST /tokenize", "POST /detokenize", "GET /health", "GET /metrics"):
             assert route in error["message"], (route, error["message"])
         if status == 405:
             assert "allow" in r.headers

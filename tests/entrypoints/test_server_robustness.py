@@ -44,7 +44,7 @@ LIMITS = dict(max_prompts_per_request=8, max_seqs_per_request=16, max_queued_seq
 PROBE = {"model": TINY, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "return_token_ids": True}
 # Runs until closed: 1,000 tokens take seconds here, far longer than a test holds it.
 HELD = {"prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "stream": True, "stop": ["HOLD"]}
-REQUEST_ID = re.compile(r"request ((?:chat)?cmpl-[0-9a-f]{32})")
+REQUEST_ID = re.compile(r"request ((?:chat)?cmpl-[0-9a-f]{32}|resp-[0-9a-f]{32})")
 
 
 @dataclass
@@ -258,6 +258,54 @@ def test_kiln_bug_mid_stream_is_an_error_event(served_here, monkeypatch):
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
+    assert error["code"] == "internal_error" and REQUEST_ID.search(error["message"])
+    _assert_still_serving(served_here)
+
+
+# ---- the Responses API: the same guarantees ------------------------------------------------------
+RESPONSES_BAD = [
+    ({"input": "hi", "seed": 2**64}, "seed"),
+    ({"input": "abc\ud800"}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": "\udfff"}]}]},
+     "input"),
+    ({"input": [{"role": "user", "content": "hi"}] * 3, "max_output_tokens": MAX_MODEL_LEN}, "max_output_tokens"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "nonsense"}}],
+      "tool_choice": "required"}, "tools"),
+]
+
+
+@pytest.mark.parametrize("body,param", RESPONSES_BAD)
+def test_bad_responses_requests_are_400(served, body, param):
+    assert_error(_post_raw(served.url, "/v1/responses", {"model": TINY, "max_output_tokens": 4, **body}), 400, param)
+    _assert_still_serving(served)
+
+
+def test_full_queue_is_429_for_responses(served):
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", served.url + "/v1/completions", json={"model": TINY, **HELD, "n": 8}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            busy = httpx.post(served.url + "/v1/responses", json={"model": TINY, "input": "hi", "max_output_tokens": 2})
+            assert assert_error(busy, 429)["code"] == "server_busy"
+    _assert_still_serving(served)
+
+
+def test_kiln_bug_mid_response_stream_is_an_error_event(served_here, monkeypatch):
+    _inject_bug(monkeypatch, "output")
+    body = {"model": TINY, "input": "hi", "max_output_tokens": 16, "stop": ["BOOM"], "stream": True}
+    with httpx.stream("POST", served_here.url + "/v1/responses", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error"]
+    assert events[-1]["code"] == "internal_error" and REQUEST_ID.search(events[-1]["message"])
+    assert events[-1]["sequence_number"] == 2
+    _assert_still_serving(served_here)
+
+
+def test_kiln_bug_in_a_response_is_500(served_here, monkeypatch):
+    _inject_bug(monkeypatch, "output")
+    body = {"model": TINY, "input": "hi", "max_output_tokens": 16, "stop": ["BOOM"]}
+    error = assert_error(httpx.post(served_here.url + "/v1/responses", json=body, timeout=30), 500)
     assert error["code"] == "internal_error" and REQUEST_ID.search(error["message"])
     _assert_still_serving(served_here)
 

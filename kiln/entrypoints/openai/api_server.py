@@ -55,10 +55,12 @@ from kiln.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, LoraAdapterRequest, ModelCard,
     ModelList, TokenizeRequest,
 )
+from kiln.entrypoints.openai.protocol_responses import ResponsesRequest
 from kiln.entrypoints.openai.serving import ServingContext
 from kiln.entrypoints.openai.serving_chat import create_chat_completion
 from kiln.entrypoints.openai.serving_completions import create_completion
 from kiln.entrypoints.openai.serving_embeddings import create_embeddings
+from kiln.entrypoints.openai.serving_responses import create_response
 from kiln.entrypoints.openai.serving_tokens import detokenize, tokenize
 from kiln.entrypoints.openai.timeouts import BodyReadTimeoutMiddleware, uvicorn_options
 from kiln.engine.core import LOG_FORMAT, inherited_log_level
@@ -140,6 +142,10 @@ def build_app(engine_client: EngineClient, server_config: ServerConfig) -> FastA
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return _json(await create_chat_completion(ctx, body, raw))
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        return _json(await create_response(ctx, body, raw))
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:

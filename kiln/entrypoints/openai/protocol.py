@@ -108,6 +108,8 @@ UNIMPLEMENTED_FIELDS: dict[str, tuple] = {
     "modalities": (["text"],), "audio": (), "prediction": (),
     "web_search_options": (), "verbosity": (),
     "refusal": (),  # on a message
+    # responses (protocol_responses.py)
+    "include": ([],), "top_logprobs": (0,), "max_tool_calls": (), "prompt": (), "summary": (), "generate_summary": (),
 }
 
 
