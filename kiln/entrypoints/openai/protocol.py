@@ -640,6 +640,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "kiln"
     max_model_len: Optional[int] = None
+    root: Optional[str] = None  # an adapter's directory
+    parent: Optional[str] = None  # an adapter's base model
 
 
 class ModelList(BaseModel):

@@ -25,6 +25,7 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from kiln.entrypoints.beam_search import ranks_outputs
 from kiln.entrypoints.media import MediaError, MediaPolicy, split_image_parts
 from kiln.entrypoints.openai.errors import bad_request
 from kiln.entrypoints.openai.protocol import (
@@ -36,6 +37,7 @@ from kiln.entrypoints.openai.serving import (
     sampling_params_or_400, sse,
 )
 from kiln.entrypoints.openai.output_parser import OutputStream, parse_output
+from kiln.entrypoints.openai.serving_beam_search import refuse_stream, run_ranked
 from kiln.entrypoints.openai.reasoning import ReasoningSplit, reasoning_format
 from kiln.entrypoints.openai.tool_calls import ToolFormat, choose_format, template_renders_tools, tools_as_text
 from kiln.errors import first_line
@@ -48,6 +50,12 @@ from kiln.runtime.structured_output import xgrammar_reason
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw: Request) -> Response:
     chat = prepare_chat(ctx, body)
     request_id = new_id("chatcmpl")
+    if ranks_outputs(chat.params):  # beam search of n beams: answered once every beam is done
+        refuse_stream(chat.params, body.stream)
+        ranked = run_ranked(ctx, request_id, [chat.prompt], chat.params, body.priority, add_special_tokens=False,
+                            prompt_param="messages", lora=ctx.lora_for(body.model))
+        return await respond_when_done(raw, request_id, ranked, lambda finals: _response(
+            ctx, body, request_id, finals[0], chat.fmt, chat.reasoning))
     streams = await ctx.start(request_id, [chat.prompt], chat.params, body.priority, add_special_tokens=False,
                               prompt_param="messages", lora=ctx.lora_for(body.model))
     if body.stream:
