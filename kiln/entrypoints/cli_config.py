@@ -65,7 +65,7 @@ FIELD_HELP = {
     "model.device": "auto: cuda when available, else cpu",
     "model.max_model_len": "longest prompt plus output in tokens; null: the model's own context length",
     "model.seed": "seed of random weights and of unseeded sampling",
-    "model.impl": "auto: kiln's own model code when it has the family (see README: Supported models), else the "
+    "model.impl": "auto: kiln's own model code when it has the family (see docs/models.md), else the "
                   "generic path (transformers' modeling code, captured and given kiln's paged attention); "
                   "native or transformers: force one",
     "model.quantization": "linear weights: none, int8 / int4 (weight-only), fp8 (SM89+ GPUs), auto (the checkpoint)",
