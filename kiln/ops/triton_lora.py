@@ -35,7 +35,7 @@ from kiln.ops.lora import add_lora_reference, define_add_lora_op, slice_rank
 
 MAX_SLICES = 4  # slice boundaries travel as scalar arguments (fused linears have at most 3 slices)
 TARGET_PROGRAMS = 256  # about two programs per SM of an H100/H200 for the shrink's K split
-MAX_SPLIT_K = 64
+MAX_SPLIT_K = 8  # every expand program sums all the partials of its rows: more splits cost it more than they save
 BLOCK_K = 64
 BLOCK_N = 64
 
