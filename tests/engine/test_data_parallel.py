@@ -9,17 +9,15 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import tempfile
 import time
 
 import httpx
 import pytest
 
 from kiln import LLM, SamplingParams
-from kiln.bench.serve import wait_healthy
 from kiln.engine.dp_client import AFFINITY_SLACK_SEQS, Router, _merge, prefix_key
 from kiln.runtime.worker import free_port
+from tests.helpers.server import server_log, start_server_process
 
 TINY = "random:tiny"
 NUM_BLOCKS = 64
@@ -51,21 +49,7 @@ def test_stats_sum_over_replicas():
 
 
 def _start_server(port: int) -> subprocess.Popen:
-    code = ("from kiln.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig, ServerConfig\n"
-            "from kiln.entrypoints.openai import run_server\n"
-            f"run_server(EngineConfig(model=ModelConfig({TINY!r}), cache=CacheConfig(num_blocks={NUM_BLOCKS}), "
-            f"compile=CompileConfig(mode='eager'), parallel=ParallelConfig(data_parallel_size=2), "
-            f"server=ServerConfig(port={port})))\n")
-    log = tempfile.TemporaryFile("w+")  # not a pipe, which a chatty server could fill
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=log, text=True)
-    proc.log = log
-    wait_healthy(f"http://127.0.0.1:{port}", proc, 300)
-    return proc
-
-
-def _log(proc: subprocess.Popen) -> str:
-    proc.log.seek(0)
-    return proc.log.read()
+    return start_server_process(port, TINY, NUM_BLOCKS, parallel="data_parallel_size=2")
 
 
 def _replica_pids(server_pid: int) -> list[int]:
@@ -156,7 +140,7 @@ def test_two_replicas_behind_one_server(want):
 
         os.kill(pids[0], signal.SIGKILL)
         assert proc.wait(timeout=30) == 1
-        assert "the engine core died" in _log(proc)
+        assert "the engine core died" in server_log(proc)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 
@@ -17,12 +16,12 @@ import pytest
 
 from kiln import LLM, SamplingParams
 from kiln.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig
-from kiln.bench.serve import wait_healthy
 from kiln.engine.core_client import EngineCoreClient, SharedEngineCore
 from kiln.engine.messages import AddRequest, encoder, to_engine_decoder
 from kiln.engine.streams import EngineDeadError, RequestStream, Sink
 from kiln.outputs import RequestDelta, RequestOutput, SampleDelta
 from kiln.runtime.worker import free_port
+from tests.helpers.server import server_log, start_server_process
 from kiln.sampling_params import StructuredOutputsParams
 
 TINY = "random:tiny"
@@ -234,7 +233,7 @@ def test_the_server_exits_non_zero_when_its_engine_dies():
     try:
         os.kill(_engine_core_pid(proc.pid), signal.SIGKILL)
         assert proc.wait(timeout=30) == 1
-        assert "the engine core died" in _log(proc)
+        assert "the engine core died" in server_log(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -279,20 +278,7 @@ def test_frontends_sharing_an_engine_core_get_their_own_outputs():
 
 
 def _start_server(port: int, **server) -> subprocess.Popen:
-    code = ("from kiln.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, ServerConfig\n"
-            "from kiln.entrypoints.openai import run_server\n"
-            f"run_server(EngineConfig(model=ModelConfig({TINY!r}), cache=CacheConfig(num_blocks=64), "
-            f"compile=CompileConfig(mode='eager'), server=ServerConfig(port={port}, **{server!r})))\n")
-    log = tempfile.TemporaryFile("w+")  # not a pipe, which a chatty server could fill
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=log, text=True)
-    proc.log = log
-    wait_healthy(f"http://127.0.0.1:{port}", proc, 300)
-    return proc
-
-
-def _log(proc: subprocess.Popen) -> str:
-    proc.log.seek(0)
-    return proc.log.read()
+    return start_server_process(port, TINY, 64, **server)
 
 
 def _children(pid: int) -> list[int]:
@@ -355,7 +341,7 @@ def test_two_frontends_serve_one_engine_core_and_add_up_their_metrics():
             assert f"kiln_generation_tokens_total {float(tokens)}" in metrics
         engine = _engine_core_pid(proc.pid)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, _log(proc)[-3000:]
+        assert proc.wait(timeout=60) == 0, server_log(proc)[-3000:]
         for pid in [engine, *frontends]:
             assert _gone(pid)
     finally:
@@ -373,7 +359,7 @@ def test_a_dead_frontend_stops_the_whole_server():
         frontends = _frontend_pids(proc.pid)
         os.kill(frontends[1], signal.SIGKILL)
         assert proc.wait(timeout=60) == 1
-        assert "stopping the server" in _log(proc)
+        assert "stopping the server" in server_log(proc)
         deadline = time.monotonic() + 15
         while not (_gone(engine) and _gone(frontends[0])):
             assert time.monotonic() < deadline, "a process outlived the server"

@@ -7,6 +7,9 @@ it answers (``assert_error``, ``metric``, ``idle_free_blocks``).
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
@@ -148,3 +151,26 @@ class FakeEngine:
 
     def shutdown(self) -> None:
         self.shut_down = True
+
+
+def start_server_process(port: int, model: str, num_blocks: int, parallel: str = "", **server) -> subprocess.Popen:
+    """``run_server`` on ``model`` (eager, ``num_blocks`` KV blocks) in a child process, once healthy;
+    ``parallel`` is ParallelConfig keywords as source text. ``server_log(proc)`` reads its stderr."""
+    from kiln.bench.serve import wait_healthy
+
+    code = ("from kiln.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig, "
+            "ServerConfig\n"
+            "from kiln.entrypoints.openai import run_server\n"
+            f"run_server(EngineConfig(model=ModelConfig({model!r}), cache=CacheConfig(num_blocks={num_blocks}), "
+            f"compile=CompileConfig(mode='eager'), parallel=ParallelConfig({parallel}), "
+            f"server=ServerConfig(port={port}, **{server!r})))\n")
+    log = tempfile.TemporaryFile("w+")  # not a pipe, which a chatty server could fill
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=log, text=True)
+    proc.log = log
+    wait_healthy(f"http://127.0.0.1:{port}", proc, 300)
+    return proc
+
+
+def server_log(proc: subprocess.Popen) -> str:
+    proc.log.seek(0)
+    return proc.log.read()
