@@ -334,6 +334,9 @@ class ParallelConfig:
     """How the model is split across devices."""
 
     tensor_parallel_size: int = 1
+    # Stages the layers are split over, one after the other (pipeline parallelism): stage 0 embeds,
+    # the last one holds the final norm, LM head and sampler; ranks are tp x pp, tp fastest.
+    pipeline_parallel_size: int = 1
     backend: str = "uni"  # uni | mp | ray
     # A rank silent this long in one step (hung, deadlocked in a collective) fails the engine.
     step_timeout_s: float = 300.0
@@ -347,16 +350,28 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _check_positive("parallel", "tensor_parallel_size", self.tensor_parallel_size)
+        _check_positive("parallel", "pipeline_parallel_size", self.pipeline_parallel_size)
         _check_positive("parallel", "data_parallel_size", self.data_parallel_size)
-        if self.data_parallel_size > 1 and (self.tensor_parallel_size != 1 or self.backend != "uni"):
+        if self.data_parallel_size > 1 and (self.world_size != 1 or self.backend != "uni"):
             raise ValueError(f"parallel.data_parallel_size={self.data_parallel_size} runs each replica in one "
-                             "process for now (parallel.tensor_parallel_size=1, parallel.backend=uni); set "
-                             "parallel.data_parallel_size=1 to split the model instead")
+                             "process for now (parallel.tensor_parallel_size=1, parallel.pipeline_parallel_size=1, "
+                             "parallel.backend=uni); set parallel.data_parallel_size=1 to split the model instead")
         _check_positive("parallel", "step_timeout_s", self.step_timeout_s)
         _check_choice("parallel", "all_reduce", self.all_reduce, ("nccl", "symm_mem"))
         _check_choice("parallel", "backend", self.backend, ("uni", "mp", "ray"))
         _check_choice("parallel", "placement_strategy", self.placement_strategy,
                       ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"))
+        if self.pipeline_parallel_size > 1 and self.all_reduce == "symm_mem":
+            raise ValueError("parallel.all_reduce=symm_mem reduces over every rank, not one stage's; with "
+                             f"parallel.pipeline_parallel_size={self.pipeline_parallel_size} use all_reduce=nccl")
+        if self.pipeline_parallel_size > 1 and self.backend == "uni":
+            raise ValueError(f"parallel.pipeline_parallel_size={self.pipeline_parallel_size} runs one process per "
+                             "stage: set parallel.backend=mp (or ray)")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the model runs on: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
@@ -451,6 +466,9 @@ class EngineConfig:
         if self.lora.enabled and self.parallel.tensor_parallel_size != 1:
             raise ValueError("LoRA adapters are served with parallel.tensor_parallel_size=1 for now; "
                              "set it to 1 or leave lora off")
+        if self.lora.enabled and self.parallel.pipeline_parallel_size != 1:
+            raise ValueError("LoRA adapters are served with parallel.pipeline_parallel_size=1 for now; "
+                             "set it to 1 or leave lora off")
         if self.lora.enabled and self.speculative.method == "draft":
             raise ValueError("LoRA adapters and speculative.method=draft do not run together yet")
         if self.speculative.method == "draft" and not self.speculative.draft_model:
@@ -459,6 +477,15 @@ class EngineConfig:
         if self.parallel.data_parallel_size > 1 and self.server.api_server_count != 1:
             raise ValueError(f"parallel.data_parallel_size={self.parallel.data_parallel_size} is served by one "
                              "frontend process for now; set server.api_server_count=1")
+        if self.model.quantization not in ("none", "auto") and self.parallel.pipeline_parallel_size != 1:
+            raise ValueError(f"model.quantization={self.model.quantization} does not run with "
+                             f"parallel.pipeline_parallel_size={self.parallel.pipeline_parallel_size} yet; set "
+                             "model.quantization=none or parallel.pipeline_parallel_size=1")
+        if self.speculative.enabled and self.parallel.pipeline_parallel_size != 1:
+            raise ValueError(f"speculative.method={self.speculative.method} does not run with "
+                             f"parallel.pipeline_parallel_size={self.parallel.pipeline_parallel_size} yet (the last "
+                             "stage would verify tokens the first has to propose); set speculative.method=none "
+                             "or parallel.pipeline_parallel_size=1")
         if self.speculative.enabled and self.parallel.backend != "uni":
             raise ValueError(f"speculative.method={self.speculative.method} runs with parallel.backend=uni "
                              f"for now, not {self.parallel.backend}; set speculative.method=none")

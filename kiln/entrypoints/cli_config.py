@@ -136,6 +136,8 @@ FIELD_HELP = {
     "server.api_server_count": "frontend processes (HTTP, tokenizing, detokenizing) on the one port in front of "
                                "one engine core; the queue limits are split between them, /metrics adds up",
     "parallel.tensor_parallel_size": "devices the model is split over (tensor parallelism)",
+    "parallel.pipeline_parallel_size": "stages the layers are split over, one process each (pipeline parallelism; "
+                                       "parallel.backend mp or ray); ranks: tensor x pipeline",
     "parallel.backend": "uni: one process; mp: one process per rank; ray: one Ray actor per rank",
     "parallel.step_timeout_s": "a rank silent this long in one step fails the engine",
     "parallel.all_reduce": "symm_mem: small all-reduces through PyTorch symmetric memory (CUDA, one host), NCCL above",

@@ -14,6 +14,13 @@ Rules this module keeps:
 - Tensor parallelism (``kiln.models.parallel``) only shrinks the per-rank sizes and adds one
   ``torch.ops.kiln.all_reduce`` after the embedding, o_proj and down_proj, and one
   ``torch.ops.kiln.all_gather`` of the logits; with one rank the graph is unchanged.
+- Pipeline parallelism (``kiln.models.pipeline``) builds only the stage's layers (the others are
+  weightless ``MissingLayer``s, so module and checkpoint names keep their global layer index); a
+  stage after the first reads its input from ``stage_input`` through ``kiln.read_stage_input`` (a
+  persistent buffer the runner receives the stage before's hidden states into, so a captured graph
+  reads it at one address) and a stage before the last returns its hidden states without the
+  final norm. The forward
+  itself never communicates; with one stage the graph is unchanged.
 - Numerics follow transformers: RMSNorm statistics in float32 (the weight applied where each
   family's code applies it), RoPE table computed in float32 then cast to the model dtype,
   rotate-half (neox) layout.
@@ -31,6 +38,7 @@ from torch import nn
 
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.attend_paged)
 import kiln.ops.collective  # noqa: F401  (registers torch.ops.kiln.all_reduce and all_gather)
+import kiln.ops.stage_input  # noqa: F401  (registers torch.ops.kiln.read_stage_input)
 from kiln.models.arch import ArchConfig, is_sparse_layer
 from kiln.ops.cpu_linear import Q8Head, head_linear
 from kiln.models.moe import SparseMoeBlock
@@ -38,6 +46,7 @@ from kiln.models.rope import rope_cos_sin_table
 from kiln.models.parallel import (SINGLE, Shard, TensorParallel, check_tensor_parallel, column_shard, head_shards,
                                   local_intermediate_size, local_num_heads, local_num_kv_heads, row_shard,
                                   vocab_range, vocab_shard)
+from kiln.models.pipeline import WHOLE, PipelineStage
 
 
 class RMSNorm(nn.Module):
@@ -110,9 +119,12 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ArchConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, arch: ArchConfig, layer_idx: int, tp: TensorParallel = SINGLE,
+                 kv_index: Optional[int] = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        # The KV cache this layer reads among its stage's (its own index with one stage).
+        self.kv_index = layer_idx if kv_index is None else kv_index
         self.tp_size = tp.size
         # This rank's heads: qkv_proj is column-parallel, o_proj row-parallel.
         self.num_heads, self.num_kv_heads = local_num_heads(arch, tp), local_num_kv_heads(arch, tp)
@@ -164,7 +176,7 @@ class LlamaAttention(nn.Module):
             q, k = apply_rope(q, cos, sin_signed), apply_rope(k, cos, sin_signed)
             v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         # q, k, v are row-strided views (last dim contiguous); the attention kernels take strides.
-        o = torch.ops.kiln.attend_paged(q, k, v, self.layer_idx, self.scale, **self.attn_options)  # [T, H, D]
+        o = torch.ops.kiln.attend_paged(q, k, v, self.kv_index, self.scale, **self.attn_options)  # [T, H, D]
         o = o.flatten(1)  # [T, H * D]
         out = self.o_proj(o)  # [T, hidden]: a partial sum over this rank's heads
         if self.o_lora is not None:
@@ -202,7 +214,8 @@ class LlamaDecoderLayer(nn.Module):
     """Norm placement by family: pre-norm (Llama), sandwich (Gemma: before and after attention and
     MLP) or post-norm (OLMo-2: after only). Norm modules carry their Hugging Face names."""
 
-    def __init__(self, arch: ArchConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, arch: ArchConfig, layer_idx: int, tp: TensorParallel = SINGLE,
+                 kv_index: Optional[int] = None) -> None:
         super().__init__()
         traits = arch.traits
         self.placement = "sandwich" if traits.sandwich_norm else "post" if traits.post_norm else "pre"
@@ -215,7 +228,7 @@ class LlamaDecoderLayer(nn.Module):
                            "post": ("post_attention_layernorm", "post_feedforward_layernorm")}[self.placement]
         for name in self.norm_names:
             setattr(self, name, RMSNorm(arch.hidden_size, arch.rms_norm_eps, traits.norm))
-        self.self_attn = LlamaAttention(arch, layer_idx, tp)
+        self.self_attn = LlamaAttention(arch, layer_idx, tp, kv_index)
         self.mlp = SparseMoeBlock(arch, tp) if is_sparse_layer(arch, layer_idx) else LlamaMLP(arch, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -231,8 +244,12 @@ class LlamaDecoderLayer(nn.Module):
         return x + (h * self.residual_multiplier if self.residual_multiplier != 1.0 else h)
 
 
+class MissingLayer(nn.Identity):
+    """Another pipeline stage's layer: no weights, never called (it keeps the global layer indices)."""
+
+
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ArchConfig, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, arch: ArchConfig, tp: TensorParallel = SINGLE, stage: PipelineStage = WHOLE) -> None:
         super().__init__()
         check_tensor_parallel(arch, tp.size)
         if tp.size > 1 and arch.traits.qk_norm == "proj":
@@ -240,18 +257,27 @@ class LlamaForCausalLM(nn.Module):
                              "ranks; use parallel.tensor_parallel_size=1")
         self.arch = arch
         self.tp = tp
+        self.stage = stage
+        self.layer_ids = stage.layers(arch.num_layers)  # global indices of this stage's layers
         # Embedding and LM head hold this rank's vocabulary rows, norms are replicated (kiln.models.parallel).
-        self.embed_tokens = VocabParallelEmbedding(arch, tp)
+        # The last stage of a tied model holds the embedding too, as its LM head.
+        holds_embedding = stage.is_first or (stage.is_last and arch.tie_word_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(arch, tp) if holds_embedding else None
         # Gemma: sqrt(hidden_size); Granite: embedding_multiplier. A buffer in the model dtype: Gemma
         # rounds the scale to it before multiplying, as its transformers code does.
         self.embed_scale = arch.hidden_size**0.5 if arch.traits.scale_embeddings else arch.embedding_multiplier
         if self.embed_scale != 1.0:
             self.register_buffer("embed_scale_tensor", torch.tensor(self.embed_scale), persistent=False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, tp) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.traits.norm)
+        first = self.layer_ids.start
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, tp, kv_index=i - first) if i in self.layer_ids
+                                    else MissingLayer() for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.traits.norm) if stage.is_last else None
         # Tied models read the embedding matrix in compute_logits instead of holding a second Linear.
-        num_vocab_rows = self.embed_tokens.num_embeddings
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, num_vocab_rows, bias=False)
+        _, num_vocab_rows = vocab_range(arch, tp)
+        untied_head = stage.is_last and not arch.tie_word_embeddings
+        self.lm_head = nn.Linear(arch.hidden_size, num_vocab_rows, bias=False) if untied_head else None
+        # A later stage's input, [max_num_tokens, hidden] (bind_stage_input): None on the first.
+        self.register_buffer("stage_input", None, persistent=False)
         self.head_weight: torch.Tensor | None = None
         self.head_q8: Q8Head | None = None  # a CPU one-row head (kiln.ops.cpu_linear.prepare_cpu_decode)
         # Not persistent: recomputed from ArchConfig, never loaded from a checkpoint.
@@ -278,21 +304,40 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, R/2] each
         return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # [T, 1, R] each
 
+    def bind_stage_input(self, max_num_tokens: int) -> torch.Tensor:
+        """Allocate the buffer a stage after the first reads its input rows from (before the model is
+        compiled: a captured graph reads it at this address); the runner receives into it."""
+        if self.stage.is_first:
+            raise RuntimeError("the first pipeline stage embeds its tokens; it takes no stage input")
+        param = next(self.parameters())
+        buffer = torch.zeros(max_num_tokens, self.arch.hidden_size, dtype=param.dtype, device=param.device)
+        self.register_buffer("stage_input", buffer, persistent=False)
+        return buffer
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] int64 -> final hidden states [num_tokens, hidden]."""
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        if self.embed_scale != 1.0:
-            x = x * self.embed_scale_tensor
+        """input_ids, positions: [num_tokens] int64 -> final hidden states [num_tokens, hidden]
+        (a stage before the last: its last layer's, without the final norm)."""
+        if self.stage.is_first:
+            x = self.embed_tokens(input_ids)  # [T, hidden]
+            if self.embed_scale != 1.0:
+                x = x * self.embed_scale_tensor
+        else:
+            x = torch.ops.kiln.read_stage_input(self.stage_input, input_ids)  # [T, hidden]: the stage before's
         rope = self._cos_sin(self.cos_sin_cache, positions, x.dtype)
         local = self._cos_sin(self.cos_sin_cache_local, positions, x.dtype) if self.arch.local_rope_theta else rope
-        for layer in self.layers:
+        for i in self.layer_ids:
+            layer = self.layers[i]
             x = layer(x, *(local if layer.local_rope else rope))
-        return self.norm(x)
+        return self.norm(x) if self.stage.is_last else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (only the rows to sample) -> [N, vocab] float32.
 
-        Under tensor parallelism a collective: every rank must call it for the same rows."""
+        Under tensor parallelism a collective: every rank must call it for the same rows. Only the
+        last pipeline stage has the head."""
+        if not self.stage.is_last:
+            raise RuntimeError(f"pipeline stage {self.stage.rank} of {self.stage.size} has no LM head; "
+                               "the last stage computes the logits")
         if self.lm_head is not None and type(self.lm_head) is not nn.Linear:  # quantized (kiln.models.quantize)
             logits = self.lm_head(hidden).to(hidden.dtype)  # [N, this rank's vocab rows]
         else:
@@ -323,7 +368,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         for name, tensor in weights:
             if name not in targets:
-                if _is_ignorable(name, self.arch):
+                if _is_ignorable(name, self.arch) or self._held_by_another_stage(name):
                     continue
                 raise ValueError(f"unexpected weight {name!r} for a {self.arch.family} model "
                                  f"with {self.arch.num_layers} layers")
@@ -340,6 +385,20 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise ValueError(f"checkpoint lacks {len(missing)} weight(s): {missing[:5]}{more}")
+
+    def weight_names(self) -> set[str]:
+        """The checkpoint tensors this model (this rank's shard of this stage) loads."""
+        return set(self._weight_places())
+
+    def _held_by_another_stage(self, name: str) -> bool:
+        """A tensor of the whole model that another pipeline stage loads (never one of this stage's)."""
+        if self.stage.size == 1:
+            return False
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            return True
+        parts = name.split(".")
+        return (len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+                and int(parts[2]) < self.arch.num_layers and int(parts[2]) not in self.layer_ids)
 
     def weight_destinations(self) -> dict[str, torch.Tensor]:
         """The checkpoint tensors that land whole in one contiguous place (no shard, no second
@@ -373,14 +432,17 @@ class LlamaForCausalLM(nn.Module):
         loads or None for all of it); fused weights are row ranges."""
         arch, tp = self.arch, self.tp
         vocab, num_real = vocab_shard(arch, tp)  # this rank's vocab rows; padding rows take no tensor
-        yield "model.embed_tokens.weight", self.embed_tokens.weight[:num_real], vocab
-        yield "model.norm.weight", self.norm.weight, None
+        if self.embed_tokens is not None:
+            yield "model.embed_tokens.weight", self.embed_tokens.weight[:num_real], vocab
+        if self.norm is not None:
+            yield "model.norm.weight", self.norm.weight, None
         if self.lm_head is not None:
             yield "lm_head.weight", self.lm_head.weight[:num_real], vocab
         heads = head_shards(arch, tp)
         fused = arch.traits.fused_checkpoint
         full_q, full_kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-        for i, layer in enumerate(self.layers):
+        for i in self.layer_ids:
+            layer = self.layers[i]
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             q, kv = attn.q_size, attn.kv_size

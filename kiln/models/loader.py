@@ -44,6 +44,7 @@ from kiln.models.hf_generic import HFGenericForCausalLM, build_generic, hf_confi
 from kiln.models.hf_multimodal import build_vision_generic, is_vision_config
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.parallel import SINGLE, TensorParallel
+from kiln.models.pipeline import WHOLE, PipelineStage
 from kiln.models.int4_checkpoint import dequantize_int4_checkpoint
 from kiln.models.quantize import (apply_quantization, checkpoint_int4_format, checkpoint_quantization,
                                   collect_kv_scales, dequantize_fp8_checkpoint, resolve_quantization)
@@ -258,8 +259,9 @@ def kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype, device: torch.dev
 
 def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, dtype: torch.dtype,
                tp: TensorParallel = SINGLE, kernels: Optional[KernelSet] = None,
-               background: bool = False) -> LoadedModel:
-    """The model (this rank's shard under tensor parallelism), its tokenizer and limits; quantized
+               background: bool = False, stage: PipelineStage = WHOLE) -> LoadedModel:
+    """The model (this rank's shard under tensor parallelism, of this stage's layers under pipeline
+    parallelism), its tokenizer and limits; quantized
     (``model_config.quantization``) into the layouts of ``kernels`` (default: the device's).
 
     ``background``: where the weights only fill tensors already allocated (a checkpoint of kiln's
@@ -272,7 +274,7 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     spec = model_config.model
     gguf_path = None
     if spec.startswith(RANDOM_PREFIX):
-        loaded = _load_random(spec[len(RANDOM_PREFIX):], model_config, cache_dir, device, dtype, tp)
+        loaded = _load_random(spec[len(RANDOM_PREFIX):], model_config, cache_dir, device, dtype, tp, stage)
         apply_quantization(loaded.model, resolve_quantization(model_config.quantization, None, None), kernels,
                            group_size=model_config.int4_group_size)
         _prepare_decode(loaded.model, device)
@@ -296,6 +298,7 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
     # A vision-language checkpoint (a vision_config beside its text config) takes the generic path,
     # which serves it or refuses it with the reason.
     if "vision_config" in hf_config or use_generic(model_config.impl, hf_config.get("model_type")):
+        _check_whole_model(stage)
         return _load_generic(hf_config, hf_dir, name, model_config, device, dtype, tp)
     try:
         arch = ArchConfig.from_hf_config(hf_config)
@@ -312,6 +315,9 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
         tokenizer = _load_tokenizer(hf_dir)
     scheme = resolve_quantization(model_config.quantization, hf_dir, gguf_path)
     checkpoint_scheme = checkpoint_quantization(hf_dir)
+    if stage.size > 1 and scheme != "none":
+        raise ValueError(f"a quantized model ({scheme}) does not run with parallel.pipeline_parallel_size="
+                         f"{stage.size} yet; set model.quantization=none or parallel.pipeline_parallel_size=1")
     fill = background and scheme == "none" and checkpoint_scheme == "none" and torch.device(device).type == "cuda"
     num_tensors = _num_tensors(hf_dir)  # every shard's header read (an unreadable file refused) before the read
     # On the CPU the tensors are read into the built model's parameters (iter_file_into).
@@ -321,7 +327,7 @@ def load_model(model_config: ModelConfig, cache_dir: str, device: torch.device, 
         source = ReadAhead(source, _read_ahead_bytes(hf_dir, device), _cuda_device(device))
     try:
         with quick_gil_handoff() if fill else contextlib.nullcontext():  # the read's threads beside it
-            model = build_empty_model(arch, device, dtype, tp)
+            model = build_empty_model(arch, device, dtype, tp, stage)
     except BaseException:
         if fill:
             source.close()
@@ -396,11 +402,18 @@ def _load_generic(hf_config: dict, hf_dir: str, name: str, model_config: ModelCo
     return LoadedModel(model, model.arch, tokenizer, name, hf_dir, max_model_len)
 
 
+def _check_whole_model(stage: PipelineStage) -> None:
+    if stage.size > 1:
+        raise ValueError(f"the generic path (transformers' modeling code) runs whole models only, not "
+                         f"parallel.pipeline_parallel_size={stage.size}; set it to 1, or model.impl=native "
+                         "for a family kiln implements")
+
+
 def build_empty_model(arch: ArchConfig, device: torch.device, dtype: torch.dtype,
-                      tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
-    """The model with uninitialized weights allocated once, on ``device`` in ``dtype``."""
+                      tp: TensorParallel = SINGLE, stage: PipelineStage = WHOLE) -> LlamaForCausalLM:
+    """The model (this stage's layers) with uninitialized weights allocated once, on ``device`` in ``dtype``."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, tp)
+        model = LlamaForCausalLM(arch, tp, stage)
     # to_empty's empty_like of a meta tensor runs torch's Python reference of it, which imports sympy
     # (a second of a start on a GPU machine); the tensors are contiguous, so torch.empty is the same.
     model = model.to(dtype=dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
@@ -410,24 +423,29 @@ def build_empty_model(arch: ArchConfig, device: torch.device, dtype: torch.dtype
 
 @torch.no_grad()
 def init_random_weights(model: LlamaForCausalLM, seed: int, std: float = RANDOM_INIT_STD) -> None:
-    """Fill ``model`` (any rank's shard) with the random model named by ``seed``: each rank loads
-    its slice of the same full tensors, so every tensor-parallel size holds the same model."""
+    """Fill ``model`` (any rank's shard, any stage) with the random model named by ``seed``: each
+    rank loads its slice of the same full tensors, so every tensor- and pipeline-parallel size
+    holds the same model. A stage draws only its own tensors."""
     param = next(model.parameters())
-    weights = iter_random_weights(model.arch, seed, param.device, param.dtype, std)
-    num_tensors = sum(1 for _ in model.weight_targets())
+    names = model.weight_names()
+    weights = iter_random_weights(model.arch, seed, param.device, param.dtype, std, names)
+    num_tensors = len(names)
     model.load_weights(progress_bar(weights, desc="drawing random weights", total=num_tensors, unit="tensor"))
 
 
 def iter_random_weights(arch: ArchConfig, seed: int, device: torch.device, dtype: torch.dtype,
-                        std: float = RANDOM_INIT_STD) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for every weight of a random ``arch`` model, drawn on ``device``.
+                        std: float = RANDOM_INIT_STD, names: Optional[set[str]] = None
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every weight of a random ``arch`` model (those in ``names``
+    only, where given), drawn on ``device``.
 
     Norm weights are 1, everything else N(0, std): finite, non-degenerate logits at any depth,
     since every layer's input is renormalized. Each tensor has its own generator, seeded from
     (seed, name), so a tensor never depends on which others a rank draws, and only one full
     tensor exists at a time (``load_weights`` keeps its slice and drops it)."""
     with torch.device("meta"):
-        shapes = [(name, t.shape) for name, t in LlamaForCausalLM(arch).weight_targets()]
+        shapes = [(name, t.shape) for name, t in LlamaForCausalLM(arch).weight_targets()
+                  if names is None or name in names]
     for name, shape in shapes:
         if name.endswith("norm.weight"):
             yield name, torch.ones(shape, device=device, dtype=dtype)
@@ -509,7 +527,7 @@ def _num_tensors(hf_dir: str) -> int:
 
 
 def _load_random(preset: str, model_config: ModelConfig, cache_dir: str, device, dtype,
-                 tp: TensorParallel) -> LoadedModel:
+                 tp: TensorParallel, stage: PipelineStage = WHOLE) -> LoadedModel:
     if preset not in PRESETS:
         raise ValueError(f"unknown random preset {preset!r}. {_choices()}")
     tokenizer = _load_tokenizer(tokenizer_dir(cache_dir))
@@ -517,12 +535,13 @@ def _load_random(preset: str, model_config: ModelConfig, cache_dir: str, device,
     arch = dataclasses.replace(PRESETS[preset], bos_token_id=tokenizer.bos_token_id,
                                eos_token_id=(tokenizer.eos_token_id,))
     if use_generic(model_config.impl, arch.family):
+        _check_whole_model(stage)
         # The same random weights (same names, same seeds) in transformers' model of the preset.
         model = build_generic(hf_config_from_dict(arch.to_hf_config()), device, dtype, tp.size)
         model.load_weights(progress_bar(iter_random_weights(arch, model_config.seed, device, dtype),
                                         desc="drawing random weights", unit="tensor"))
     else:
-        model = build_empty_model(arch, device, dtype, tp)
+        model = build_empty_model(arch, device, dtype, tp, stage)
         init_random_weights(model, model_config.seed)
     max_model_len = _max_model_len(model_config, arch)
     if torch.device(device).type == "cuda":

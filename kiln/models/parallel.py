@@ -129,12 +129,13 @@ def vocab_shard(arch: ArchConfig, tp: TensorParallel) -> tuple[Shard, int]:
     return (0, start, num_real), num_real
 
 
-def min_over_ranks(value: int, tp: TensorParallel, device: torch.device) -> int:
-    """The smallest ``value`` over the group (every rank must agree, e.g. on the KV block count)."""
-    if tp.size == 1:
-        return value
+def min_over_ranks(value: int, device: torch.device) -> int:
+    """The smallest ``value`` over every rank of the default group, every stage's of a pipeline
+    too (every rank must agree, e.g. on the KV block count); ``value`` itself outside a group."""
     import torch.distributed as dist
 
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())

@@ -203,7 +203,9 @@ def start_line(config: EngineConfig) -> str:
         line += f", max_num_seqs={sched.max_num_seqs}, max_num_batched_tokens={sched.max_num_batched_tokens}"
     if modes.cudagraph != "none" and sizes:
         line += f", {len(sizes)} capture sizes {sizes[0]}..{sizes[-1]}"
-    return line + (f", tensor_parallel_size={tp_size}" if tp_size > 1 else "")
+    pp_size = config.parallel.pipeline_parallel_size
+    return (line + (f", tensor_parallel_size={tp_size}" if tp_size > 1 else "")
+            + (f", pipeline_parallel_size={pp_size}" if pp_size > 1 else ""))
 
 
 class LLMEngine:

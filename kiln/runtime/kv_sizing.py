@@ -173,7 +173,9 @@ def profile_activation_bytes(compiled: CompiledModel, shape: KVShape, max_model_
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         hidden = compiled.run(inputs).hidden
-        logits = compiled.compute_logits(hidden[:max_num_reqs])
+        # A pipeline stage before the last has no LM head (kiln.models.pipeline).
+        stage = getattr(compiled.model, "stage", None)
+        logits = compiled.compute_logits(hidden[:max_num_reqs]) if stage is None or stage.is_last else hidden
         logits.softmax(-1)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(device) - base

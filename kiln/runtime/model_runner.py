@@ -36,6 +36,7 @@ from kiln.config import (CacheConfig, CompileConfig, LoraConfig, ModelConfig, Sc
                          SpeculativeConfig, resolve_for_device)
 from kiln.models.loader import LoadedModel, kv_cache_dtype, load_model, resolve_device, resolve_dtype
 from kiln.models.parallel import SINGLE, TensorParallel, local_num_kv_heads, min_over_ranks
+from kiln.models.pipeline import WHOLE, PipelineStage
 from kiln.ops.registry import select_kernels
 from kiln.runtime import kv_sizing
 from kiln.runtime.draft_proposer import DraftProposer, DraftTarget
@@ -44,6 +45,7 @@ from kiln.runtime.input_batch import InputBatch
 from kiln.runtime.kv_sizing import KVShape
 from kiln.runtime.lora_manager import LoraManager
 from kiln.runtime.ngram_proposer import NgramProposer
+from kiln.runtime.pipeline import StageLink
 from kiln.runtime.rejection_sampler import VerifiedTokens, verify
 from kiln.runtime.request import Request
 from kiln.runtime.sampler import SampledTokens, Sampler, host_to_device
@@ -103,7 +105,9 @@ class ConstrainedStep:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, compile_config: CompileConfig,
                  scheduler_config: Optional[SchedulerConfig] = None, tp: TensorParallel = SINGLE,
-                 speculative: SpeculativeConfig = SpeculativeConfig(), lora: LoraConfig = LoraConfig()):
+                 speculative: SpeculativeConfig = SpeculativeConfig(), lora: LoraConfig = LoraConfig(),
+                 stage: PipelineStage = WHOLE):
+        self.stage = stage  # under pipeline parallelism: this rank's layers; the last stage samples
         try:
             self._start(model_config, cache_config, compile_config, scheduler_config, tp, speculative, lora)
         except BaseException:
@@ -121,6 +125,7 @@ class ModelRunner:
                lora: LoraConfig = LoraConfig()):
         t_start = time.perf_counter()
         self.tp = tp  # under tensor parallelism: this rank's shard; rank 0 alone samples
+        self.is_sampler = tp.rank == 0 and self.stage.is_last  # the rank that samples and answers
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         self.block_size = cache_config.block_size
@@ -128,6 +133,8 @@ class ModelRunner:
         # The engine resolved these already; a runner built on its own resolves its `auto`s the same way.
         compile_config, scheduler_config = resolve_for_device(compile_config, scheduler_config or SchedulerConfig(),
                                                               self.device.type)
+        if not self.stage.is_last:  # a full graph ends in the logits, which only the last stage has
+            compile_config = dataclasses.replace(compile_config, cudagraph=_WITHOUT_FULL[compile_config.cudagraph])
         if self.device.type == "cuda":  # before anything JIT-compiles: kernels land in kiln's cache dir
             use_kernel_caches(cache_config.resolved_dir)
             prefetch_triton_key()  # what the first launch of a Triton kernel hashes, while the weights load
@@ -136,14 +143,15 @@ class ModelRunner:
         t0 = time.perf_counter()
         # A checkpoint's weights may still be read while the model compiles (a cold start).
         self.loaded: LoadedModel = load_model(model_config, cache_config.resolved_dir, self.device, self.dtype, tp,
-                                             self.kernels, background=True)
+                                             self.kernels, background=True, stage=self.stage)
         load_seconds = load_call_seconds = time.perf_counter() - t0
         self.model, self.arch = self.loaded.model, self.loaded.arch
         # Multi-LoRA: the adapter slots are part of the model (and of its compiled graph) from here.
         self.lora = LoraManager(self.model, lora, self.dtype, self.device) if lora.enabled else None
         self.max_model_len = self.loaded.max_model_len
         sched = scheduler_config
-        self.kv_shape = KVShape(self.arch.num_layers, self.block_size, local_num_kv_heads(self.arch, tp),
+        self.layer_ids = self.stage.layers(self.arch.num_layers)  # the layers (and KV caches) of this stage
+        self.kv_shape = KVShape(len(self.layer_ids), self.block_size, local_num_kv_heads(self.arch, tp),
                                 self.arch.head_dim, kv_cache_dtype(cache_config.dtype, self.dtype, self.device))
         artifacts = ArtifactCache(cache_config.resolved_dir, self._artifact_name())
         # The memory profile is kept on CUDA only: hashing the model and kiln's source for its key took
@@ -168,6 +176,9 @@ class ModelRunner:
         self.compile_config = compile_config
         limits = InputLimits(sched.max_num_batched_tokens, sched.max_num_seqs, -(-self.max_model_len // self.block_size),
                              lora_slots=self.lora is not None)
+        # A later stage's input rows, received from the stage before (before the compile: graphs read them).
+        stage_input = None if self.stage.is_first else self.model.bind_stage_input(limits.max_num_tokens)
+        self.link = StageLink(tp, self.stage, stage_input) if self.stage.size > 1 else None
         self.compiled = CompiledModel(self.model, compile_config, self.kernels, limits, self.max_model_len, artifacts,
                                       forward_key=self._profile_key)
         if self.device.type == "cuda" and kept_profile is None:
@@ -200,7 +211,9 @@ class ModelRunner:
         t_kv = time.perf_counter()
         profile_seconds = t_kv - t_profile
         self.num_blocks, self.kv_caches = self._make_kv_caches(cache_config, activation_bytes)
-        self.kv_scales = kv_sizing.allocate_kv_scales(self.kv_shape, self.loaded.kv_scales, self.device)
+        first = self.layer_ids.start  # the checkpoint's scales by global layer, the cache's by this stage's
+        stage_scales = {i - first: v for i, v in self.loaded.kv_scales.items() if i in self.layer_ids}
+        self.kv_scales = kv_sizing.allocate_kv_scales(self.kv_shape, stage_scales, self.device)
         kv_seconds = time.perf_counter() - t_kv
         self.compiled.bind_kv_caches(self.kv_caches, self.kv_scales,
                                      calibrate_kv_scales=cache_config.calculate_kv_scales)
@@ -389,7 +402,7 @@ class ModelRunner:
         budget_shape = self.kv_shape if draft is None else _SummedBlocks(self.kv_shape, draft)
         num_blocks = kv_sizing.decide_num_blocks(cache_config, budget_shape, self.device, activation_bytes,
                                                  self.graph_estimate, self.max_model_len)
-        num_blocks = min_over_ranks(num_blocks, self.tp, self.device)
+        num_blocks = min_over_ranks(num_blocks, self.device)
         if draft is not None:
             self.draft_kv_caches = kv_sizing.allocate_kv_caches(draft, num_blocks, self.device)
         return num_blocks, kv_sizing.allocate_kv_caches(self.kv_shape, num_blocks, self.device)
@@ -407,6 +420,8 @@ class ModelRunner:
     def _artifact_name(self) -> str:
         # A rank's shard is a different graph from the whole model's; ranks never share a directory.
         name = self.loaded.name
+        if self.stage.size > 1:
+            return f"{name}-tp{self.tp.size}-pp{self.stage.size}-stage{self.stage.rank}-rank{self.tp.rank}"
         return name if self.tp.size == 1 else f"{name}-tp{self.tp.size}-rank{self.tp.rank}"
 
     # ---- one step -------------------------------------------------------------------------------
@@ -435,7 +450,12 @@ class ModelRunner:
             inputs.mm_embeds = self._image_embeds(sched)
         if self.input_batch.placeholder_rows:
             inputs.device_input_ids = self._fed_input_ids(self.input_batch.placeholder_rows, after)
+        if self.link is not None:
+            self.link.receive(inputs.num_tokens)  # the stage before's hidden states (stage 0: none)
         out = self.compiled.run(inputs)
+        if self.link is not None and not self.stage.is_last:
+            self.link.send(out.hidden[:inputs.num_tokens])  # logits, sampling: the last stage's
+            return LaunchedStep()
         prompt_logprobs = self._prompt_logprobs(sched, out.hidden)
         embeddings = self._pool(sched, out.hidden)
         if not sample_rows:
@@ -448,7 +468,7 @@ class ModelRunner:
         else:
             # Every rank: under tensor parallelism the logits are gathered over the group.
             logits = self.compiled.compute_logits(out.hidden[rows])  # [num_sampled, vocab] float32
-        if self.tp.rank != 0:  # rank 0 alone samples
+        if not self.is_sampler:  # rank 0 (of the last stage) alone samples
             return LaunchedStep()
         requests = [s.request for s in sched.scheduled if s.samples]  # one per sample row, or 1 + drafts rows
         request_ids = [r.request_id for r in requests]
@@ -531,7 +551,7 @@ class ModelRunner:
                     vector = hidden[row + n - 1].float()
                 done[req.request_id] = torch.nn.functional.normalize(vector, dim=0).tolist()
             row += n
-        return done if self.tp.rank == 0 else {}
+        return done if self.is_sampler else {}
 
     def _prompt_logprobs(self, sched: SchedulerOutput, hidden: Optional[torch.Tensor]) -> dict[str, PromptLogprobs]:
         """Logprobs of the prompt tokens this step's prefill chunks predict, for requests that ask
@@ -548,7 +568,7 @@ class ModelRunner:
                 logprobs = self.compiled.compute_logits(hidden[row:row + end - start]).float().log_softmax(-1)
                 found[req.request_id] = _prompt_entries(logprobs, req.prompt_token_ids, start, num_top)
             row += n
-        return found if self.tp.rank == 0 else {}
+        return found if self.is_sampler else {}
 
     def collect(self, launched: LaunchedStep) -> RunnerOutput:
         """Wait for a launched step and read its tokens back to the host."""
@@ -588,6 +608,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             gc.collect()  # the graphs and caches sit in reference cycles (forward contexts, closures)
             torch.cuda.empty_cache()
+
+
+# compile.cudagraph of a pipeline stage before the last: without the full graphs.
+_WITHOUT_FULL = {"none": "none", "piecewise": "piecewise", "full": "none", "full_and_piecewise": "piecewise"}
 
 
 def verify_shape(spec: SpeculativeConfig, sched: SchedulerConfig) -> VerifyShape:

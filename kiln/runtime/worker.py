@@ -1,9 +1,11 @@
-"""One tensor-parallel rank in its own process: the loop a ``MultiprocExecutor`` worker runs.
+"""One rank (tensor-parallel, pipeline stage, or both) in its own process: the loop a
+``MultiprocExecutor`` worker runs.
 
 Protocol over one duplex pipe per rank (messages are pickled once by the executor, sent as bytes):
 
-    executor ─ ("execute", StepDelta) ───────> every rank ─ forward (all-reduces between ranks)
-    executor <─ ("ok", RunnerOutput | None) ── rank 0 samples and answers with tokens, others None
+    executor ─ ("execute", StepDelta) ───────> every rank ─ forward (all-reduces between ranks;
+                                               under pipeline parallelism, hidden states stage to stage)
+    executor <─ ("ok", RunnerOutput | None) ── tp rank 0 of the last stage samples and answers, others None
     executor ─ ("forget", [request ids]) ────> every rank (mirrors; rank 0's sampler), no answer
     executor ─ ("shutdown", None) ───────────> every rank: leave the loop, destroy the group, exit
 
@@ -15,8 +17,9 @@ Ray actor (``ray``) drives it.
 Rules kept here:
 - Every failure is answered, never swallowed: ("error", exception, traceback text), then exit.
 - A worker never outlives the engine: it exits when its pipe closes or its parent process is gone.
-- The process group is initialized before the model is built (the KV block count is agreed by an
-  all-reduce during start-up) and destroyed on the way out.
+- The process group (and under pipeline parallelism every stage's tensor-parallel group,
+  ``kiln.runtime.pipeline``) is initialized before the model is built (the KV block count is
+  agreed by an all-reduce over every rank during start-up) and destroyed on the way out.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 
 from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig
 from kiln.models.parallel import TensorParallel
+from kiln.models.pipeline import WHOLE, PipelineStage, global_rank
 from kiln.runtime.model_runner import RunnerOutput
 from kiln.runtime.step_delta import RequestMirror, StepDelta
 
@@ -57,25 +61,36 @@ class WorkerSpec:
     # The rank's GPU among those this process sees. None: its rank (mp: every rank sees every GPU
     # of the host); a Ray actor sees only the GPU Ray gave it, so it passes 0.
     local_gpu: Optional[int] = None
+    stage: PipelineStage = WHOLE  # parallel.pipeline_parallel_size: this rank's stage
+
+    @property
+    def rank(self) -> int:
+        """The rank in the whole group (tp fastest: ``kiln.models.pipeline``)."""
+        return global_rank(self.tp.rank, self.tp.size, self.stage.rank)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp.size * self.stage.size
 
 
 class RankWorker:
     """One rank: its model runner shard and its mirror of the live requests."""
 
     def __init__(self, spec: WorkerSpec):
+        self.rank = spec.rank
         self.runner = _start(spec)
         self.mirror = RequestMirror()
 
     def ready_info(self) -> dict[str, Any]:
         runner = self.runner
         info: dict[str, Any] = {"num_blocks": runner.num_blocks}
-        if runner.tp.rank == 0:
+        if self.rank == 0:
             info.update(max_model_len=runner.max_model_len, tokenizer=runner.tokenizer, arch=runner.arch)
         return info
 
     def execute(self, delta: StepDelta) -> Optional[RunnerOutput]:
         out = self.runner.execute(self.mirror.apply(delta))
-        return out if self.runner.tp.rank == 0 else None
+        return out if self.runner.is_sampler else None
 
     def forget(self, request_ids: list[str]) -> None:
         self.mirror.forget(request_ids)
@@ -107,24 +122,26 @@ def _start(spec: WorkerSpec):
 
     from kiln.models.loader import resolve_device
     from kiln.runtime.model_runner import ModelRunner
+    from kiln.runtime.pipeline import init_stage_groups
 
     _thread_lock_for_progress_bars()
     device = resolve_device(spec.model.device)
     if device.type == "cuda":
-        torch.cuda.set_device(spec.tp.rank if spec.local_gpu is None else spec.local_gpu)
+        torch.cuda.set_device(spec.rank if spec.local_gpu is None else spec.local_gpu)
     else:
         # Ranks share the host's cores; each taking all of them only adds contention.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.tp.size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=spec.init_method,
-                            rank=spec.tp.rank, world_size=spec.tp.size,
+                            rank=spec.rank, world_size=spec.world_size,
                             timeout=timedelta(seconds=spec.collective_timeout_s))
+    init_stage_groups(spec.tp, spec.stage)
     if device.type == "cuda" and spec.all_reduce == "symm_mem" and spec.tp.size > 1:
         from kiln.models.loader import resolve_dtype
         from kiln.ops import symm_mem_all_reduce
 
         local_gpu = torch.device("cuda", torch.cuda.current_device())
         symm_mem_all_reduce.setup(resolve_dtype(spec.model.dtype, device), local_gpu)
-    return ModelRunner(spec.model, spec.cache, spec.compile, spec.scheduler, spec.tp)
+    return ModelRunner(spec.model, spec.cache, spec.compile, spec.scheduler, spec.tp, stage=spec.stage)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -29,6 +29,9 @@ import abc
 
 from typing import Any, Callable, NoReturn, Optional
 
+from kiln.config import ParallelConfig
+from kiln.models.parallel import TensorParallel
+from kiln.models.pipeline import PipelineStage
 from kiln.runtime.model_runner import RunnerOutput
 from kiln.runtime.scheduler_output import SchedulerOutput
 
@@ -93,6 +96,21 @@ class Executor(abc.ABC):
         head = infos[0]
         self._describe_model(min(info["num_blocks"] for info in infos), head["max_model_len"], head["tokenizer"],
                              head["arch"])
+
+
+def rank_layout(parallel: ParallelConfig) -> list[tuple[TensorParallel, PipelineStage]]:
+    """Each global rank's tensor-parallel place and pipeline stage, in rank order (tp fastest, as
+    vLLM lays them: ``kiln.models.pipeline``)."""
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    return [(TensorParallel(rank % tp, tp), PipelineStage(rank // tp, pp)) for rank in range(tp * pp)]
+
+
+def check_ranks_fit(parallel: ParallelConfig, num_gpus: int) -> None:
+    """One GPU per rank on this host: say which keys to lower when there are fewer."""
+    if parallel.world_size > num_gpus:
+        raise ValueError(f"parallel.tensor_parallel_size={parallel.tensor_parallel_size} x "
+                         f"parallel.pipeline_parallel_size={parallel.pipeline_parallel_size} needs "
+                         f"{parallel.world_size} GPUs, one per rank; this machine has {num_gpus}: lower them")
 
 
 def collective_timeout_s(step_timeout_s: float, start_timeout_s: float) -> float:

@@ -1,4 +1,5 @@
-"""MultiprocExecutor: tensor parallelism over ``tensor_parallel_size`` processes on this host.
+"""MultiprocExecutor: tensor and pipeline parallelism over ``tensor_parallel_size x
+pipeline_parallel_size`` processes on this host.
 
     engine process                                  rank processes (torch.multiprocessing, spawn)
     Scheduler ─ SchedulerOutput ─ StepEncoder ─ StepDelta, pickled once ─┬─> rank 0: mirror ─ ModelRunner shard ─ sample ─┐
@@ -6,7 +7,8 @@
     Engine <──────────────────────── RunnerOutput (rank 0) <── all-reduce between ranks (gloo / NCCL) ────────────────────┘
 
 The scheduler runs once, in the engine; every rank runs the same forward on its shard; rank 0
-samples. All ranks are workers (``kiln.runtime.worker``), so the engine process holds no model and
+samples. Under pipeline parallelism every rank gets the step too, the stages hand their hidden
+states on in turn (``kiln.runtime.pipeline``), and tp rank 0 of the last stage samples and answers. All ranks are workers (``kiln.runtime.worker``), so the engine process holds no model and
 no process group. A step sends only what changed since the last one (``kiln.runtime.step_delta``).
 ``submit`` sends a step and returns, ``wait`` gathers the answers: the ranks compute step k+1
 while the engine turns step k into outputs; a ``forget`` sent meanwhile queues behind the step on
@@ -30,8 +32,10 @@ from typing import Any, Optional
 import torch.multiprocessing as mp
 
 from kiln.config import CacheConfig, CompileConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from kiln.models.parallel import TensorParallel
-from kiln.runtime.executor.base import START_TIMEOUT_S, Executor, RankFailures, collective_timeout_s
+from kiln.models.loader import resolve_device
+from kiln.models.pipeline import driver_rank
+from kiln.runtime.executor.base import (START_TIMEOUT_S, Executor, RankFailures, check_ranks_fit,
+                                        collective_timeout_s, rank_layout)
 from kiln.runtime.model_runner import RunnerOutput
 from kiln.runtime.scheduler_output import SchedulerOutput
 from kiln.runtime.step_delta import StepEncoder
@@ -45,7 +49,12 @@ class MultiprocExecutor(Executor):
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, compile: CompileConfig, parallel: ParallelConfig,
                  scheduler: Optional[SchedulerConfig] = None, start_timeout_s: float = START_TIMEOUT_S):
-        self.world_size = parallel.tensor_parallel_size
+        if resolve_device(model.device).type == "cuda":
+            import torch
+
+            check_ranks_fit(parallel, torch.cuda.device_count())
+        self.world_size = parallel.world_size
+        self._driver = driver_rank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)  # answers
         self.step_timeout_s = parallel.step_timeout_s
         self._failures = RankFailures("multiprocess", stop=lambda: self._stop(grace_s=0.0))
         self._encoder = StepEncoder()
@@ -57,11 +66,11 @@ class MultiprocExecutor(Executor):
         self.procs: list[Any] = []
         group_timeout_s = collective_timeout_s(self.step_timeout_s, start_timeout_s)
         atexit.register(self.shutdown)
-        for rank in range(self.world_size):
-            spec = WorkerSpec(model, cache, compile, scheduler, TensorParallel(rank, self.world_size),
-                              init_method, collective_timeout_s=group_timeout_s, all_reduce=parallel.all_reduce)
+        for rank, (tp, stage) in enumerate(rank_layout(parallel)):
+            spec = WorkerSpec(model, cache, compile, scheduler, tp, init_method, collective_timeout_s=group_timeout_s,
+                              all_reduce=parallel.all_reduce, stage=stage)
             parent_conn, child_conn = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=worker_main, args=(spec, child_conn), name=f"kiln-tp-rank{rank}")
+            proc = ctx.Process(target=worker_main, args=(spec, child_conn), name=f"kiln-rank{rank}")
             proc.start()
             child_conn.close()  # the child's end lives in the child: EOF here means it is gone
             self._conns.append(parent_conn)
@@ -80,7 +89,7 @@ class MultiprocExecutor(Executor):
         if handle != self._in_flight:
             raise RuntimeError(f"step {handle} is not the one in flight ({self._in_flight})")
         self._in_flight = None
-        return self._gather("ok", self.step_timeout_s)[0]
+        return self._gather("ok", self.step_timeout_s)[self._driver]
 
     def forget(self, request_ids: list[str]) -> None:
         if request_ids:

@@ -1,4 +1,4 @@
-"""RayExecutor: tensor parallelism over Ray actors, one per rank, on one host or across several.
+"""RayExecutor: tensor and pipeline parallelism over Ray actors, one per rank, on one host or across several.
 
     engine process (Ray driver)                           Ray actors: one per rank, one bundle each
     Scheduler ─ StepEncoder ─ StepDelta ─ ray.put once ─┬─> rank 0: RankWorker: mirror ─ shard ─ sample ─┐
@@ -9,7 +9,8 @@
 The same rank state as ``mp`` (``kiln.runtime.worker.RankWorker``: runner shard + request mirror),
 driven by actor method calls instead of a pipe loop. The scheduler runs once, in the engine; a step
 is encoded once (``kiln.runtime.step_delta``), put in the object store once, and every actor
-executes it; rank 0's answer is the step's result. Each actor holds one bundle ({"GPU": 1} on CUDA,
+executes it; rank 0's answer is the step's result (under pipeline parallelism, that of tp rank 0
+of the last stage; ranks laid out as ``mp``'s, ``kiln.models.pipeline``). Each actor holds one bundle ({"GPU": 1} on CUDA,
 where Ray sets CUDA_VISIBLE_DEVICES so the rank's GPU is cuda:0; {"CPU": 1} on the CPU), placed by
 ``parallel.placement_strategy`` (PACK: fill a node first). ``submit`` makes the calls and returns
 their ObjectRefs, ``wait`` gets them, so the ranks compute step k+1 while the engine turns step k
@@ -42,8 +43,8 @@ import time
 from typing import Any, Optional
 
 from kiln.config import CacheConfig, CompileConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from kiln.models.parallel import TensorParallel
-from kiln.runtime.executor.base import START_TIMEOUT_S, Executor, RankFailures, collective_timeout_s
+from kiln.models.pipeline import driver_rank
+from kiln.runtime.executor.base import START_TIMEOUT_S, Executor, RankFailures, collective_timeout_s, rank_layout
 from kiln.runtime.model_runner import RunnerOutput
 from kiln.runtime.scheduler_output import SchedulerOutput
 from kiln.runtime.step_delta import StepDelta, StepEncoder
@@ -98,7 +99,8 @@ class RayExecutor(Executor):
                  scheduler: Optional[SchedulerConfig] = None, start_timeout_s: float = START_TIMEOUT_S):
         import ray
 
-        self.world_size = parallel.tensor_parallel_size
+        self.world_size = parallel.world_size
+        self._driver = driver_rank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)  # answers
         self.step_timeout_s = parallel.step_timeout_s
         self._failures = RankFailures("Ray", stop=self.shutdown)
         self._encoder = StepEncoder()
@@ -115,10 +117,10 @@ class RayExecutor(Executor):
         port = self._gather([self.actors[0].rendezvous_port.remote()], start_timeout_s)[0]
         init_method = f"tcp://{_url_host(self.whereabouts[0][0])}:{port}"
         model = dataclasses.replace(model, device="cuda" if use_gpu else "cpu")  # as the bundles were chosen
-        specs = [WorkerSpec(model, cache, compile, scheduler, TensorParallel(rank, self.world_size), init_method,
+        specs = [WorkerSpec(model, cache, compile, scheduler, tp, init_method,
                             collective_timeout_s=collective_timeout_s(self.step_timeout_s, start_timeout_s),
-                            all_reduce=parallel.all_reduce, local_gpu=0 if use_gpu else None)
-                 for rank in range(self.world_size)]
+                            all_reduce=parallel.all_reduce, local_gpu=0 if use_gpu else None, stage=stage)
+                 for tp, stage in rank_layout(parallel)]
         self._describe_ranks(self._gather([a.start.remote(s) for a, s in zip(self.actors, specs)], start_timeout_s))
 
     def _start_actors(self, use_gpu: bool, strategy: str) -> None:
@@ -159,7 +161,7 @@ class RayExecutor(Executor):
         if handle is not self._in_flight:
             raise RuntimeError("wait() got a step that is not the one in flight")
         self._in_flight = None
-        return self._gather(handle, self.step_timeout_s)[0]
+        return self._gather(handle, self.step_timeout_s)[self._driver]
 
     def forget(self, request_ids: list[str]) -> None:
         if request_ids:
