@@ -10,11 +10,12 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.config import EngineConfig, ModelConfig, ParallelConfig
-from kiln.models.arch import PRESETS
+from kiln.models.arch import PRESETS, ArchConfig
 from kiln.models.loader import build_empty_model, init_random_weights, iter_random_weights, load_model
 from kiln.models.parallel import TensorParallel
 from kiln.models.pipeline import PipelineStage, driver_rank, stage_layers
 from kiln.runtime.executor.base import check_ranks_fit, rank_layout
+from tests.helpers.hf import moe_hf_configs, write_toy_tokenizer
 from tests.helpers.parallel import assert_same_completions
 
 PROMPTS = ["Hello there", "The capital of France is", list(range(100, 140)), "1, 2, 3"]
@@ -22,9 +23,13 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, logprobs=3)
 # Five layers: 3-2 over two stages, 2-2-1 over three. A tied head (Llama) and an untied one (Qwen2).
 LLAMA_5L = dataclasses.replace(PRESETS["tiny"], num_layers=5)
 QWEN2_5L = dataclasses.replace(PRESETS["tiny-qwen2"], num_layers=5, tie_word_embeddings=False)
-ARCHS = {"llama": LLAMA_5L, "qwen2": QWEN2_5L}
-# 16 tokens a step: the 40-token prompt runs as three chunks, beside the others' decodes.
+# Qwen2-MoE, three layers: experts, a dense MLP (mlp_only_layers), experts; 1-1-1 over three stages.
+QWEN2_MOE = ArchConfig.from_hf_config(moe_hf_configs()["qwen2_moe"].to_dict())
+ARCHS = {"llama": LLAMA_5L, "qwen2": QWEN2_5L, "qwen2_moe": QWEN2_MOE}
+# 16 tokens a step: the 40-token prompt runs as three chunks, beside the others' decodes; 15 blocks
+# of 4 tokens hold fewer than the four requests need together, so the scheduler preempts.
 SCHEDULER = {"max_num_batched_tokens": 16, "max_num_seqs": 8}
+CACHE = {"block_size": 4, "num_blocks": 16}
 
 
 def _generate(llm):
@@ -49,7 +54,7 @@ def test_ranks_are_laid_out_tensor_parallel_fastest():
     assert driver_rank(2, 2) == 2 and driver_rank(1, 3) == 2 and driver_rank(2, 1) == 0
 
 
-@pytest.mark.parametrize("preset", ["llama", "qwen2"])
+@pytest.mark.parametrize("preset", ["llama", "qwen2", "qwen2_moe"])
 @pytest.mark.parametrize("size", [2, 3])
 def test_each_stage_loads_only_its_layers(preset, size):
     """A stage holds its layers' weights (the same tensors the whole model draws), stage 0 the
@@ -141,7 +146,8 @@ def test_a_rank_refusing_the_layout_fails_the_engine_with_its_error(kiln_cache_d
 # ---- the multiprocess executor ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory, kiln_cache_dir) -> dict[str, str]:
-    """Hugging Face directories of the five-layer models: random weights, the presets' tokenizer."""
+    """Hugging Face directories of the models: random weights, the presets' tokenizer (the MoE
+    model's vocabulary is smaller: a toy tokenizer; its prompts' text is unknown words)."""
     import shutil
 
     from safetensors.torch import save_file
@@ -151,7 +157,10 @@ def model_dirs(tmp_path_factory, kiln_cache_dir) -> dict[str, str]:
     dirs = {}
     for name, arch in ARCHS.items():
         path = tmp_path_factory.mktemp(f"pp_{name}")
-        shutil.copytree(tokenizer_dir(kiln_cache_dir), path, dirs_exist_ok=True)
+        if arch.vocab_size == PRESETS["tiny"].vocab_size:
+            shutil.copytree(tokenizer_dir(kiln_cache_dir), path, dirs_exist_ok=True)
+        else:
+            write_toy_tokenizer(path)
         (path / "config.json").write_text(json.dumps(arch.to_hf_config()))
         save_file(dict(iter_random_weights(arch, 0, torch.device("cpu"), torch.float32, std=0.1)),
                   str(path / "model.safetensors"))
@@ -169,7 +178,7 @@ def engines(model_dirs, kiln_cache_dir):
         key = (model, tp, pp)
         if key not in built:
             parallel = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "backend": "mp" if tp * pp > 1 else "uni"}
-            built[key] = LLM(model_dirs[model], compile={"mode": "eager"}, cache={"dir": kiln_cache_dir},
+            built[key] = LLM(model_dirs[model], compile={"mode": "eager"}, cache={**CACHE, "dir": kiln_cache_dir},
                              scheduler=SCHEDULER, parallel=parallel)
         return built[key]
 
@@ -186,16 +195,19 @@ def single(engines):
     return {model: _generate(engines(model)) for model in ARCHS}
 
 
-# The default suite runs each model once (and each of PP=2 and PP=3 once); `-m slow` the rest.
+# The default suite runs each model once (PP=2 and PP=3 each at least once); `-m slow` the rest.
 @pytest.mark.parametrize("model,tp,pp", [
-    ("llama", 1, 2), ("qwen2", 1, 3),
+    ("llama", 1, 2), ("qwen2", 1, 3), ("qwen2_moe", 1, 3),
     pytest.param("qwen2", 1, 2, marks=pytest.mark.slow), pytest.param("llama", 1, 3, marks=pytest.mark.slow),
     pytest.param("llama", 2, 2, marks=pytest.mark.slow), pytest.param("qwen2", 2, 2, marks=pytest.mark.slow),
 ])
 def test_pipeline_matches_one_process(model, tp, pp, engines, single):
-    """Same tokens and logprobs, the 40-token prompt prefilled in chunks beside the others' decodes."""
-    got = _generate(engines(model, tp, pp))
+    """Same tokens and logprobs, the 40-token prompt prefilled in chunks beside the others' decodes,
+    requests preempted and recomputed."""
+    llm = engines(model, tp, pp)
+    got = _generate(llm)
     assert_same_completions(got, single[model])
+    assert llm.engine.scheduler.num_preemptions > 0
     assert len({t for o in single[model] for t in o.token_ids}) > 4  # the models do not repeat one token
 
 
@@ -203,7 +215,7 @@ def test_pipeline_matches_one_process(model, tp, pp, engines, single):
 def test_each_stage_compiles_its_layers_with_kiln(model_dirs, kiln_cache_dir, single):
     """compile.mode=kiln per stage (Dynamo capture, passes, Inductor over the stage's layers only; a
     later stage's input read through kiln.read_stage_input): the same completions."""
-    llm = LLM(model_dirs["llama"], compile={"mode": "kiln"}, cache={"dir": kiln_cache_dir}, scheduler=SCHEDULER,
+    llm = LLM(model_dirs["llama"], compile={"mode": "kiln"}, cache={**CACHE, "dir": kiln_cache_dir}, scheduler=SCHEDULER,
               parallel={"pipeline_parallel_size": 2, "backend": "mp"})
     try:
         assert_same_completions(_generate(llm), single["llama"])
@@ -215,7 +227,7 @@ def test_each_stage_compiles_its_layers_with_kiln(model_dirs, kiln_cache_dir, si
 def test_pipeline_over_ray_matches_one_process(model_dirs, kiln_cache_dir, single, monkeypatch):
     pytest.importorskip("ray")
     monkeypatch.setenv("RAY_ADDRESS", "local")  # a cluster of kiln's own, stopped with the engine
-    llm = LLM(model_dirs["qwen2"], compile={"mode": "eager"}, cache={"dir": kiln_cache_dir}, scheduler=SCHEDULER,
+    llm = LLM(model_dirs["qwen2"], compile={"mode": "eager"}, cache={**CACHE, "dir": kiln_cache_dir}, scheduler=SCHEDULER,
               parallel={"pipeline_parallel_size": 2, "backend": "ray"})
     try:
         assert_same_completions(_generate(llm), single["qwen2"])
