@@ -529,6 +529,7 @@ def load_measured(best: dict) -> None:
         scheme, m, n, k = key.split(",")
         LOADED[(scheme, m_bucket(int(m)), int(n), int(k))] = GemmConfig(*cfg)
     _device_table.cache_clear()
+    _measured_n.cache_clear()
 
 
 TARGET_PROGRAMS = 264  # two per SM of an H100
@@ -587,8 +588,12 @@ def _device_table(device_name: str) -> dict:
     return {**MEASURED, **next((t for key, t in MEASURED_ON.items() if key in device_name), {}), **LOADED}
 
 
+def _device() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+
+
 def _measured() -> dict:
-    return _device_table(torch.cuda.get_device_name() if torch.cuda.is_available() else "")
+    return _device_table(_device())
 
 
 def config_for(scheme: str, m: int, n: int, k: int, group_size: int = 32, feed: str = "") -> GemmConfig:
@@ -597,6 +602,7 @@ def config_for(scheme: str, m: int, n: int, k: int, group_size: int = 32, feed: 
     ``("<scheme>+<feed>", 1, N, K)``, where one was measured, else the plain GEMV's."""
     bucket = m_bucket(m)
     table = _measured()
+    n = _measured_n(_device(), bucket, n, k)
     fed = table.get((f"{scheme}+{feed}", bucket, n, k)) if feed else None
     if fed is not None and (scheme != "int4" or fed.block_k % group_size == 0):
         return fed
@@ -604,6 +610,21 @@ def config_for(scheme: str, m: int, n: int, k: int, group_size: int = 32, feed: 
     if found is not None and (scheme != "int4" or found.block_k % group_size == 0):
         return found
     return default_config(scheme, m, n, k, group_size)
+
+
+NEAR_N = 1.07  # a GEMM up to this much wider than a measured one takes its entries
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_n(device_name: str, bucket: int, n: int, k: int) -> int:
+    """``n``, or the widest measured N of this (M bucket, K) a few percent under it: a LoRA-joined
+    GEMM (``kiln.models.lora``: every slot's A rows after W's, 2-6% more rows on llama3-8b)
+    computes the same shape plus a sliver, and its measured tile measured faster than the rule's."""
+    table = _device_table(device_name)
+    if any(key[1:] == (bucket, n, k) for key in table):
+        return n
+    near = [key[2] for key in table if key[1] == bucket and key[3] == k and key[2] <= n <= key[2] * NEAR_N]
+    return max(near, default=n)
 
 
 # ---- launch ------------------------------------------------------------------------------------

@@ -477,3 +477,13 @@ def test_fed_gemv_takes_its_own_measured_tile(monkeypatch):
         assert not tq.feed_fits("dense", tq.config_for("dense", 1, 40, 320, feed="norm"), 40, 320, 0, w)
     finally:
         tq._device_table.cache_clear()
+
+
+def test_a_slightly_wider_gemm_takes_the_measured_tile():
+    """A LoRA-joined GEMM (W's rows, then every slot's A rows: 384 more on llama3-8b's qkv with 8
+    rank-16 slots) takes the tile measured for W's shape; a much wider one keeps the rule's."""
+    from kiln.ops import triton_quant_gemm as tq
+
+    assert tq.config_for("dense", 1, 6144 + 384, 4096) == tq.config_for("dense", 1, 6144, 4096)
+    assert tq.config_for("dense", 1, 4096 + 128, 14336) == tq.config_for("dense", 1, 4096, 14336)
+    assert tq.config_for("dense", 1, 8192, 4096) == tq.default_config("dense", 1, 8192, 4096)
