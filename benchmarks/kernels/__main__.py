@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "quant-gemm": ("benchmarks.kernels.quant_gemm", "quantized GEMMs per llama3-8b shape at decode rows"),
     "int4-split": ("benchmarks.kernels.int4_split", "int4 one-row GEMV: split-K against one pass per row block"),
     "gemv-join": ("benchmarks.kernels.gemv_join", "norm / activation + GEMV, apart and joined"),
+    "lora": ("benchmarks.kernels.lora", "LoRA at llama3-8b's linears: GEMM + add_lora against the joined GEMM + expand"),
     "argmax": ("benchmarks.kernels.argmax", "greedy argmax at decode rows: torch against kiln's Triton kernel"),
     "cpu-attention": ("benchmarks.kernels.cpu_attention", "the C++ CPU paged attention against the reference"),
     "cpu-gemv": ("benchmarks.kernels.cpu_gemv", "one-row CPU GEMVs at SmolLM2's shapes against MKL"),

@@ -21,6 +21,15 @@ o_proj, gate_up_proj, down_proj) holding every device slot's adapter, laid out s
 
 An adapter that leaves a module out leaves its rows zero. Slots are written in place (the
 buffers are graph inputs), so which adapter a slot holds is data to the compiled graph.
+
+Joined layout (``join_shrink``, on CUDA): a plain linear of the model dtype without a bias gets
+its weight moved to the head of a buffer whose tail is the stack's ``lora_a``, so that one GEMM
+over the whole buffer computes the base output and every slot's shrink (``LoraShrinkJoinPass``);
+the model's forward is unchanged, and ``lora_a`` is still [S, slices * R, in]::
+
+    buffer  rows 0..out: W (linear.weight, a view)   rows out..: A[0], A[1], ... A[S-1] (lora_a, a view)
+
+The weights must be in place before (a background read is waited for): the move copies them.
 """
 
 from __future__ import annotations
@@ -191,12 +200,14 @@ class LoraStack(nn.Module):
     """Every device slot's adapter of one fused linear (``out_sizes``: its slices, e.g. q, k, v)."""
 
     def __init__(self, in_features: int, out_sizes: tuple[int, ...], num_slots: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, lora_a: Optional[torch.Tensor] = None) -> None:
+        """``lora_a``: zeros of the stack's A shape to use (the joined layout's tail), else allocated."""
         super().__init__()
         self.out_sizes, self.max_rank = out_sizes, max_rank
         ranks = len(out_sizes) * max_rank
-        self.register_buffer("lora_a", torch.zeros(num_slots, ranks, in_features, dtype=dtype, device=device),
-                             persistent=False)  # [S, slices * R, in]
+        if lora_a is None:
+            lora_a = torch.zeros(num_slots, ranks, in_features, dtype=dtype, device=device)
+        self.register_buffer("lora_a", lora_a, persistent=False)  # [S, slices * R, in]
         self.register_buffer("lora_b", torch.zeros(num_slots, ranks, sum(out_sizes), dtype=dtype, device=device),
                              persistent=False)  # [S, slices * R, out]
 
@@ -220,28 +231,53 @@ class LoraStack(nn.Module):
 
 STACKS = {"qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "o": ("self_attn", ("o_proj",)),
           "gate_up": ("mlp", ("gate_proj", "up_proj")), "down": ("mlp", ("down_proj",))}
+LINEARS = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}  # each stack's linear
+
+
+def join_rows(linear: nn.Module, num_slots: int, ranks: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """Move ``linear``'s weight [out, in] to the head of a buffer [out + S * ranks, in] and return
+    the tail as zeros [S, ranks, in] (the joined layout); None for a linear that is not a plain
+    ``nn.Linear`` of ``dtype`` without a bias (a quantized one keeps its own GEMM)."""
+    w = linear.weight if type(linear) is nn.Linear else None
+    if w is None or linear.bias is not None or w.dtype != dtype or w.dim() != 2 or not w.is_contiguous():
+        return None
+    n, k = w.shape
+    buffer = torch.empty(n + num_slots * ranks, k, dtype=dtype, device=w.device)
+    with torch.no_grad():
+        buffer[:n].copy_(w)
+        buffer[n:].zero_()
+    linear.weight = nn.Parameter(buffer[:n], requires_grad=False)
+    return buffer[n:].view(num_slots, ranks, k)
 
 
 class ModelLoras:
     """The ``LoraStack``s of one model and how an adapter is written into (or cleared from) a slot."""
 
     def __init__(self, model: nn.Module, num_slots: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, join_shrink: bool = False) -> None:
         if not hasattr(model, "layers") or not hasattr(model, "arch"):
             raise ValueError("LoRA adapters are served on kiln's native models (the Llama family); "
                              "use model.impl=native or leave lora off")
         self.shapes = module_shapes(model)
         self.num_layers = len(model.layers)
         self.stacks: list[dict[str, LoraStack]] = []
+        self.num_joined = 0  # stacks in the joined layout
         for layer in model.layers:
             stacks = {}
             for group, (owner, targets) in STACKS.items():
                 in_features = self.shapes[targets[0]][0]
-                stack = LoraStack(in_features, tuple(self.shapes[t][1] for t in targets), num_slots, max_rank,
-                                  dtype, device)
+                out_sizes = tuple(self.shapes[t][1] for t in targets)
+                linear = getattr(getattr(layer, owner), LINEARS[group])
+                lora_a = None
+                if join_shrink and tuple(linear.weight.shape) == (sum(out_sizes), in_features):
+                    lora_a = join_rows(linear, num_slots, len(out_sizes) * max_rank, dtype)
+                self.num_joined += lora_a is not None
+                stack = LoraStack(in_features, out_sizes, num_slots, max_rank, dtype, device, lora_a)
                 setattr(getattr(layer, owner), f"{group}_lora", stack)
                 stacks[group] = stack
             self.stacks.append(stacks)
+        if self.num_joined and torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()  # the moved weights' old blocks: the KV cache is sized from free memory
 
     def write(self, index: int, adapter: Optional[LoraAdapter]) -> None:
         """Slot row ``index`` holds ``adapter`` (None: zeros)."""
@@ -252,6 +288,7 @@ class ModelLoras:
 
 
 def attach_lora(model: nn.Module, num_slots: int, max_rank: int, dtype: torch.dtype,
-                device: torch.device) -> ModelLoras:
-    """Give ``model``'s targeted linears ``num_slots`` adapter slots of rank ``max_rank`` (all zero)."""
-    return ModelLoras(model, num_slots, max_rank, dtype, device)
+                device: torch.device, join_shrink: bool = False) -> ModelLoras:
+    """Give ``model``'s targeted linears ``num_slots`` adapter slots of rank ``max_rank`` (all zero),
+    in the joined layout where ``join_shrink`` and the linear allow."""
+    return ModelLoras(model, num_slots, max_rank, dtype, device, join_shrink)

@@ -12,6 +12,7 @@ the first candidate of an op whose device matches and whose loader returns a ker
     moe           kiln_triton::fused_moe                                     kiln::fused_moe
     argmax        kiln_triton::argmax                                        kiln::argmax
     lora          kiln_triton::add_lora                                      kiln::add_lora
+     (expand_op)  kiln_triton::expand_lora                                  kiln::expand_lora
     linear_int8   kiln_cuda::linear_int8    kiln_cpu::linear_int8 (aten)     kiln::linear_int8
                   (Triton)
     linear_int4   kiln_cuda::linear_int4_triton, else kiln_cuda::linear_int4 (aten tinygemm)
@@ -135,6 +136,21 @@ class AttentionKernel(Kernel):
         return op_name(self.rope_op) if self.rope_op is not None else None
 
 
+@dataclass(frozen=True)
+class LoraKernel(Kernel):
+    """``kiln::add_lora``'s kernel (``op``) and the same kernels' expand alone (``expand_op``, the
+    schema of ``kiln::expand_lora``), for a linear whose GEMM computed the shrink."""
+
+    expand_op: Any = None
+
+    @property
+    def expand_op_name(self) -> str:
+        name = op_name(self.expand_op)
+        if name is None:
+            raise TypeError(f"kernel {self.name}: {self.expand_op!r} is not a torch.ops op")
+        return name
+
+
 def _no_pack(w: torch.Tensor, scales: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return w, scales
 
@@ -218,16 +234,16 @@ def _reference_argmax() -> Kernel:
     return Kernel("reference", torch.ops.kiln.argmax)
 
 
-def _reference_lora() -> Kernel:
+def _reference_lora() -> LoraKernel:
     import kiln.ops.lora  # noqa: F401  (defines the op)
 
-    return Kernel("reference", torch.ops.kiln.add_lora)
+    return LoraKernel("reference", torch.ops.kiln.add_lora, expand_op=torch.ops.kiln.expand_lora)
 
 
-def _triton_lora() -> Kernel:
+def _triton_lora() -> LoraKernel:
     import kiln.ops.triton_lora  # noqa: F401
 
-    return Kernel("triton", torch.ops.kiln_triton.add_lora, fast=True)
+    return LoraKernel("triton", torch.ops.kiln_triton.add_lora, fast=True, expand_op=torch.ops.kiln_triton.expand_lora)
 
 
 def _triton_argmax() -> Optional[Kernel]:
@@ -269,7 +285,7 @@ class KernelSet:
     joined_dense: Optional[JoinedLinearKernel] = None
     joined_int4: Optional[JoinedLinearKernel] = None
     argmax: Kernel = field(default_factory=_reference_argmax)  # greedy rows' tokens in full graphs
-    lora: Kernel = field(default_factory=_reference_lora)  # batched LoRA of the targeted linears
+    lora: LoraKernel = field(default_factory=_reference_lora)  # batched LoRA of the targeted linears
 
     def quant_linear(self, scheme: str) -> QuantLinearKernel:
         """The GEMM of quantization ``scheme`` (int8 | int4 | fp8)."""

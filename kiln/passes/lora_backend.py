@@ -9,6 +9,8 @@ Triton shrink/expand pair (``kiln.ops.triton_lora``)::
     before:  qkv = linear(x, w_qkv);  qkv2 = torch.ops.kiln.add_lora(qkv, x, lora_a, lora_b, [q, kv, kv])
     after:   qkv = linear(x, w_qkv);  qkv2 = torch.ops.kiln_triton.add_lora(qkv, x, lora_a, lora_b, [q, kv, kv])
 
+and a ``kiln.expand_lora`` (``LoraShrinkJoinPass``'s, before this pass) at the set's expand op.
+
 Runs at ``dynamo`` stage, like the MoE swap; a model without adapters has no call to move.
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.lora import GENERIC_LORA_OP
+from kiln.ops.lora import GENERIC_EXPAND_LORA_OP, GENERIC_LORA_OP
 from kiln.ops.registry import KernelSet, reference_kernels
 from kiln.passes.base import KilnPass, retarget
 
@@ -28,7 +30,9 @@ class LoraBackendPass(KilnPass):
         self.kernels = kernels or reference_kernels()
 
     def options(self) -> dict:
-        return {"device_type": self.kernels.device_type, "kernel": self.kernels.lora.op_name}
+        return {"device_type": self.kernels.device_type, "kernel": self.kernels.lora.op_name,
+                "expand_kernel": self.kernels.lora.expand_op_name}
 
     def __call__(self, graph: torch.fx.Graph) -> int:
-        return retarget(graph, GENERIC_LORA_OP, self.kernels.lora.op)
+        lora = self.kernels.lora
+        return retarget(graph, GENERIC_LORA_OP, lora.op) + retarget(graph, GENERIC_EXPAND_LORA_OP, lora.expand_op)

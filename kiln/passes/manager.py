@@ -10,7 +10,10 @@ The list (``build_passes``) runs in order; each pass says where it runs (``KilnP
    ``RopeAttentionFusionPass`` (dynamo): the rotary of q and k moves into that op's rotating
    variant (``AttentionKernel.rope_op``: the Triton decode kernel rotates as it loads).
    ``MoEBackendPass`` (dynamo): likewise the generic ``kiln.fused_moe`` (mixture-of-experts models).
-   ``LoraBackendPass`` (dynamo): likewise the generic ``kiln.add_lora`` (a model served with adapters).
+   ``LoraShrinkJoinPass`` (dynamo): a LoRA stack's A laid out after its linear's weight -> one GEMM
+   over both (the shrink) and ``kiln.expand_lora``, in place of the linear and ``kiln.add_lora``.
+   ``LoraBackendPass`` (dynamo): likewise the generic ``kiln.add_lora`` / ``kiln.expand_lora`` (a
+   model served with adapters).
 3. ``QuantLinearPass`` (dynamo): a linear on a dequantized weight -> the KernelSet's quantized GEMM.
    ``DenseLinearPass`` (dynamo): a linear on a bf16/fp16 weight -> the set's dense GEMM (CUDA: a
    Triton GEMV at one row, cuBLAS above).
@@ -64,6 +67,7 @@ from kiln.passes.dense_linear import DenseLinearPass
 from kiln.passes.gemm_input_fusion import GemmInputFusionPass
 from kiln.passes.heads_view import HeadsViewPass
 from kiln.passes.lora_backend import LoraBackendPass
+from kiln.passes.lora_shrink_join import LoraShrinkJoinPass
 from kiln.passes.merge_linears import MergeSiblingLinearsPass
 from kiln.passes.moe_backend import MoEBackendPass
 from kiln.passes.noop_elimination import NoOpEliminationPass
@@ -105,6 +109,7 @@ def build_passes(config: PassConfig) -> list[KilnPass]:
         AttentionBackendPass(k),
         RopeAttentionFusionPass(k, enabled=config.fusion_enabled(k.attention) and rope_join_enabled()),
         MoEBackendPass(k),
+        LoraShrinkJoinPass(enabled=config.fusion_enabled(k.lora)),
         LoraBackendPass(k),
         QuantLinearPass(k),
         DenseLinearPass(enabled=config.fusion_enabled(k.linear_dense), op=k.linear_dense.op, device_type=k.device_type),

@@ -18,6 +18,7 @@ Rules kept here:
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from typing import Iterable, Optional
 
@@ -36,7 +37,10 @@ class LoraManager:
     def __init__(self, model: nn.Module, config: LoraConfig, dtype: torch.dtype, device: torch.device) -> None:
         self.config = config
         self.dtype = dtype
-        self.loras = attach_lora(model, config.max_loras, config.max_lora_rank, dtype, device)
+        # CUDA: the shrink joins the base GEMM (kiln.models.lora's joined layout, LoraShrinkJoinPass);
+        # KILN_LORA_JOIN=0 keeps the stacks apart, to measure against.
+        join = torch.device(device).type == "cuda" and os.environ.get("KILN_LORA_JOIN", "1") != "0"
+        self.loras = attach_lora(model, config.max_loras, config.max_lora_rank, dtype, device, join_shrink=join)
         self._paths: dict[int, str] = {}  # every id ever added -> its directory
         self._names: dict[int, str] = {}  # ids added and not removed -> name
         self._host: OrderedDict[int, LoraAdapter] = OrderedDict()  # least recently used first

@@ -147,6 +147,8 @@ class ModelRunner:
         load_seconds = load_call_seconds = time.perf_counter() - t0
         self.model, self.arch = self.loaded.model, self.loaded.arch
         # Multi-LoRA: the adapter slots are part of the model (and of its compiled graph) from here.
+        if lora.enabled:  # on CUDA the slots move the targeted linears' weights: read them in first
+            load_seconds += self.loaded.wait_for_weights()
         self.lora = LoraManager(self.model, lora, self.dtype, self.device) if lora.enabled else None
         self.max_model_len = self.loaded.max_model_len
         sched = scheduler_config

@@ -1,4 +1,5 @@
-"""``kiln.add_lora`` (``kiln/ops/lora.py``) and its Triton kernels (``kiln/ops/triton_lora.py``).
+"""``kiln.add_lora`` and ``kiln.expand_lora`` (``kiln/ops/lora.py``) and their Triton kernels
+(``kiln/ops/triton_lora.py``).
 
 The reference is checked against a per-token loop over each slice's own rank rows (the
 definition); the kernels against the reference on fresh random inputs: one token, a few, one
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from kiln.forward_context import ForwardContext, forward_context
-from kiln.ops.lora import add_lora_reference
+from kiln.ops.lora import add_lora_reference, expand_lora_reference
 from tests.helpers.triton_interpreter import run_in_triton_interpreter
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -50,6 +51,21 @@ def test_reference_is_the_per_token_sum(num_tokens, slice_sizes, seed):
     assert torch.equal(got[base], y[base])
 
 
+@pytest.mark.parametrize("num_tokens,slice_sizes,seed", [(1, [24], 0), (7, [12, 6, 6], 1), (33, [10, 14], 2)])
+def test_expand_of_the_joined_gemm_is_add_lora(num_tokens, slice_sizes, seed):
+    """x @ [W; A[0]; ...].T then expand_lora equals linear then add_lora."""
+    g = torch.Generator().manual_seed(seed)
+    out_f, ranks, num_slots = sum(slice_sizes), 4 * len(slice_sizes), 3
+    x, w = torch.randn(num_tokens, 40, generator=g), torch.randn(out_f, 40, generator=g)
+    a, b = torch.randn(num_slots, ranks, 40, generator=g), torch.randn(num_slots, ranks, out_f, generator=g)
+    slots = torch.randint(0, num_slots + 1, (num_tokens + 5,), generator=g, dtype=torch.int32)
+    y_ext = x @ torch.cat([w, a.reshape(-1, 40)]).T  # [T, out + S * ranks]
+    got = expand_lora_reference(y_ext, b, slice_sizes, slots)
+    torch.testing.assert_close(got, add_lora_reference(x @ w.T, x, a, b, slice_sizes, slots), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="slice_sizes"):
+        expand_lora_reference(y_ext[:, 1:], b, slice_sizes, slots)
+
+
 def test_op_reads_the_forward_contexts_slots():
     g = torch.Generator().manual_seed(3)
     y, x = torch.randn(4, 8, generator=g), torch.randn(4, 6, generator=g)
@@ -60,6 +76,9 @@ def test_op_reads_the_forward_contexts_slots():
     torch.testing.assert_close(got, _loop(y, x, a, b, slots, [8]))
     with forward_context(ForwardContext(attn=None, kv_caches=[])):  # no slots: the base model
         assert torch.equal(torch.ops.kiln.add_lora(y, x, a, b, [8]), y)
+        y_ext = torch.randn(4, 8 + 2 * 4, generator=g)
+        base = torch.ops.kiln.expand_lora(y_ext, b, [8])
+        assert base.is_contiguous() and torch.equal(base, y_ext[:, :8])
 
 
 def test_slices_must_fit_the_stack():
@@ -73,7 +92,7 @@ def test_slices_must_fit_the_stack():
 @pytest.mark.skipif(RUN_KERNELS_HERE, reason="kernels run in this process")
 def test_kernels_in_triton_interpreter():
     pytest.importorskip("triton")
-    run_in_triton_interpreter(__file__, "test_triton_matches_reference")
+    run_in_triton_interpreter(__file__, "test_triton_matches_reference or test_triton_expand_matches_reference")
 
 
 @pytest.mark.skipif(not RUN_KERNELS_HERE, reason="CPU: runs in the Triton interpreter")
@@ -95,18 +114,40 @@ def test_triton_matches_reference(num_tokens, slice_sizes, rank, mix):
     assert err < 1e-5
 
 
+@pytest.mark.skipif(not RUN_KERNELS_HERE, reason="CPU: runs in the Triton interpreter")
+@pytest.mark.parametrize("num_tokens", [1, 3, 64, 130])
+@pytest.mark.parametrize("slice_sizes,rank", [([96], 8), ([128, 40, 40], 12), ([160, 160], 16)])
+@pytest.mark.parametrize("mix", ["mixed", "one_slot", "base"])
+def test_triton_expand_matches_reference(num_tokens, slice_sizes, rank, mix):
+    from kiln.ops.triton_lora import check_expand_against_reference
+
+    num_slots, seed = 4, num_tokens + rank
+    slots = {"mixed": None, "one_slot": torch.full((num_tokens + 3,), 3, dtype=torch.int32),
+             "base": torch.zeros(num_tokens, dtype=torch.int32)}[mix]
+    if mix == "mixed" and num_tokens > 3:  # runs of one slot across tile boundaries, base tokens among them
+        slots = (torch.arange(num_tokens, dtype=torch.int32) // 11) % (num_slots + 1)
+        slots[::7] = 0
+    err = check_expand_against_reference(num_tokens, slice_sizes, rank, num_slots, torch.float32, DEVICE, seed,
+                                         slots=None if slots is None else slots.to(DEVICE))
+    assert err < 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
 def test_triton_bfloat16_at_real_shapes():
-    from kiln.ops.triton_lora import check_against_reference
+    from kiln.ops.triton_lora import check_against_reference, check_expand_against_reference
 
     for num_tokens in (1, 64, 300):
         assert check_against_reference(num_tokens, 4096, [4096, 1024, 1024], 16, 8, torch.bfloat16, DEVICE, 0) < 2e-2
         assert check_against_reference(num_tokens, 14336, [4096], 16, 8, torch.bfloat16, DEVICE, 1) < 2e-2
+        assert check_expand_against_reference(num_tokens, [4096, 1024, 1024], 16, 8, torch.bfloat16, DEVICE, 2) < 2e-2
+        assert check_expand_against_reference(num_tokens, [14336, 14336], 16, 8, torch.bfloat16, DEVICE, 3) < 2e-2
 
 
 def test_cuda_kernel_set_selects_the_triton_kernel():
     from kiln.ops.registry import select_kernels
 
     assert select_kernels("cuda").lora.op_name == "kiln_triton::add_lora"
+    assert select_kernels("cuda").lora.expand_op_name == "kiln_triton::expand_lora"
     assert select_kernels("cpu").lora.op_name == "kiln::add_lora"
+    assert select_kernels("cpu").lora.expand_op_name == "kiln::expand_lora"

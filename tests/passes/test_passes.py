@@ -438,7 +438,8 @@ def test_uuid_tracks_source_and_options():
 def test_pass_list_order_and_auto_fusion():
     names = [p.name for p in build_passes(PassConfig())]
     assert names == ["SDPAToPagedAttentionPass", "MergeSiblingLinearsPass", "AttentionBackendPass",
-                     "RopeAttentionFusionPass", "MoEBackendPass", "LoraBackendPass", "QuantLinearPass",
+                     "RopeAttentionFusionPass", "MoEBackendPass", "LoraShrinkJoinPass", "LoraBackendPass",
+                     "QuantLinearPass",
                      "DenseLinearPass", "NoOpEliminationPass", "SiluMulFusionPass", "AddRMSNormFusionPass",
                      "GemmInputFusionPass", "HeadsViewPass"]
     cpu = {p.name: p.options() for p in build_passes(PassConfig(kernels=select_kernels("cpu")))}
@@ -448,8 +449,11 @@ def test_pass_list_order_and_auto_fusion():
     assert cuda["AddRMSNormFusionPass"] == {"enabled": True, "op": "kiln_triton::add_rms_norm"}
     assert cuda["MoEBackendPass"] == {"device_type": "cuda", "kernel": "kiln_triton::fused_moe"}
     assert cpu["MoEBackendPass"] == {"device_type": "cpu", "kernel": "kiln::fused_moe"}
-    assert cuda["LoraBackendPass"] == {"device_type": "cuda", "kernel": "kiln_triton::add_lora"}
-    assert cpu["LoraBackendPass"] == {"device_type": "cpu", "kernel": "kiln::add_lora"}
+    assert cuda["LoraBackendPass"] == {"device_type": "cuda", "kernel": "kiln_triton::add_lora",
+                                       "expand_kernel": "kiln_triton::expand_lora"}
+    assert cpu["LoraBackendPass"] == {"device_type": "cpu", "kernel": "kiln::add_lora",
+                                      "expand_kernel": "kiln::expand_lora"}
+    assert cuda["LoraShrinkJoinPass"] == {"enabled": True} and cpu["LoraShrinkJoinPass"] == {"enabled": False}
     assert not cpu["DenseLinearPass"]["enabled"]  # the CPU's dense linear is F.linear itself
     # The rotary joins the attention op where the set's kernel rotates (Triton) and fusions are on.
     assert cpu["RopeAttentionFusionPass"] == {"enabled": False}

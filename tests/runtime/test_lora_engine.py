@@ -3,7 +3,8 @@ three random PEFT adapters (non-zero B). A mixed batch (base and adapters interl
 prompts under every adapter, chunked prefill and prefix caching on) gives, for each request,
 transformers' greedy tokens on the base with that adapter merged (``merge_and_unload``); with
 more adapters than device slots (and than host slots) too. Adapters load, unload and reload at
-run time, and a bad adapter is refused without leaving a request or a block behind.
+run time, and a bad adapter is refused without leaving a request or a block behind. On CUDA
+(``gpu``), the same mixed batch in the joined layout (the shrink inside the base GEMM).
 """
 
 from __future__ import annotations
@@ -119,4 +120,19 @@ def test_compiled_forward_serves_every_mix_from_one_capture(family, kiln_cache_d
     compiled = llm.engine.executor.runner.compiled
     forward = compiled.forward
     assert forward.num_captures == 1 and forward.num_recompiles == 0
+    llm.engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_joined_layout_on_cuda_matches_peft_merged(family, kiln_cache_dir):
+    """On CUDA the stacks take the joined layout (``kiln.models.lora``, ``LoraShrinkJoinPass``): every
+    targeted linear of Llama, all but Qwen2's biased qkv; the compiled mixed batch still gives the
+    merged adapters' tokens (float32)."""
+    base_dir, loras, prompts, want = family
+    llm = _llm(base_dir, kiln_cache_dir, mode="kiln", max_loras=4)
+    runner = llm.engine.executor.runner
+    qwen2 = base_dir.parent.name.startswith("lora-qwen2")
+    assert runner.lora.loras.num_joined == (3 if qwen2 else 4) * len(runner.model.layers)
+    _check_mixed(llm, loras, prompts, want)
     llm.engine.shutdown()
