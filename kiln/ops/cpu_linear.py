@@ -29,10 +29,10 @@ bfloat16 LM head.
 
 A quantized model's LM head goes further at one row: Q8_0 (int8 values, one float16 scale per
 block of 32, as llama.cpp stores a GGUF's embedding) through ``torch.ops.kiln_cpu.gemv_q8_0``
-(``csrc/gemv_q8_0.cpp``: the activation row quantized the same way, AVX512-VNNI integer dot
-products), half the bytes of bfloat16. A GGUF's own Q8_0 head is repacked as stored, never
-re-quantized; another checkpoint's head is quantized per block of 32 (``quantize_q8_0``). More
-rows keep the bfloat16 head (oneDNN's AMX), and so does a ``kiln._C`` built without the op.
+(``csrc/gemv_q8_0.cpp``: float32 activations, the weight widened in registers), half the bytes of
+bfloat16. A GGUF's own Q8_0 head is repacked as stored, never re-quantized; another checkpoint's
+head is quantized per block of 32 (``quantize_q8_0``). More rows keep the bfloat16 head (oneDNN's
+AMX), and so does a ``kiln._C`` built without the op.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def use_decode_gemv(model: nn.Module) -> int:
 # ---- Q8_0 LM head ---------------------------------------------------------------------------------
 
 Q8_BLOCK = 32  # weights per Q8_0 scale
-Q8_CHUNK = 64  # two blocks: one 512-bit load of the GEMV, the packed row's K padding
+Q8_CHUNK = 64  # two blocks interleaved in the GEMV's layout, the packed row's K padding
 
 
 def q8_0_available() -> bool:
@@ -168,7 +168,11 @@ def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [N, K]`` (K a multiple of 32) -> Q8_0 as llama.cpp quantizes: (q int8 [N, K], d float16
     [N, K/32]), ``d = absmax / 127`` per block, ``q = round(w / d)`` (with d before its float16
     rounding)."""
-    q, d = quantize_q8_0_activation(w)
+    n, k = w.shape
+    blocks = w.detach().float().reshape(n, k // Q8_BLOCK, Q8_BLOCK)
+    d = blocks.abs().amax(-1) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv.unsqueeze(-1)).to(torch.int8).reshape(n, k)
     return q, d.to(torch.float16)
 
 
@@ -183,25 +187,11 @@ def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return u.contiguous(), F.pad(d.to(torch.float16), (0, (kp - k) // Q8_BLOCK)).contiguous()
 
 
-def quantize_q8_0_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` -> (q int8 [M, K], d float32 [M, K/32]): Q8_0 with the scale kept in float32, in
-    the kernel's float32 arithmetic (``q = round(x * (1 / d))``, ties to even)."""
-    m, k = x.shape
-    blocks = x.float().reshape(m, k // Q8_BLOCK, Q8_BLOCK)
-    d = blocks.abs().amax(-1) / 127
-    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-    return torch.round(blocks * inv.unsqueeze(-1)).to(torch.int8).reshape(m, k), d
-
-
 def gemv_q8_0_reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """What ``gemv_q8_0`` computes, in float64: ``x [M, K]`` rows quantized to Q8_0 (float32
-    arithmetic, as the kernel), then exact block dot products times both scales."""
-    qx, dx = quantize_q8_0_activation(x)
-    m, k = x.shape
-    n = q.shape[0]
-    dots = torch.einsum("mbi,nbi->mnb", qx.double().reshape(m, k // Q8_BLOCK, Q8_BLOCK),
-                        q.double().reshape(n, k // Q8_BLOCK, Q8_BLOCK))  # [M, N, blocks], exact
-    return (dots * d.double().unsqueeze(0) * dx.double().unsqueeze(1)).sum(-1)
+    """What ``gemv_q8_0`` computes, in float64: ``x [M, K]`` times the Q8_0 weight ``q * d``."""
+    n, k = q.shape
+    w = q.double().reshape(n, k // Q8_BLOCK, Q8_BLOCK) * d.double().unsqueeze(-1)
+    return x.double() @ w.reshape(n, k).t()
 
 
 class Q8Head(NamedTuple):

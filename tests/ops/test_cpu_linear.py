@@ -273,23 +273,23 @@ def test_gemv_q8_0_matches_reference(m, n, k, threads):
         torch.set_num_threads(before)
     assert y.dtype == torch.float32 and y.shape == (m, n)
     want = cpu_linear.gemv_q8_0_reference(x, q, d)
-    # Exact integer block sums; float32 products and sums of k/32 terms: a few float32 ulps of the
-    # row's absolute sum.
+    # Exact widened weights; float32 products and sums of k terms: a few float32 ulps of the row's
+    # absolute sum.
     bound = 1e-6 * 8 * cpu_linear.gemv_q8_0_reference(x.abs(), q.abs(), d).max().item()
     assert (y.double() - want).abs().max().item() <= bound
-    # And Q8_0 of both sides is close to the float product (the rounding of 8-bit blocks).
+    # And the Q8_0 weight is close to the float product (the rounding of 8-bit blocks).
     exact = x.double() @ w.double().t()
     assert (want - exact).abs().max().item() <= 0.05 * exact.abs().max().item()
 
 
 @needs_q8
 def test_gemv_q8_0_takes_every_int8_value():
-    """A GGUF's blocks may hold -128 (quantize_q8_0 stays within 127): the AVX2 path moves the
-    weight's signs onto x, where -128's magnitude is 128; integer sums stay exact."""
+    """A GGUF's blocks may hold -128 (quantize_q8_0 stays within 127): whole chunks of it, against
+    x of both signs, stay exact."""
     g = torch.Generator().manual_seed(11)
     n, k = 24, 256
     q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int16).to(torch.int8)
-    q[:, :64] = -128  # whole chunks of the extreme value, against x of both signs
+    q[:, :64] = -128
     d = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3).to(torch.float16)
     x = torch.randn(2, k, generator=g)
     y = torch.ops.kiln_cpu.gemv_q8_0(x, *cpu_linear.pack_q8_0(q, d))
