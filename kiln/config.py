@@ -70,9 +70,10 @@ class ModelConfig:
     # (native | transformers force one; see kiln.models.hf_generic).
     impl: str = "auto"
 
-    # none | int8 | int4 (weight-only) | fp8 (weights and activations) | auto: the checkpoint's own
-    # (its quantization_config; a GGUF keeps its 4-bit blocks). Random presets take any of them.
-    quantization: str = "none"
+    # auto: the checkpoint's own (its quantization_config; a GGUF file its blocks: Q4_0/Q4_1/Q4_K as
+    # int4, Q8_0 as int8) | none (dequantized, the model dtype) | int8 | int4 (weight-only) | fp8
+    # (weights and activations). Random presets take any of them; auto leaves them unquantized.
+    quantization: str = "auto"
     # Input columns per scale and zero of int4 weights quantized at load (from a bf16/fp32 checkpoint
     # or a random preset); a linear whose in_features it does not divide takes the largest group that
     # does. Checkpoints that bring their own groups (AWQ, GPTQ, the GGUF's blocks) keep theirs.

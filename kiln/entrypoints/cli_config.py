@@ -68,7 +68,7 @@ FIELD_HELP = {
     "model.impl": "auto: kiln's own model code when it has the family (see docs/models.md), else the "
                   "generic path (transformers' modeling code, captured and given kiln's paged attention); "
                   "native or transformers: force one",
-    "model.quantization": "linear weights: none, int8 / int4 (weight-only), fp8 (SM89+ GPUs), auto (the checkpoint)",
+    "model.quantization": "linear weights: auto (the checkpoint's own: a Q4 GGUF as int4), none, int8 / int4 (weight-only), fp8 (SM89+ GPUs)",
     "model.int4_group_size": "input columns per scale and zero of int4 weights quantized at load (checkpoints with "
                              "their own groups keep theirs); larger groups read fewer bytes and round more",
     "cache.block_size": "tokens per KV cache block",

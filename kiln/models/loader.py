@@ -47,7 +47,8 @@ from kiln.models.parallel import SINGLE, TensorParallel
 from kiln.models.pipeline import WHOLE, PipelineStage
 from kiln.models.int4_checkpoint import dequantize_int4_checkpoint
 from kiln.models.quantize import (apply_quantization, checkpoint_int4_format, checkpoint_quantization,
-                                  collect_kv_scales, dequantize_fp8_checkpoint, resolve_quantization)
+                                  collect_kv_scales, dequantize_fp8_checkpoint, quantization_choice,
+                                  resolve_quantization)
 from kiln.models.registry import REGISTERED_MODELS, TOKENIZER_DIR_ENV, TOKENIZER_DONOR
 from kiln.models.weight_reader import ReadAhead, iter_file_into, iter_files_to_device, open_safetensors
 from kiln.ops.registry import KernelSet, select_kernels
@@ -547,6 +548,24 @@ def _load_random(preset: str, model_config: ModelConfig, cache_dir: str, device,
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()  # else the KV cache sizing counts the freed full tensors as in use
     return LoadedModel(model, arch, tokenizer, RANDOM_PREFIX + preset, None, max_model_len)
+
+
+def describe_quantization(model_config: ModelConfig) -> str:
+    """What ``model.quantization`` resolves to for this model and why, for the start line, without
+    loading or converting anything; empty for a random preset left unquantized."""
+    spec, gguf_path, hf_dir = model_config.model, None, None
+    if spec in REGISTERED_MODELS:
+        gguf_path = REGISTERED_MODELS[spec].find()
+    elif spec.endswith(".gguf") and os.path.isfile(spec):
+        gguf_path = spec
+    elif os.path.isdir(spec):
+        hf_dir = spec
+    elif not spec.startswith(RANDOM_PREFIX):
+        return ""  # the load says what is wrong with it
+    scheme, why = quantization_choice(model_config.quantization, hf_dir, gguf_path)
+    if spec.startswith(RANDOM_PREFIX) and scheme == "none":
+        return ""
+    return f"weights {'unquantized' if scheme == 'none' else scheme} ({why})"
 
 
 def _registered_dir(name: str, cache_dir: str) -> str:

@@ -16,17 +16,21 @@ Where the weights come from, ``quantization=auto`` resolves (``resolve_quantizat
 checkpoint's ``quantization_config`` (``fp8``, ``compressed-tensors`` FP8 -> fp8, whose tensors
 ``dequantize_fp8_checkpoint`` reads per-tensor, per-channel or block-scaled; 4-bit ``awq``, ``gptq``
 -> int4, their packed integers and group scales kept exactly, ``kiln.models.int4_checkpoint``), and
-a GGUF source keeps its Q4_1 blocks as int4 weights exactly (``read_gguf_int4``: ``q * d + m`` is
-``(q - 8) * s + z`` with ``s = d``, ``z = m + 8d``), never expanded to float.
+a GGUF source runs in its own blocks' scheme (``gguf_quantization``): Q4_0, Q4_1 and Q4_K as int4
+weights exactly (``read_gguf_int4``: ``q * d + m`` is ``(q - 8) * s + z`` with ``s = d``,
+``z = m + 8d``), never expanded to float; Q8_0 as int8; float types unquantized.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
+import mmap
 import os
 import re
+import struct
 from typing import Iterable, Iterator, Optional
 
 import numpy as np
@@ -189,15 +193,22 @@ def checkpoint_quantization(hf_dir: Optional[str]) -> str:
 
 
 def resolve_quantization(requested: str, hf_dir: Optional[str], gguf_path: Optional[str]) -> str:
-    """``model.quantization`` with ``auto`` resolved: a GGUF source keeps its int4 blocks, a
-    checkpoint its ``quantization_config``, anything else is not quantized."""
+    """``model.quantization`` with ``auto`` resolved (``quantization_choice``)."""
+    return quantization_choice(requested, hf_dir, gguf_path)[0]
+
+
+def quantization_choice(requested: str, hf_dir: Optional[str], gguf_path: Optional[str]) -> tuple[str, str]:
+    """(scheme, why) of ``model.quantization``: ``auto`` follows the source, a GGUF file its own blocks
+    (``gguf_quantization``), a checkpoint its ``quantization_config``; any other value is itself."""
     if requested not in QUANTIZATIONS:
         raise ValueError(f"model.quantization={requested!r} is not allowed; choose one of {list(QUANTIZATIONS)}")
     if requested != "auto":
-        return requested
+        return requested, f"model.quantization={requested}"
     if gguf_path is not None:
-        return "int4" if gguf_has_int4(gguf_path) else "none"
-    return checkpoint_quantization(hf_dir)
+        return gguf_quantization(gguf_path)
+    scheme = checkpoint_quantization(hf_dir)
+    return scheme, ("the checkpoint's quantization_config" if scheme != "none"
+                    else "the checkpoint is not quantized" if hf_dir is not None else "random weights")
 
 
 # ---- FP8 KV cache scales a checkpoint carries ---------------------------------------------------
@@ -276,13 +287,115 @@ def _dequant_fp8_tensor(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"FP8 checkpoint: weight_scale of shape {tuple(scale.shape)} does not fit a weight of {(n, k)}")
 
 
-# ---- GGUF: Q4_1 blocks as int4 weights, the Q8_0 LM head --------------------------------------------
+# ---- GGUF: 4-bit blocks as int4 weights, the Q8_0 LM head -----------------------------------------
+
+# GGUF tensor types whose blocks kiln's int4 weights hold exactly (32 weights per group of q * d + m).
+GGUF_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+# Types kiln serves as they are: Q8_0 as int8 (requantized per output channel), float types unquantized.
+GGUF_INT8_TYPES = ("Q8_0",)
+GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
+_GGUF_LINEARS = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_qkv|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
+
+
+# Byte sizes of GGUF metadata value types (gguf's GGUFValueType numbering); 8 is a string, 9 an array.
+_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_tensor_types(path: str, size: int, mtime_ns: int) -> dict[str, str]:
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return _parse_tensor_types(path, data)
+    except (struct.error, ValueError, KeyError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path!r} is not a readable GGUF file ({type(e).__name__}: {e}); "
+                         "check that it was copied whole") from None
+
+
+def _parse_tensor_types(path: str, data) -> dict[str, str]:
+    from gguf import GGMLQuantizationType
+
+    magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", data, 0)
+    if magic != b"GGUF" or version < 2:
+        raise ValueError(f"{path!r} is not a GGUF file of version 2 or later")
+    at = 24
+
+    def skip(kind: int, at: int) -> int:
+        if kind == 8:
+            return at + 8 + struct.unpack_from("<Q", data, at)[0]
+        if kind == 9:
+            inner, count = struct.unpack_from("<IQ", data, at)
+            at += 12
+            if inner in _GGUF_SCALAR_SIZES:
+                return at + count * _GGUF_SCALAR_SIZES[inner]
+            for _ in range(count):
+                at = skip(inner, at)
+            return at
+        return at + _GGUF_SCALAR_SIZES[kind]
+
+    for _ in range(n_kv):
+        at = skip(8, at)  # the key
+        kind = struct.unpack_from("<I", data, at)[0]
+        at = skip(kind, at + 4)
+    types = {}
+    for _ in range(n_tensors):
+        length = struct.unpack_from("<Q", data, at)[0]
+        name = data[at + 8:at + 8 + length].decode()
+        at += 8 + length
+        n_dims = struct.unpack_from("<I", data, at)[0]
+        at += 4 + 8 * n_dims
+        types[name] = GGMLQuantizationType(struct.unpack_from("<I", data, at)[0]).name
+        at += 12  # the type, then the data offset
+    return types
+
+
+def gguf_tensor_types(gguf_path: str) -> dict[str, str]:
+    """Tensor name -> GGUF type name, from the file's header alone (gguf's ``GGUFReader`` parses every
+    metadata value first, the tokenizer's 100k strings: seconds on 2 cores); remembered per file."""
+    st = os.stat(gguf_path)
+    return _gguf_tensor_types(os.path.realpath(gguf_path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_reader(path: str, mtime_ns: int):
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def gguf_reader(gguf_path: str):
+    """One ``GGUFReader`` per file for this process's reads of its tensors (parsing it takes seconds)."""
+    return _gguf_reader(os.path.realpath(gguf_path), os.stat(gguf_path).st_mtime_ns)
+
+
+def gguf_linear_types(gguf_path: str) -> dict[str, int]:
+    """GGUF tensor type name -> how many of the decoder layers' linear weights are stored in it."""
+    counts: dict[str, int] = {}
+    for name, kind in gguf_tensor_types(gguf_path).items():
+        if _GGUF_LINEARS.match(name):
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def gguf_quantization(gguf_path: str) -> tuple[str, str]:
+    """(scheme, why) for a GGUF file: the scheme of the type most of its linear weights are stored in."""
+    counts = gguf_linear_types(gguf_path)
+    if not counts:
+        return "none", "the GGUF file has no decoder linear weights kiln recognizes"
+    main = max(counts, key=lambda k: (counts[k], k))
+    rest = sorted(k for k in counts if k != main)
+    if main in GGUF_INT4_TYPES:
+        others = [k for k in rest if k not in GGUF_INT4_TYPES]
+        return "int4", (f"the GGUF's {main} blocks" + (f"; its {'/'.join(others)} weights requantized to int4 groups"
+                                                       if others else ""))
+    if main in GGUF_INT8_TYPES:
+        return "int8", f"the GGUF's {main} weights, requantized to int8 per output channel"
+    if main in GGUF_FLOAT_TYPES:
+        return "none", f"the GGUF's weights are {main}"
+    return "none", f"kiln has no kernel for the GGUF's {main} blocks: dequantized to float"
+
 
 def gguf_has_int4(gguf_path: str) -> bool:
-    from gguf import GGMLQuantizationType, GGUFReader
-
-    reader = GGUFReader(gguf_path)
-    return any(t.tensor_type == GGMLQuantizationType.Q4_1 for t in reader.tensors)
+    return any(k in GGUF_INT4_TYPES for k in gguf_linear_types(gguf_path))
 
 
 def q4_1_blocks(data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -298,20 +411,53 @@ def q4_1_blocks(data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.
     return q, d, m
 
 
+def q4_0_blocks(data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A GGUF Q4_0 tensor's raw bytes -> (q, d, m) as ``q4_1_blocks``'s.
+
+    A block is 32 weights in 18 bytes: d (fp16), then nibbles as Q4_1's; weight = (q - 8) * d."""
+    blocks = np.ascontiguousarray(data).reshape(rows, cols // 32, 18)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., 2:18]
+    q = np.concatenate((qs & 0xF, qs >> 4), axis=-1).reshape(rows, cols)
+    return q, d, -8.0 * d
+
+
+def q4_k_blocks(data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A GGUF Q4_K tensor's raw bytes -> (q, d, m) as ``q4_1_blocks``'s, one (d, m) per 32 weights.
+
+    A super-block is 256 weights in 144 bytes: d and dmin (fp16), 12 bytes of eight 6-bit scales and
+    mins (unpacked by gguf's own ``Q4_K.get_scale_min``), 128 bytes where each 32 bytes hold two
+    groups (low nibbles, then high); weight = q * (d * scale) - dmin * min."""
+    from gguf.quants import Q4_K
+
+    blocks = np.ascontiguousarray(data).reshape(rows * (cols // 256), 144)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+    qs = blocks[:, 16:144].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & np.uint8(0x0F)).reshape(rows, cols)
+    group_d = (d * sc.astype(np.float32)).reshape(rows, cols // 32)
+    group_m = -(dmin * mn.astype(np.float32)).reshape(rows, cols // 32)
+    return q, group_d, group_m
+
+
+_GGUF_INT4_READERS = {"Q4_0": q4_0_blocks, "Q4_1": q4_1_blocks, "Q4_K": q4_k_blocks}
+
+
 def read_gguf_int4(gguf_path: str, num_heads: int, num_kv_heads: int,
                    family: str) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Hugging Face projection name (``model.layers.0.self_attn.q_proj``) -> its Q4_1 (q, d, m),
-    rows in Hugging Face order (llama.cpp's q/k permutation undone, as ``kiln.models.gguf`` does)."""
-    from gguf import GGMLQuantizationType, GGUFReader
-
+    """Hugging Face projection name (``model.layers.0.self_attn.q_proj``) -> its 4-bit (q, d, m) for
+    every tensor stored as Q4_0, Q4_1 or Q4_K, rows in Hugging Face order (llama.cpp's q/k
+    permutation undone, as ``kiln.models.gguf`` does)."""
     from kiln.models.gguf import hf_tensor_name, unpermute_rotary_rows
 
     out = {}
-    for t in GGUFReader(gguf_path).tensors:
-        if t.tensor_type != GGMLQuantizationType.Q4_1 or t.name.startswith("token_embd"):
+    for t in gguf_reader(gguf_path).tensors:
+        reader = _GGUF_INT4_READERS.get(t.tensor_type.name)
+        if reader is None or t.name.startswith("token_embd"):
             continue
         cols, rows = (int(s) for s in t.shape)  # GGUF lists the fastest dim first
-        q, d, m = q4_1_blocks(t.data, rows, cols)
+        q, d, m = reader(t.data, rows, cols)
         heads = num_heads if ".attn_q." in t.name else num_kv_heads if ".attn_k." in t.name else None
         if family == "llama" and heads is not None:
             q, d, m = (unpermute_rotary_rows(a, heads) for a in (q, d, m))
@@ -332,10 +478,10 @@ def q8_0_blocks(data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.
 def read_gguf_head_q8_0(gguf_path: str, tied: bool) -> Optional[tuple[np.ndarray, np.ndarray]]:
     """The LM head's Q8_0 blocks (``q8_0_blocks``), if the GGUF stores it so: ``output.weight``, or
     for a tied model the embedding ``token_embd.weight``; None otherwise."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
 
     name = "token_embd.weight" if tied else "output.weight"
-    for t in GGUFReader(gguf_path).tensors:
+    for t in gguf_reader(gguf_path).tensors:
         if t.name == name and t.tensor_type == GGMLQuantizationType.Q8_0:
             cols, rows = (int(s) for s in t.shape)  # GGUF lists the fastest dim first
             return q8_0_blocks(t.data, rows, cols)
@@ -423,7 +569,7 @@ def apply_quantization(model: nn.Module, scheme: str, kernels: KernelSet, gguf_p
         arch = model.arch
         blocks = read_gguf_int4(gguf_path, arch.num_heads, arch.num_kv_heads, arch.family)
         canonical = gguf_canonical_int4(blocks, next(model.parameters()).dtype)
-        source = ", weights from the GGUF's Q4_1 blocks"
+        source = ", weights from the GGUF's 4-bit blocks"
     if scheme == "int4" and canonical is None:
         source = f", groups of {group_size} columns"
     count = quantize_model(model, scheme, kernels, group_size, canonical=canonical)

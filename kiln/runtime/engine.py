@@ -85,7 +85,7 @@ from typing import Any, Mapping, Optional, Union
 from kiln.clock import age_at_kiln_import, process_age_s
 from kiln.config import EngineConfig
 from kiln.lora_request import LoRARequest
-from kiln.models.loader import resolve_device, resolve_dtype
+from kiln.models.loader import describe_quantization, resolve_device, resolve_dtype
 from kiln.outputs import RequestDelta, RequestOutput
 from kiln.runtime.executor import make_executor
 from kiln.runtime.input_processor import InputProcessor, TokenizedPrompt
@@ -196,7 +196,8 @@ def start_line(config: EngineConfig) -> str:
         device = resolve_device(model.device)
         dtype = str(resolve_dtype(model.dtype, device)).removeprefix("torch.")
     sched, sizes = config.scheduler, modes.capture_sizes
-    line = (f"kiln: model {model.model}, {dtype} on {device}, compile.mode={modes.mode}"
+    weights = describe_quantization(model)
+    line = (f"kiln: model {model.model}, {dtype} on {device}, {weights + ', ' if weights else ''}compile.mode={modes.mode}"
             f"{BUILD_WORDS[modes.build]}, "
             f"compile.cudagraph={modes.cudagraph}")
     if sched.is_resolved:

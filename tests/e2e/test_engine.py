@@ -20,11 +20,13 @@ PROMPTS = [
     "A list of fruits: apple, banana,",
 ]
 MAX_TOKENS = 24
+# The GGUF's weights dequantized to float32, as transformers runs them (the default keeps them int4).
+SMOL = {"model": "smollm2-135m-instruct", "quantization": "none"}
 
 
 @pytest.fixture(scope="module")
 def smol(kiln_cache_dir):
-    return LLM("smollm2-135m-instruct", cache={"dir": kiln_cache_dir})
+    return LLM(SMOL, cache={"dir": kiln_cache_dir})
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,7 @@ def test_outputs_have_text_prompt_ids_and_finish_reason(smol):
 
 
 def test_chunked_prefill_and_small_budget_match(kiln_cache_dir, smol_greedy):
-    llm = LLM("smollm2-135m-instruct", cache={"dir": kiln_cache_dir},
+    llm = LLM(SMOL, cache={"dir": kiln_cache_dir},
               scheduler={"max_num_batched_tokens": 8, "max_num_seqs": 3})
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == smol_greedy
@@ -68,7 +70,7 @@ def test_chunked_prefill_and_small_budget_match(kiln_cache_dir, smol_greedy):
 
 def test_preemption_gives_same_outputs(kiln_cache_dir, smol_greedy):
     # 10 blocks of 16 tokens cannot hold all 9 requests at once: some are preempted and recomputed.
-    llm = LLM("smollm2-135m-instruct", cache={"dir": kiln_cache_dir, "num_blocks": 10, "enable_prefix_caching": False})
+    llm = LLM(SMOL, cache={"dir": kiln_cache_dir, "num_blocks": 10, "enable_prefix_caching": False})
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == smol_greedy

@@ -173,7 +173,10 @@ def test_gguf_file_by_path_is_converted_under_its_own_name(tmp_path, cache_dir, 
     gguf.write_bytes(b"GGUF")  # never read: conversion is stubbed with the converted SmolLM2
     calls = []
     monkeypatch.setattr(loader, "convert_gguf", lambda path, cache, name: calls.append((path, cache, name)) or smollm2_dir)
-    loaded = load_model(ModelConfig(model=str(gguf)), cache_dir, CPU, torch.float32)
+    with pytest.raises(ValueError, match="is not a readable GGUF file"):  # the default reads its blocks' types
+        load_model(ModelConfig(model=str(gguf)), cache_dir, CPU, torch.float32)
+    calls.clear()
+    loaded = load_model(ModelConfig(model=str(gguf), quantization="none"), cache_dir, CPU, torch.float32)
     assert calls == [(str(gguf), cache_dir, "my-model")]
     assert loaded.name == "my-model" and loaded.hf_dir == smollm2_dir and loaded.arch.num_layers == 30
     with pytest.raises(ValueError, match=r"\.gguf file"):
@@ -356,7 +359,7 @@ def test_a_failed_conversion_stops_its_child_and_leaves_no_directory(tmp_path, m
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir, cache_dir):
-    return load_model(ModelConfig(model=SMOLLM2), cache_dir, CPU, torch.float32)
+    return load_model(ModelConfig(model=SMOLLM2, quantization="none"), cache_dir, CPU, torch.float32)
 
 
 def test_smollm2_logits_match_transformers(smollm2, smollm2_dir):

@@ -23,7 +23,7 @@ from kiln.config import CompileConfig, ModelConfig
 from kiln.models.arch import PRESETS
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.quantize import (QuantLinear, checkpoint_quantization, gguf_canonical_int4, make_quant_linear,
-                                  q4_1_blocks, quantize_lm_head, quantize_model, resolve_quantization)
+                                  q4_0_blocks, q4_1_blocks, q4_k_blocks, quantization_choice, quantize_lm_head, quantize_model, resolve_quantization)
 from kiln.models.registry import REGISTERED_MODELS
 from kiln.ops import quant
 from kiln.ops.cpu_linear import int4_takes_float
@@ -280,7 +280,7 @@ def test_quantized_model_kiln_matches_eager_and_float():
 # ---- config and checkpoints ------------------------------------------------------------------------
 
 def test_model_config_quantization_choices():
-    assert ModelConfig().quantization == "none"
+    assert ModelConfig().quantization == "auto"
     assert ModelConfig(quantization="int4").quantization == "int4"
     with pytest.raises(ValueError, match=r"model.quantization='int3' is not allowed"):
         ModelConfig(quantization="int3")
@@ -348,6 +348,69 @@ def test_q4_1_blocks_match_gguf_dequantize():
     (w, sz), = gguf_canonical_int4({name: (q, d, m)}, torch.float32).values()
     back = quant.dequant_int4_reference(w, sz, 32, torch.float32)
     np.testing.assert_allclose(back.numpy(), want, rtol=0, atol=2e-6)
+
+
+def _random_blocks(rng, count, size, halves):
+    """``count`` GGUF blocks of ``size`` random bytes whose fp16 fields (byte offsets ``halves``) are
+    finite scales."""
+    blocks = rng.integers(0, 256, size=(count, size), dtype=np.uint8)
+    for at in halves:
+        blocks[:, at:at + 2] = rng.uniform(-0.05, 0.05, size=(count, 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(-1)
+
+
+@pytest.mark.parametrize("kind,reader,size,halves,per_block", [
+    ("Q4_0", q4_0_blocks, 18, (0,), 32), ("Q4_1", q4_1_blocks, 20, (0, 2), 32),
+    ("Q4_K", q4_k_blocks, 144, (0, 2), 256)])
+def test_4_bit_gguf_blocks_match_gguf_dequantize(kind, reader, size, halves, per_block):
+    """Random blocks of each 4-bit GGUF type read as (q, d, m) per 32 weights are gguf's own
+    dequantized weights, and kiln's canonical int4 of them too."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rows, cols = 6, 512
+    rng = np.random.default_rng(len(kind))
+    data = _random_blocks(rng, rows * cols // per_block, size, halves)
+    want = dequantize(data, GGMLQuantizationType[kind]).reshape(rows, cols).astype(np.float32)
+    q, d, m = reader(data, rows, cols)
+    assert q.shape == (rows, cols) and q.max() <= 15 and d.shape == m.shape == (rows, cols // 32)
+    got = q.astype(np.float32) * np.repeat(d, 32, axis=1) + np.repeat(m, 32, axis=1)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    (w, sz), = gguf_canonical_int4({"model.layers.0.mlp.down_proj": (q, d, m)}, torch.float32).values()
+    back = quant.dequant_int4_reference(w, sz, 32, torch.float32)
+    np.testing.assert_allclose(back.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def _write_gguf(path, types):
+    """A GGUF file holding one decoder linear weight (32 x 256) per entry of ``types``."""
+    import gguf
+    from gguf.quants import quantize
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    rng = np.random.default_rng(0)
+    for i, kind in enumerate(types):
+        qtype = gguf.GGMLQuantizationType[kind]
+        w = rng.standard_normal((32, 256)).astype(np.float32)
+        data = w if kind == "F32" else w.astype(np.float16) if kind == "F16" else quantize(w, qtype)
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", data, raw_dtype=None if kind in ("F32", "F16") else qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_auto_follows_the_gguf_files_own_blocks(tmp_path):
+    """quantization=auto on a GGUF: 4-bit blocks run as int4, Q8_0 as int8, float types unquantized,
+    types without a kernel dequantized; each with the reason the start line prints."""
+    cases = {("Q4_0", "Q4_0"): ("int4", "Q4_0 blocks"), ("Q4_1", "Q8_0", "Q4_1"): ("int4", "Q8_0 weights requantized"),
+             ("Q8_0",): ("int8", "Q8_0"), ("F16",): ("none", "are F16"), ("Q5_0",): ("none", "no kernel for")}
+    for i, (types, (scheme, why)) in enumerate(cases.items()):
+        path = _write_gguf(tmp_path / f"{i}.gguf", types)
+        got = quantization_choice("auto", None, path)
+        assert got[0] == scheme and why in got[1], (types, got)
+        assert quantization_choice("none", None, path) == ("none", "model.quantization=none")
+    assert quantization_choice("auto", None, None) == ("none", "random weights")
 
 
 def test_the_artifact_cache_keys_on_the_quantization():
