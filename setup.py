@@ -86,6 +86,8 @@ setup(
         "ray": ["ray>=2.60"],
         # images in, text out (vision-language models): decoding images, fetching http(s) image URLs.
         "vision": ["pillow", "httpx"],
+        # python -m benchmarks.serve llamacpp: llama.cpp on the same GGUF file (builds from source).
+        "llamacpp": ["llama-cpp-python[server]>=0.3", "httpx"],
     },
     entry_points={"console_scripts": ["kiln=kiln.entrypoints.cli:main"]},
     # The Hydra YAML ships inside the package (kiln/configs/), so `kiln` works from a wheel too.
