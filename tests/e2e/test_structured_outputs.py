@@ -89,7 +89,7 @@ DEFAULT_SCHEMAS = [0, 7, 12, 17]  # one per difficulty band in the default suite
 
 @pytest.fixture(scope="module")
 def smol():
-    server, engine = serve(SMOL)
+    server, engine = serve(SMOL, quantization="none")  # compared with transformers' float32 below
     yield server, engine
     server.stop()
 

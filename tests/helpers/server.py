@@ -59,10 +59,11 @@ class ServerThread:
         self.thread.join(30)
 
 
-def serve(model: str, **server) -> tuple[ServerThread, EngineCoreClient]:
-    """A server over an engine-core process, as ``kiln serve`` runs one."""
+def serve(model: str, quantization: str = "auto", **server) -> tuple[ServerThread, EngineCoreClient]:
+    """A server over an engine-core process, as ``kiln serve`` runs one (``quantization``: the
+    model's; ``none`` for answers compared with transformers on the dequantized weights)."""
     config = EngineConfig(
-        model=ModelConfig(model, max_model_len=MAX_MODEL_LEN),
+        model=ModelConfig(model, max_model_len=MAX_MODEL_LEN, quantization=quantization),
         cache=CacheConfig(num_blocks=NUM_BLOCKS),
         server=ServerConfig(**server),
     )

@@ -202,7 +202,7 @@ def test_int4_checkpoint_shards_under_tensor_parallelism(tmp_path):
         tp = TensorParallel(rank, 2)
         int4 = load_model(ModelConfig(model=str(tmp_path), quantization="auto"), "", CPU, torch.float32, tp,
                           kernels=reference_kernels("cpu"))
-        dense = load_model(ModelConfig(model=str(tmp_path)), "", CPU, torch.float32, tp)
+        dense = load_model(ModelConfig(model=str(tmp_path), quantization="none"), "", CPU, torch.float32, tp)
         quantized = {n: m for n, m in int4.model.named_modules() if isinstance(m, QuantLinear)}
         assert len(quantized) == 4 * int4.arch.num_layers
         for name, m in quantized.items():
