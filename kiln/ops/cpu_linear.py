@@ -49,7 +49,6 @@ CPU_LINEAR_OPS = {torch.bfloat16: "linear_bf16", torch.float32: "linear_f32"}
 _gemv_loaded: Optional[bool] = None  # None: not tried yet
 
 
-@torch.compiler.assume_constant_result  # a first call inside a Dynamo trace runs eagerly, not traced
 def gemv_available() -> bool:
     """Whether ``kiln._C`` is built with the GEMV ops (``torch.ops.kiln_cpu.gemv_bf16``,
     ``linear_bf16``, ``gemv_f32``, ``linear_f32``, ``linear_int4_packed``)."""
