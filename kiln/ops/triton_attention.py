@@ -39,7 +39,9 @@ masks both ends, a row that sees none of a tile keeping its state (``MAY_BE_EMPT
 that is not a power of two is padded to one with masked loads and stores.
 
 Rotary (``ROPE``, ``torch.ops.kiln_triton.attend_paged_rope``): where the decode kernel stores the
-new K/V itself it can also take q and k before their rotary and rotate them as it loads them
+new K/V itself (a decode-only batch of at most ``STORE_JOIN_MAX_PAIRS`` (decode, kv head) pairs;
+a larger one runs faster with the store and rotary in launches of their own) it can also take q
+and k before their rotary and rotate them as it loads them
 (rotate-half over the first ``ROT_DIM`` dims, from the model's per-token cos/sin rows), which
 saves the model's rotary kernel a layer; other batches are rotated first (``kiln.ops.triton_rotary``).
 
@@ -624,11 +626,28 @@ def triton_attend_paged(
                                logit_softcap=logit_softcap, kv_scale=kv_scale)
 
 
+# The decode kernel stores the new K/V (and rotates q and k) itself while a batch has at most this
+# many (decode, kv head) pairs; a larger one stores and rotates in launches of their own, and its
+# decode kernel runs without them. Joined, the kernel saves two launches a layer, which pays where a
+# step is a few short launches (batch 1), but it runs slower once its grid fills the card: on an
+# H200, random:llama3-8b (8 kv heads) decode attention at 512 decodes took 12.4 ms a step joined
+# and 7.5 ms apart, at 64 decodes 1.63 and 1.02 ms, at 8-32 decodes the step was within 1.5% either
+# way, and at batch 1 joined was faster (237 against 234 tok/s; random:qwen2.5-0.5b, 2 kv heads,
+# 1,230 against 1,079, and its GPU step shorter joined at 1-64 decodes).
+# ``KILN_STORE_JOIN_MAX`` overrides it (0: never joined), to measure.
+STORE_JOIN_MAX_PAIRS = 256
+
+
+def store_join_max() -> int:
+    return int(os.environ.get("KILN_STORE_JOIN_MAX", STORE_JOIN_MAX_PAIRS))
+
+
 def _fuses_store(k, kv_cache, meta: AttentionMetadata, kv_scale) -> bool:
     """Whether the decode kernel stores the new K/V itself: a decode-only batch (one token per
-    request, no padding rows) in a cache of k's dtype, without FP8 scales."""
+    request, no padding rows) of at most ``store_join_max()`` (decode, kv head) pairs in a cache
+    of k's dtype, without FP8 scales."""
     return (meta.num_decodes == meta.num_reqs == k.shape[0] and kv_cache.dtype == k.dtype and kv_scale is None
-            and k.shape[0] > 0)
+            and 0 < k.shape[0] * k.shape[1] <= store_join_max())
 
 
 def triton_attend_paged_rope(q, k, v, cos, sin_signed, kv_cache, meta: AttentionMetadata, scale: float,

@@ -238,6 +238,20 @@ def test_decode_only_batch_takes_the_fused_store(kernels, monkeypatch):
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_large_decode_batch_stores_apart(kernels, monkeypatch):
+    """Past ``KILN_STORE_JOIN_MAX`` (decode, kv head) pairs a decode-only batch stores its K/V (and
+    rotates q and k) in launches of their own, with the reference's cache and output either way."""
+    stores = []
+    kernels_store = importlib.import_module("kiln.ops.triton_kv_store").triton_store_kv
+    monkeypatch.setattr(kernels, "triton_store_kv", lambda *a, **kw: (stores.append(1), kernels_store(*a, **kw)))
+    batch = kernels.random_paged_batch(_spec(kernels, "tiny", decodes=(9, 30), prefills=()), DEVICE, seed=13)
+    pairs = batch.k.shape[0] * batch.k.shape[1]
+    for limit, want_stores in ((pairs, 0), (pairs - 1, 1), (0, 1)):
+        monkeypatch.setenv("KILN_STORE_JOIN_MAX", str(limit))
+        stores.clear()
+        kernels.check_rope_against_reference(batch, _small_tiles(kernels, "tiny"))
+        assert len(stores) == want_stores
+
 class _CountLaunches:
     """Stands in for a Triton kernel: counts ``kernel[grid](...)`` launches, then runs it."""
 
