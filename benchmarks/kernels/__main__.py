@@ -8,6 +8,7 @@ SUBCOMMANDS = {
     "attention": ("benchmarks.kernels.attention", "Triton paged attention against the reference (CUDA)"),
     "decode-attention": ("benchmarks.kernels.decode_attention", "decode attention at the offline batch, bf16 vs FP8 KV"),
     "fp8-kv-scales": ("benchmarks.kernels.fp8_kv_scales", "what per-tensor FP8 KV scales cost attention and store"),
+    "gemm-rates": ("benchmarks.kernels.gemm_rates", "bf16 GEMMs at llama3-8b's shapes by rows: cuBLAS and max-autotune"),
     "quant-gemm": ("benchmarks.kernels.quant_gemm", "quantized GEMMs per llama3-8b shape at decode rows"),
     "int4-split": ("benchmarks.kernels.int4_split", "int4 one-row GEMV: split-K against one pass per row block"),
     "gemv-join": ("benchmarks.kernels.gemv_join", "norm / activation + GEMV, apart and joined"),
