@@ -24,13 +24,16 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/linear.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include "error.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -524,31 +527,263 @@ void int4_all_rows_avx2(const uint8_t* w, const uint16_t* sz, const float* x, co
   }
 }
 
+// The same products where torch packs for AVX512: blocks of 64 output rows, [N / 64][K][32] bytes,
+// byte d of column k holding row d in its low nibble and row 32 + d in its high one. Each 16-byte
+// half of a column widens to 16 int32 lanes; a nibble becomes its float q - 8 through a 16-entry
+// table (vpermps reads an index's low 4 bits, so the low nibble needs no mask), so w = q' s + z
+// and a group adds s t + z sum(x), t = x . q' without scales. R rows of x share each converted
+// nibble: 4R accumulators, 4 weight vectors and a broadcast fit the 32 registers up to R = 6.
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+inline void int4_scales16(const uint16_t* pairs_of_16, __m512* s, __m512* z) {
+  const __m512i v = _mm512_loadu_si512(pairs_of_16);  // 16 (s, z) pairs, s in the low half of each dword
+  *s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  *z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+
+// One row of x against block n0: two chains of FMAs per vector (even and odd columns), the
+// block's 64 sums held in registers across groups.
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void int4_block_avx512(const uint8_t* w, const uint16_t* sz, const float* x, const float* xsums, float* y, int64_t N,
+                       int64_t K, int64_t group, int64_t n0) {
+  const __m512 lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  const uint8_t* block = w + n0 * K / 2;
+  // The next block's bytes and scales are prefetched while this one runs: its scales lie one
+  // 256-byte run per group, N * 4 bytes apart, which the hardware prefetcher does not follow.
+  const int64_t next = std::min(n0 + 64, N - 64);
+  const uint8_t* ahead = w + next * K / 2;
+  __m512 acc[4];
+  for (int v = 0; v < 4; ++v) acc[v] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < K; g0 += group) {
+    const char* next_sz = reinterpret_cast<const char*>(sz + ((g0 / group) * N + next) * 2);
+    for (int line = 0; line < 4; ++line) _mm_prefetch(next_sz + 64 * line, _MM_HINT_T0);
+    __m512 t[2][4];
+    for (int u = 0; u < 2; ++u)
+      for (int v = 0; v < 4; ++v) t[u][v] = _mm512_setzero_ps();
+    for (int64_t k = g0; k < g0 + group; k += 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + k * 32), _MM_HINT_T0);
+      for (int u = 0; u < 2; ++u) {
+        const uint8_t* col = block + (k + u) * 32;
+        const __m512i e0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(col)));       // rows 0-15 | 32-47
+        const __m512i e1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 16)));  // rows 16-31 | 48-63
+        const __m512 a = _mm512_set1_ps(x[k + u]);
+        t[u][0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(e0, lut), a, t[u][0]);
+        t[u][1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(e1, lut), a, t[u][1]);
+        t[u][2] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(e0, 4), lut), a, t[u][2]);
+        t[u][3] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(e1, 4), lut), a, t[u][3]);
+      }
+    }
+    const int64_t gi = g0 / group;
+    const __m512 xsum = _mm512_set1_ps(xsums[gi]);
+    const uint16_t* gsz = sz + (gi * N + n0) * 2;
+    for (int v = 0; v < 4; ++v) {
+      __m512 sc, z;
+      int4_scales16(gsz + 32 * v, &sc, &z);
+      acc[v] = _mm512_fmadd_ps(z, xsum, _mm512_fmadd_ps(sc, _mm512_add_ps(t[0][v], t[1][v]), acc[v]));
+    }
+  }
+  for (int v = 0; v < 4; ++v) _mm512_storeu_ps(y + n0 + 16 * v, acc[v]);
+}
+
+// R rows of x (2 to 6) against block n0, each group's sums added into y (zeroed by the caller).
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void int4_rows_avx512(const uint8_t* w, const uint16_t* sz, const float* x, const float* xsums, float* y, int64_t N,
+                      int64_t K, int64_t group, int64_t n0, int64_t m0) {
+  const __m512 lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  const uint8_t* block = w + n0 * K / 2;
+  const float* xr = x + m0 * K;
+  const int64_t groups = K / group;
+  for (int64_t g0 = 0; g0 < K; g0 += group) {
+    __m512 t[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 4; ++v) t[r][v] = _mm512_setzero_ps();
+    for (int64_t k = g0; k < g0 + group; ++k) {
+      const uint8_t* col = block + k * 32;
+      const __m512i e0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(col)));
+      const __m512i e1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 16)));
+      const __m512 q0 = _mm512_permutexvar_ps(e0, lut);
+      const __m512 q1 = _mm512_permutexvar_ps(e1, lut);
+      const __m512 q2 = _mm512_permutexvar_ps(_mm512_srli_epi32(e0, 4), lut);
+      const __m512 q3 = _mm512_permutexvar_ps(_mm512_srli_epi32(e1, 4), lut);
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(xr[r * K + k]);
+        t[r][0] = _mm512_fmadd_ps(q0, a, t[r][0]);
+        t[r][1] = _mm512_fmadd_ps(q1, a, t[r][1]);
+        t[r][2] = _mm512_fmadd_ps(q2, a, t[r][2]);
+        t[r][3] = _mm512_fmadd_ps(q3, a, t[r][3]);
+      }
+    }
+    const int64_t gi = g0 / group;
+    const uint16_t* gsz = sz + (gi * N + n0) * 2;
+    for (int v = 0; v < 4; ++v) {
+      __m512 sc, z;
+      int4_scales16(gsz + 32 * v, &sc, &z);
+      for (int r = 0; r < R; ++r) {
+        float* out = y + (m0 + r) * N + n0 + 16 * v;
+        const __m512 xs = _mm512_set1_ps(xsums[(m0 + r) * groups + gi]);
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(z, xs, _mm512_fmadd_ps(sc, t[r][v], _mm512_loadu_ps(out))));
+      }
+    }
+  }
+}
+
+// Every row of x against block n0 (64 rows): passes of at most kInt4Rows512 rows, as even as they come.
+constexpr int64_t kInt4Rows512 = 6;
+
+void int4_all_rows_avx512(const uint8_t* w, const uint16_t* sz, const float* x, const float* xsums, float* y,
+                          int64_t M, int64_t N, int64_t K, int64_t group, int64_t n0) {
+  const int64_t passes = (M + kInt4Rows512 - 1) / kInt4Rows512;
+  for (int64_t i = 0, m = 0; i < passes; ++i) {
+    const int64_t rows = M / passes + (i < M % passes ? 1 : 0);
+    switch (rows) {
+      case 6: int4_rows_avx512<6>(w, sz, x, xsums, y, N, K, group, n0, m); break;
+      case 5: int4_rows_avx512<5>(w, sz, x, xsums, y, N, K, group, n0, m); break;
+      case 4: int4_rows_avx512<4>(w, sz, x, xsums, y, N, K, group, n0, m); break;
+      case 3: int4_rows_avx512<3>(w, sz, x, xsums, y, N, K, group, n0, m); break;
+      default: int4_rows_avx512<2>(w, sz, x, xsums, y, N, K, group, n0, m); break;
+    }
+    m += rows;
+  }
+}
+
+bool has_avx512bw() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl");
+  return yes;
+}
+
+// Block n0 (64 rows) of torch's AVX512 packing ([N / 64][K][32], scales [K / g, N, 2]) dequantized
+// to bfloat16 in the VNNI layout oneDNN's brgemm takes for B = W^T: [K / 2][64][2], the pair
+// (k, k + 1) of each row side by side.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+void int4_dequant_vnni_avx512(const uint8_t* w, const uint16_t* sz, uint16_t* out, int64_t N, int64_t K,
+                              int64_t group, int64_t n0, int64_t ld) {
+  const __m512 lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // 0, 16, 1, 17, ...
+  const uint8_t* block = w + n0 * K / 2;
+  for (int64_t g0 = 0; g0 < K; g0 += group) {
+    const uint16_t* gsz = sz + ((g0 / group) * N + n0) * 2;
+    __m512 sc[4], z[4];
+    for (int v = 0; v < 4; ++v) int4_scales16(gsz + 32 * v, &sc[v], &z[v]);
+    for (int64_t k = g0; k < g0 + group; k += 2) {
+      __m512 q[2][4];
+      for (int u = 0; u < 2; ++u) {
+        const uint8_t* col = block + (k + u) * 32;
+        const __m512i e0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(col)));
+        const __m512i e1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 16)));
+        q[u][0] = _mm512_permutexvar_ps(e0, lut);                          // rows 0-15
+        q[u][1] = _mm512_permutexvar_ps(e1, lut);                          // rows 16-31
+        q[u][2] = _mm512_permutexvar_ps(_mm512_srli_epi32(e0, 4), lut);    // rows 32-47
+        q[u][3] = _mm512_permutexvar_ps(_mm512_srli_epi32(e1, 4), lut);    // rows 48-63
+      }
+      uint16_t* dst = out + (k / 2) * 2 * ld;
+      for (int v = 0; v < 4; ++v) {  // rows 16v..16v+15: (k, k + 1) pairs, interleaved
+        const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(q[1][v], sc[v], z[v]),
+                                                  _mm512_fmadd_ps(q[0][v], sc[v], z[v]));
+        _mm512_storeu_si512(dst + 32 * v, _mm512_permutexvar_epi16(pairs, reinterpret_cast<const __m512i&>(both)));
+      }
+    }
+  }
+}
+
 #endif
 
 // linear_int4: torch's packed int4 weight-only GEMM (aten::_weight_int4pack_mm_for_cpu, fast with
 // bfloat16 activations and scales only) for activations of any float dtype, in x's dtype: the
 // casts and reshapes kiln/ops/quant.py's _linear_int4_cpu does, without its Python. Where torch
-// packed for AVX2 (its kernels' layout depends on the CPU capability it dispatches to) and N is
-// whole blocks of 32, every row count goes through kiln's float32 kernels instead (one row:
-// int4_block_avx2; more: int4_all_rows_avx2): a SmolLM2 layer's four int4 linears, weights read
-// from memory, 1.50x / 1.48x torch's kernel at 1 / 2 rows and, in passes of up to 6 rows,
-// 1.45-1.60x / 1.43-1.63x at 16 / 32 rows on an AMD EPYC (pairs of rows gave 1.24-1.43x and
-// 1.24-1.28x; python -m benchmarks.kernels cpu-int4 --rows); below kInt4MinWeights the fixed costs win.
+// packed for AVX2 or AVX512 (its kernels' layout depends on the CPU capability it dispatches to)
+// and N is whole blocks (32 or 64 rows), kiln's float32 kernels run instead: one row in registers
+// (int4_block_avx2 / _avx512), more in passes of up to 6 rows, and on AVX512 from int4_gemm_rows
+// rows on (where oneDNN has a bfloat16 brgemm) the weight dequantized per block for brgemm. A
+// SmolLM2 layer's four linears, weights read from memory (python -m benchmarks.kernels cpu-int4
+// --rows): AMD EPYC, AVX2, 1.50x / 1.48x torch's kernel at 1 / 2 rows, 1.45-1.63x at 16 / 32; Intel
+// Xeon with AMX, one thread, 1.18x at 1 row; brgemm against the row kernels 1.1x at 8 rows, 2.0x at
+// 16, 5.2x at 512. Below kInt4MinWeights the fixed costs win.
 constexpr int64_t kInt4MinWeights = int64_t(1) << 17;
+
+// From this many rows of x, where oneDNN's bfloat16 GEMM is fast (AVX512-BF16, AMX) and torch
+// packs for AVX512, the weight is dequantized to bfloat16 once per call and multiplied by oneDNN
+// (x and y rounded to bfloat16, as torch's own int4 kernel rounds them); fewer rows take the float32
+// row kernels. kiln_cpu::int4_gemm_rows sets it (benchmarks, tests); measured crossover below.
+std::atomic<int64_t> int4_gemm_rows{8};
+
+int64_t set_int4_gemm_rows(int64_t rows) { return int4_gemm_rows.exchange(rows); }
+
+#if defined(__x86_64__)
+// Per 64-row block: dequantize into a 72 KiB (K = 576) VNNI buffer that stays in the core's cache,
+// then oneDNN's brgemm (AMX where the CPU has it) over x's rows in tiles of 32, float32 sums and
+// output. Blocks are split over torch's threads.
+constexpr int64_t kBrgemmBlocks = 1;  // 64-row blocks per brgemm call
+
+at::Tensor int4_brgemm(const at::Tensor& xf, const at::Tensor& w, const at::Tensor& scales_zeros, int64_t group_size,
+                       int64_t M, int64_t N, int64_t K) {
+  const auto* wp = w.data_ptr<uint8_t>();
+  const auto* szp = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr());
+  const at::Tensor xb = xf.to(at::kBFloat16).contiguous();
+  const auto* xp = reinterpret_cast<const at::BFloat16*>(xb.data_ptr());
+  at::Tensor y = at::empty({M, N}, xf.options());
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = N / 64, chunks = (blocks + kBrgemmBlocks - 1) / kBrgemmBlocks;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    static thread_local std::vector<uint16_t> buf;
+    if (buf.size() < size_t(K * 64 * kBrgemmBlocks)) buf.resize(K * 64 * kBrgemmBlocks);
+    const auto* bp = reinterpret_cast<const at::BFloat16*>(buf.data());
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t first = c * kBrgemmBlocks, nb = std::min(kBrgemmBlocks, blocks - first), cols = nb * 64;
+      for (int64_t i = 0; i < nb; ++i)
+        int4_dequant_vnni_avx512(wp, szp, buf.data() + i * 128, N, K, group_size, (first + i) * 64, cols);
+      for (int64_t m0 = 0; m0 < M; m0 += 32)
+        at::native::cpublas::brgemm(std::min<int64_t>(32, M - m0), cols, K, K, cols, N, false, xp + m0 * K, bp,
+                                    yp + m0 * N + first * 64, true);
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+  return y;
+}
+
+bool brgemm_bf16() {  // oneDNN's brgemm ukernel for bfloat16 (AMX or AVX512-BF16)
+  static const bool yes = has_avx512bf16() && at::native::cpublas::could_pack(at::kBFloat16);
+  return yes;
+}
+#endif
+
+// Which of torch's packings kiln's int4 kernels read here: 1 AVX2's, 2 AVX512's, 0 neither (torch's
+// own kernel runs).
+int64_t int4_layout() {
+#if defined(__x86_64__)
+  static const std::string capability = at::get_cpu_capability();
+  static const int64_t layout = has_avx2_fma() && capability == "AVX2" ? 1 : has_avx512bw() && capability == "AVX512" ? 2 : 0;
+  return layout;
+#else
+  return 0;
+#endif
+}
+
+// Whether rows of x from int4_gemm_rows on take the dequantize + brgemm path.
+bool int4_gemm_available() {
+#if defined(__x86_64__)
+  return int4_layout() == 2 && brgemm_bf16();
+#else
+  return false;
+#endif
+}
 
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales_zeros, int64_t group_size) {
   const int64_t K = x.size(-1), N = scales_zeros.size(1);
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
 #if defined(__x86_64__)
-  static const bool avx2_layout =
-      has_avx2_fma() && at::get_cpu_capability() == "AVX2";
+  static const bool avx2_layout = int4_layout() == 1;
+  static const bool avx512_layout = int4_layout() == 2;
+  const int64_t block = avx512_layout ? 64 : 32;  // output rows per block of torch's packing
   const int64_t M = K ? x.numel() / K : 0;
-  if (avx2_layout && M >= 1 && N * K >= kInt4MinWeights && N % 32 == 0 &&
+  if ((avx2_layout || avx512_layout) && M >= 1 && N * K >= kInt4MinWeights && N % block == 0 &&
       group_size % 2 == 0 && K % group_size == 0 && scales_zeros.scalar_type() == at::kBFloat16 &&
       scales_zeros.is_contiguous() && w.is_contiguous() && w.scalar_type() == at::kByte && w.numel() * 2 == N * K) {
     const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+    if (avx512_layout && M >= int4_gemm_rows.load(std::memory_order_relaxed) && brgemm_bf16())
+      return int4_brgemm(xf, w, scales_zeros, group_size, M, N, K).to(x.scalar_type()).reshape(out_shape);
     at::Tensor y = M == 1 ? at::empty({M, N}, xf.options()) : at::zeros({M, N}, xf.options());
     const auto* wp = w.data_ptr<uint8_t>();
     const auto* szp = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr());
@@ -558,10 +793,16 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     std::vector<float> xsums(M * groups, 0.f);  // each row's and group's sum of x, for the zero points
     for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < K; ++k) xsums[m * groups + k / group_size] += xp[m * K + k];
-    at::parallel_for(0, N / 32, 4, [&](int64_t b0, int64_t b1) {
+    at::parallel_for(0, N / block, avx512_layout ? 2 : 4, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
-        if (M == 1) int4_block_avx2(wp, szp, xp, xsums.data(), yp, N, K, group_size, b * 32);
-        else int4_all_rows_avx2(wp, szp, xp, xsums.data(), yp, M, N, K, group_size, b * 32);
+        if (avx512_layout) {
+          if (M == 1) int4_block_avx512(wp, szp, xp, xsums.data(), yp, N, K, group_size, b * 64);
+          else int4_all_rows_avx512(wp, szp, xp, xsums.data(), yp, M, N, K, group_size, b * 64);
+        } else if (M == 1) {
+          int4_block_avx2(wp, szp, xp, xsums.data(), yp, N, K, group_size, b * 32);
+        } else {
+          int4_all_rows_avx2(wp, szp, xp, xsums.data(), yp, M, N, K, group_size, b * 32);
+        }
       }
     });
     return y.to(x.scalar_type()).reshape(out_shape);
@@ -580,6 +821,8 @@ TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
   m.def("gemv_f32(Tensor x, Tensor w) -> Tensor");
   m.def("linear_f32(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
   m.def("linear_int4_packed(Tensor x, Tensor w, Tensor scales_zeros, int group_size) -> Tensor");
+  m.def("int4_gemm_rows(int rows) -> int", &kiln::set_int4_gemm_rows);
+  m.def("int4_gemm_available() -> bool", &kiln::int4_gemm_available);
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {

@@ -20,7 +20,8 @@
 // The activation row is laid out once per call in the same order (float32), so each 8-byte piece
 // of a chunk widens to 8 float lanes (A's 4 then B's 4) multiplied by x's 8 floats at that offset;
 // a chunk's sums are scaled once by (dA x4, dB x4). Rows are split over torch's threads in tiles
-// of 16, two rows per inner step sharing each load of x. Without AVX2 a portable loop does it.
+// of 16, two rows per inner step sharing each load of x (AVX-512: four, 16 lanes, each row's
+// chunk prefetched kPrefetchRows ahead). Without AVX2 a portable loop does it.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -125,6 +126,58 @@ void rows_avx2(const uint8_t* w, const c10::Half* s, const float* x, float* y, i
   }
   if (n < n1) rows_portable(w, s, x, y, Kp, n, n1);
 }
+
+// AVX-512: each 16-byte quarter of a chunk widens to 16 float lanes (A, B, A, B in groups of 4),
+// scaled per chunk by (dA x4, dB x4, dA x4, dB x4). The bytes' +128 comes off once per chunk:
+// sum (q - 128) x = sum q x - 128 sum x, with the lane sums of x (xsum, laid out per chunk) made
+// once per call. R rows share each load of x.
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
+void rows_avx512_r(const uint8_t* w, const uint16_t* sp, const float* x, const float* xsum, float* y, int64_t Kp,
+                   int64_t n, int64_t ahead_row, int64_t last_row) {
+  const int64_t nb = Kp / kBlock, nc = Kp / kChunk;
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+  const __m512 k128 = _mm512_set1_ps(128.f);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < nc; ++c) {
+    for (int r = 0; r < R; ++r)  // the chunk of each row kPrefetchRows ahead
+      _mm_prefetch(reinterpret_cast<const char*>(w + std::min(ahead_row + r, last_row) * Kp + c * kChunk), _MM_HINT_T0);
+    __m512 part[R];
+    for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      const int64_t at = c * kChunk + j * 16;
+      const __m512 xv = _mm512_loadu_ps(x + at);
+      for (int r = 0; r < R; ++r) {
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n + r) * Kp + at)));
+        part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), xv, part[r]);
+      }
+    }
+    const __m512 xs = _mm512_loadu_ps(xsum + c * 16);
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, sp + (n + r) * nb + 2 * c, sizeof pair);
+      const __m512 sc = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair)))));
+      acc[r] = _mm512_fmadd_ps(_mm512_fnmadd_ps(k128, xs, part[r]), sc, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[n + r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
+void rows_avx512(const uint8_t* w, const c10::Half* s, const float* x, const float* xsum, float* y, int64_t Kp,
+                 int64_t n0, int64_t n1, int64_t n_end) {
+  const auto* sp = reinterpret_cast<const uint16_t*>(s);
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) rows_avx512_r<4>(w, sp, x, xsum, y, Kp, n, n + kPrefetchRows, n_end - 1);
+  for (; n < n1; ++n) rows_avx512_r<1>(w, sp, x, xsum, y, Kp, n, n + kPrefetchRows, n_end - 1);
+}
+
+bool has_avx512_f16c() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
+  return yes;
+}
 #endif
 
 at::Tensor gemv_q8_0(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
@@ -145,12 +198,23 @@ at::Tensor gemv_q8_0(const at::Tensor& x, const at::Tensor& qweight, const at::T
   float* yp = y.data_ptr<float>();
   auto rows = rows_portable;
 #if defined(__x86_64__)
+  const bool avx512 = has_avx512_f16c();
   if (has_avx2_f16c()) rows = rows_avx2;
 #endif
-  std::vector<float> row;
+  std::vector<float> row, xsum;
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
   for (int64_t m = 0; m < M; ++m) {
     layout_row(xc.data_ptr<float>() + m * K, K, Kp, row);
+#if defined(__x86_64__)
+    if (avx512) {
+      xsum.assign(Kp / kChunk * 16, 0.f);  // per chunk, lane l: the sum of x over the chunk's quarters at l
+      for (int64_t i = 0; i < Kp; ++i) xsum[(i / kChunk) * 16 + i % 16] += row[i];
+      at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+        rows_avx512(wp, sp, row.data(), xsum.data(), yp + m * N, Kp, t0 * kTileRows, std::min(N, t1 * kTileRows), N);
+      });
+      continue;
+    }
+#endif
     at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
       rows(wp, sp, row.data(), yp + m * N, Kp, t0 * kTileRows, std::min(N, t1 * kTileRows));
     });

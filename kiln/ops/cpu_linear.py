@@ -130,9 +130,10 @@ def linear_int4_eager():
 
 def int4_takes_float() -> bool:
     """Whether ``kiln_cpu::linear_int4_packed`` runs kiln's float32 int4 kernels (``csrc/gemv.cpp``:
-    where torch dispatches to AVX2, whose packing they read): its activations then go in as float32.
-    Elsewhere torch's kernel computes in bfloat16, so ``QuantLinearPass`` casts around the op."""
-    return gemv_available() and torch.backends.cpu.get_cpu_capability() == "AVX2"
+    where torch dispatches to AVX2 or AVX512, whose packings they read): its activations then go in
+    as float32. Elsewhere torch's kernel computes in bfloat16, so ``QuantLinearPass`` casts around
+    the op."""
+    return gemv_available() and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 class GemvLinear(nn.Linear):

@@ -227,13 +227,24 @@ def test_linear_int4_packed_op_matches_the_python_wrapper(shape):
 
 
 
+@pytest.fixture(params=["row kernels", "dequantize + brgemm"])
+def int4_path(request):
+    """Every row count through each int4 path: kiln_cpu::int4_gemm_rows moves the row count from
+    which the weight is dequantized for oneDNN's brgemm (where the CPU has it) to 1 or out of reach."""
+    rows = torch.ops.kiln_cpu.int4_gemm_rows(1 if request.param == "dequantize + brgemm" else 1 << 40)
+    yield request.param
+    torch.ops.kiln_cpu.int4_gemm_rows(rows)
+
+
 @needs_gemv
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 16])
-@pytest.mark.parametrize("n,k,group", [(512, 576, 32), (256, 1536, 128), (1024, 256, 64)])
-def test_linear_int4_packed_matches_float64(n, k, group, rows):
-    # A large enough weight takes kiln's float32 kernels on AVX2 (one row in registers; more in
-    # blocks of five rows and a remainder of 1-4; torch's bf16 kernel elsewhere): both within their
-    # own rounding of the float64 product with the dequantized weight.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 16, 33])
+@pytest.mark.parametrize("n,k,group", [(512, 576, 32), (256, 1536, 128), (1024, 256, 64), (192, 768, 32),
+                                     (224, 768, 32)])
+def test_linear_int4_packed_matches_float64(n, k, group, rows, int4_path):
+    # A large enough weight takes kiln's float32 row kernels where torch packs for AVX2 or AVX512
+    # (one row in registers; more in passes of up to six rows), or the weight dequantized to
+    # bfloat16 for brgemm (bfloat16 x, float32 sums); torch's bf16 kernel elsewhere: each within
+    # its own rounding of the float64 product with the dequantized weight.
     g = torch.Generator().manual_seed(n + k + group + rows)
     w, sz = quant.quantize_int4(torch.randn(n, k, generator=g), group)
     pw, psz = quant.pack_int4_cpu(w, sz, group)
@@ -242,10 +253,42 @@ def test_linear_int4_packed_matches_float64(n, k, group, rows):
     y = torch.ops.kiln_cpu.linear_int4_packed(x, pw, psz, group)
     assert y.shape == (rows, n) and y.dtype == torch.float32
     scale = (x.double().abs() @ quant.dequant_int4_reference(w, psz, group, torch.float64).abs().t()).max().item()
-    float32_path = torch.backends.cpu.get_cpu_capability() == "AVX2"
-    bound = 1e-5 if float32_path else 1e-2  # float32 sums, or bfloat16 x and y
+    block = 64 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 32  # output rows per packed block
+    kiln_kernels = cpu_linear.int4_takes_float() and n % block == 0
+    brgemm = kiln_kernels and int4_path == "dequantize + brgemm" and torch.ops.kiln_cpu.int4_gemm_available()
+    bound = 1e-5 if kiln_kernels and not brgemm else 1e-2  # float32 sums, or bfloat16 x (and w)
     assert (y.double() - want).abs().max().item() <= bound * scale
     torch.testing.assert_close(y, quant._linear_int4_cpu(x, pw, psz, group), rtol=2e-2, atol=2e-2 * scale)
+
+
+@needs_gemv
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the CPU runs torch's AVX2 kernels")
+def test_linear_int4_packed_avx2_layout_on_an_avx512_cpu():
+    """Where torch dispatches to AVX512, a child process told to dispatch to AVX2 packs for AVX2:
+    kiln's AVX2 row kernels then run here too, against the same float64 product."""
+    import subprocess
+    import sys
+
+    code = """
+import torch, kiln._C
+from kiln.ops import cpu_linear, quant
+assert torch.backends.cpu.get_cpu_capability() == "AVX2" and cpu_linear.int4_takes_float()
+g = torch.Generator().manual_seed(1)
+for n, k, group in ((512, 576, 32), (256, 1536, 128)):
+    for rows in (1, 2, 5, 16):
+        w, sz = quant.quantize_int4(torch.randn(n, k, generator=g), group)
+        pw, psz = quant.pack_int4_cpu(w, sz, group)
+        x = torch.randn(rows, k, generator=g)
+        wd = quant.dequant_int4_reference(w, psz, group, torch.float64)
+        err = (torch.ops.kiln_cpu.linear_int4_packed(x, pw, psz, group).double() - x.double() @ wd.t()).abs().max()
+        assert err <= 1e-5 * (x.double().abs() @ wd.abs().t()).max(), (n, k, rows, err)
+print("ok")
+"""
+    import os
+
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0 and child.stdout.strip() == "ok", child.stderr[-2000:]
 
 
 # ---- Q8_0 LM head -----------------------------------------------------------------------------------
