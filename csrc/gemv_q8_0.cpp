@@ -173,6 +173,92 @@ void rows_avx512(const uint8_t* w, const c10::Half* s, const float* x, const flo
   for (; n < n1; ++n) rows_avx512_r<1>(w, sp, x, xsum, y, Kp, n, n + kPrefetchRows, n_end - 1);
 }
 
+// A chunk's (dA x4, dB x4, dA x4, dB x4) from its two float16 scales.
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
+inline __m512 chunk_scales(const uint16_t* pair_at, __m512i spread) {
+  uint32_t pair;
+  std::memcpy(&pair, pair_at, sizeof pair);
+  return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair)))));
+}
+
+// 16 stored bytes (q + 128) -> float (q) times their scales.
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+inline __m512 widen_scaled(const uint8_t* at, __m512 sc, __m128i flip) {
+  const __m128i b = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)), flip);
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), sc);
+}
+
+// M rows of x (2 to kMaxRows) against weight rows n0..n1, two weight rows at a time, each weight
+// loaded and widened once for all M rows (batched decode reads the head once a step, not once per
+// sequence): bytes back to q - 128 (xor 0x80, sign-extended), scaled per block as they widen, so a
+// row of x costs one FMA per 16 weights and no per-chunk sums.
+template <int M>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
+void rows_avx512_multi(const uint8_t* w, const c10::Half* s, const float* x, float* y, int64_t N, int64_t Kp,
+                       int64_t n0, int64_t n1) {
+  const auto* sp = reinterpret_cast<const uint16_t*>(s);
+  const int64_t nb = Kp / kBlock, nc = Kp / kChunk;
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+  const __m128i flip = _mm_set1_epi8(char(0x80));
+  auto scales = [&](int64_t row, int64_t c) { return chunk_scales(sp + row * nb + 2 * c, spread); };
+  auto widen = [&](const uint8_t* at, __m512 sc) { return widen_scaled(at, sc, flip); };
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) {
+    const uint8_t* w0 = w + n * Kp;
+    const uint8_t* w1 = w0 + Kp;
+    const uint8_t* ahead = w + std::min(n + 4, n1 - 2) * Kp;
+    __m512 acc[2][M];
+    for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nc; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + c * kChunk), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + Kp + c * kChunk), _MM_HINT_T0);
+      const __m512 s0 = scales(n, c), s1 = scales(n + 1, c);
+      for (int j = 0; j < 4; ++j) {
+        const int64_t at = c * kChunk + j * 16;
+        const __m512 q0 = widen(w0 + at, s0), q1 = widen(w1 + at, s1);
+        for (int m = 0; m < M; ++m) {
+          const __m512 xv = _mm512_loadu_ps(x + m * Kp + at);
+          acc[0][m] = _mm512_fmadd_ps(q0, xv, acc[0][m]);
+          acc[1][m] = _mm512_fmadd_ps(q1, xv, acc[1][m]);
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      y[m * N + n] = _mm512_reduce_add_ps(acc[0][m]);
+      y[m * N + n + 1] = _mm512_reduce_add_ps(acc[1][m]);
+    }
+  }
+  for (; n < n1; ++n) {
+    const uint8_t* w0 = w + n * Kp;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nc; ++c) {
+      const __m512 s0 = scales(n, c);
+      for (int j = 0; j < 4; ++j) {
+        const int64_t at = c * kChunk + j * 16;
+        const __m512 q0 = widen(w0 + at, s0);
+        for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(q0, _mm512_loadu_ps(x + m * Kp + at), acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * N + n] = _mm512_reduce_add_ps(acc[m]);
+  }
+}
+
+constexpr int64_t kMaxRows = 8;
+
+void rows_avx512_batch(int64_t M, const uint8_t* w, const c10::Half* s, const float* x, float* y, int64_t N, int64_t Kp,
+                       int64_t n0, int64_t n1) {
+  switch (M) {
+    case 2: rows_avx512_multi<2>(w, s, x, y, N, Kp, n0, n1); break;
+    case 3: rows_avx512_multi<3>(w, s, x, y, N, Kp, n0, n1); break;
+    case 4: rows_avx512_multi<4>(w, s, x, y, N, Kp, n0, n1); break;
+    case 5: rows_avx512_multi<5>(w, s, x, y, N, Kp, n0, n1); break;
+    case 6: rows_avx512_multi<6>(w, s, x, y, N, Kp, n0, n1); break;
+    case 7: rows_avx512_multi<7>(w, s, x, y, N, Kp, n0, n1); break;
+    default: rows_avx512_multi<8>(w, s, x, y, N, Kp, n0, n1); break;
+  }
+}
+
 bool has_avx512_f16c() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
@@ -203,6 +289,27 @@ at::Tensor gemv_q8_0(const at::Tensor& x, const at::Tensor& qweight, const at::T
 #endif
   std::vector<float> row, xsum;
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+#if defined(__x86_64__)
+  if (avx512 && M >= 2) {  // passes of up to kMaxRows rows of x, each reading the weight once
+    const int64_t nc = Kp / kChunk;
+    std::vector<float> rows_x(kMaxRows * Kp), sums(kMaxRows * nc * 16);
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+      const int64_t mr = std::min(kMaxRows, M - m0);
+      std::fill(sums.begin(), sums.end(), 0.f);
+      for (int64_t m = 0; m < mr; ++m) {
+        layout_row(xc.data_ptr<float>() + (m0 + m) * K, K, Kp, row);
+        std::copy(row.begin(), row.end(), rows_x.begin() + m * Kp);
+        for (int64_t i = 0; i < Kp; ++i) sums[(m * nc + i / kChunk) * 16 + i % 16] += row[i];
+      }
+      at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+        if (mr == 1) rows_avx512(wp, sp, rows_x.data(), sums.data(), yp + m0 * N, Kp, t0 * kTileRows,
+                                 std::min(N, t1 * kTileRows), N);
+        else rows_avx512_batch(mr, wp, sp, rows_x.data(), yp + m0 * N, N, Kp, t0 * kTileRows, std::min(N, t1 * kTileRows));
+      });
+    }
+    return y;
+  }
+#endif
   for (int64_t m = 0; m < M; ++m) {
     layout_row(xc.data_ptr<float>() + m * K, K, Kp, row);
 #if defined(__x86_64__)

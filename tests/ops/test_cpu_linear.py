@@ -298,7 +298,7 @@ needs_q8 = pytest.mark.skipif(not cpu_linear.q8_0_available(), reason="kiln._C n
 
 @needs_q8
 @pytest.mark.parametrize("m,n,k", [(1, 49152, 576), (1, 37, 96), (3, 64, 576), (1, 5, 32), (2, 19, 160),
-                                   (1, 4, 64)])
+                                   (1, 4, 64), (8, 1001, 576), (9, 37, 96), (17, 66, 160)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_gemv_q8_0_matches_reference(m, n, k, threads):
     g = torch.Generator().manual_seed(n * 7 + k + m)
