@@ -36,7 +36,44 @@ SHARED_DIR_ENV = "KILN_TEST_SHARED_DIR"
 pytest.register_assert_rewrite("tests.helpers")
 
 
+# The files that take longest, in seconds of one worker (a `make test` on two busy cores). `make
+# test` gives each xdist worker whole files in collection order (`--dist loadfile
+# --no-loadscope-reorder`), so these are collected first, longest first: a long file that started
+# last would run alone at the end and bound the run. Only the order depends on these numbers.
+LONG_FILES = {
+    "tests/e2e/test_engine.py": 640,
+    "tests/compiler/test_artifact_cache.py": 255,
+    "tests/entrypoints/test_server.py": 220,
+    "tests/entrypoints/test_responses.py": 160,
+    "tests/entrypoints/test_tool_call_formats.py": 134,
+    "tests/models/test_models.py": 113,
+    "tests/models/test_hf_generic.py": 104,
+    "tests/ops/test_cpu_linear.py": 89,
+    "tests/models/test_weight_reader.py": 84,
+    "tests/entrypoints/test_server_edge.py": 79,
+    "tests/entrypoints/test_server_robustness.py": 76,
+    "tests/compiler/test_background_build.py": 73,
+    "tests/runtime/test_tensor_parallel.py": 69,
+    "tests/ops/test_triton_attention.py": 63,
+    "tests/models/test_moe.py": 62,
+    "tests/entrypoints/test_cli.py": 62,
+    "tests/entrypoints/test_beam_search.py": 50,
+    "tests/entrypoints/test_reasoning.py": 48,
+    "tests/ops/test_kv_scales.py": 42,
+}
+
+
+def _longest_files_first(items) -> None:
+    rank = {path: i for i, path in enumerate(sorted(LONG_FILES, key=LONG_FILES.get, reverse=True))}
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::")[0], i)
+    # Stable: a file's tests keep their order, and the other files theirs.
+    items.sort(key=lambda item: (rank.get(item.nodeid.split("::")[0], len(rank)), first[item.nodeid.split("::")[0]]))
+
+
 def pytest_collection_modifyitems(config, items):
+    _longest_files_first(items)
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     skip_multi = pytest.mark.skip(reason="needs two or more CUDA devices")
     for item in items:
