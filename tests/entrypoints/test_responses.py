@@ -6,6 +6,7 @@ events, and the 4xx answers of what a stateless server does not do."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -119,8 +120,11 @@ def test_a_forced_call_is_a_function_call_item(servers, stream):
 
 
 def test_required_and_named_tool_choice_force_one_call(servers):
-    for choice in ("required", {"type": "function", "name": "get_weather"}):
-        r = _create(servers, tools=[WEATHER], tool_choice=choice, max_output_tokens=200)
+    choices = ("required", {"type": "function", "name": "get_weather"})
+    with ThreadPoolExecutor(len(choices)) as pool:  # at once: one batch
+        responses = list(pool.map(lambda choice: _create(servers, tools=[WEATHER], tool_choice=choice,
+                                                         max_output_tokens=200), choices))
+    for choice, r in zip(choices, responses):
         [call] = r.output
         assert (call.type, call.name, set(json.loads(call.arguments))) == ("function_call", "get_weather", {"city"}), choice
 
@@ -154,14 +158,16 @@ def test_json_schema_text_format(servers):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_reasoning_items_with_a_reasoning_parser(servers, stream):
-    if stream:
-        _, r = _stream(servers, THOUGHT + "Blue.", server="thinking")
-    else:
-        r = _create(servers, THOUGHT + "Blue.", server="thinking")
+    with ThreadPoolExecutor(1) as pool:  # the request without a parser runs beside it, in one batch
+        no_parser = pool.submit(_create, servers, THOUGHT + "Blue.")
+        if stream:
+            _, r = _stream(servers, THOUGHT + "Blue.", server="thinking")
+        else:
+            r = _create(servers, THOUGHT + "Blue.", server="thinking")
+        plain = no_parser.result()
     assert _items(r) == [("reasoning", "The user wants a colour."), ("message", "Blue.")]
     assert r.output_text == "Blue." and r.output[0].status == "completed"
     assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
-    plain = _create(servers, THOUGHT + "Blue.")  # no parser: the text as written
     assert _items(plain) == [("message", THOUGHT + "Blue.")]
 
 

@@ -6,6 +6,7 @@ model, its calls read back exactly, whole and streamed."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -123,25 +124,34 @@ def servers(tmp_path_factory):
         apps[name].stop()
 
 
-@pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("name", NEW)
-def test_forced_text_comes_back_as_calls(servers, name, stream):
+def _forced_calls(servers, name: str, stream: bool) -> tuple[str | None, list[dict], list[str]]:
+    """(content, calls, finish reasons) of one chat request whose text is ``TWO_CALLS[name]``."""
     path, apps = servers
     out = apps[name].client().chat.completions.create(
         model=path, messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=200, temperature=0,
         tools=[{"type": "function", "function": t} for t in TOOLS], stream=stream,
         extra_body={"structured_outputs": {"regex": exact_regex(TWO_CALLS[name])}})
-    want_content = None if name == "pythonic" else "Sure."
     if stream:
         _, content, calls, finishes = streamed(out)
-        assert content == ("" if want_content is None else want_content + " ")  # no markup, ever
-    else:
-        choice = out.choices[0]
-        content, finishes = choice.message.content, [choice.finish_reason]
-        calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls]
-        assert content == want_content
-    assert finishes == ["tool_calls"]
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == WANT_CALLS
+        return content, calls, finishes
+    choice = out.choices[0]
+    calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls]
+    return choice.message.content, calls, [choice.finish_reason]
+
+
+def test_forced_text_comes_back_as_calls(servers):
+    """Every format, whole and streamed: the eight requests are sent at once, so they run as one batch."""
+    cases = [(name, stream) for name in NEW for stream in (False, True)]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(lambda case: _forced_calls(servers, *case), cases))
+    for (name, stream), (content, calls, finishes) in zip(cases, results):
+        want_content = None if name == "pythonic" else "Sure."
+        if stream:
+            assert content == ("" if want_content is None else want_content + " "), name  # no markup, ever
+        else:
+            assert content == want_content, name
+        assert finishes == ["tool_calls"], (name, stream)
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls] == WANT_CALLS, (name, stream)
 
 
 def test_required_call_in_each_format(servers):
@@ -150,11 +160,16 @@ def test_required_call_in_each_format(servers):
     bounded = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                                 "days": {"type": "integer", "minimum": 0, "maximum": 9}},
                "required": ["city", "days"]}
-    for name in NEW:
-        out = apps[name].client().chat.completions.create(
+
+    def required(name):
+        return apps[name].client().chat.completions.create(
             model=path, messages=[{"role": "user", "content": "Weather?"}], max_tokens=400, temperature=0,
             tools=[{"type": "function", "function": {"name": "get_weather", "parameters": bounded}}],
             tool_choice="required")
+
+    with ThreadPoolExecutor(len(NEW)) as pool:  # at once: one batch
+        outs = list(pool.map(required, NEW))
+    for name, out in zip(NEW, outs):
         calls = out.choices[0].message.tool_calls
         assert out.choices[0].finish_reason == "tool_calls" and calls[0].function.name == "get_weather", name
         assert set(json.loads(calls[0].function.arguments)) == {"city", "days"}, name
