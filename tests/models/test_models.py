@@ -375,6 +375,9 @@ def test_smollm2_logits_match_transformers(smollm2, smollm2_dir):
         torch.testing.assert_close(logits[i], hf_logits(hf, ids), atol=1e-3, rtol=1e-3)
 
 
+# Slow: tests/e2e/test_engine.py::test_chat_uses_template asks SmolLM2 the same through LLM.chat
+# (the converted GGUF's chat template, greedy through the paged cache) in the default suite.
+@pytest.mark.slow
 def test_smollm2_chat_answers_paris(smollm2):
     tok = smollm2.tokenizer
     messages = [{"role": "user", "content": "What is the capital of France?"}]
