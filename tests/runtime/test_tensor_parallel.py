@@ -155,6 +155,12 @@ def test_collectives_match_their_references():
 
 
 def _compiled_graph(fn, *args):
+    # kiln._C loads (and registers its ops' fakes) on the first gemv_available(), which a loaded
+    # model calls when it is prepared, before any compile; a bare module here would make that first
+    # call inside the trace, where Dynamo cannot follow torch.library.register_fake.
+    from kiln.ops.cpu_linear import gemv_available
+
+    gemv_available()
     graphs = []
 
     def backend(gm, example_inputs):
