@@ -698,15 +698,18 @@ void int4_dequant_vnni_avx512(const uint8_t* w, const uint16_t* sz, uint16_t* ou
 // rows on (where oneDNN has a bfloat16 brgemm) the weight dequantized per block for brgemm. A
 // SmolLM2 layer's four linears, weights read from memory (python -m benchmarks.kernels cpu-int4
 // --rows): AMD EPYC, AVX2, 1.50x / 1.48x torch's kernel at 1 / 2 rows, 1.45-1.63x at 16 / 32; Intel
-// Xeon with AMX, one thread, 1.18x at 1 row; brgemm against the row kernels 1.1x at 8 rows, 2.0x at
-// 16, 5.2x at 512. Below kInt4MinWeights the fixed costs win.
+// Xeon with AMX, one thread, 1.18x at 1 row; brgemm against the row kernels 1.1-1.6x at 8 rows,
+// 2.0x at 16, 5-9x at 512. Below kInt4MinWeights the fixed costs win.
 constexpr int64_t kInt4MinWeights = int64_t(1) << 17;
 
-// From this many rows of x, where oneDNN's bfloat16 GEMM is fast (AVX512-BF16, AMX) and torch
-// packs for AVX512, the weight is dequantized to bfloat16 once per call and multiplied by oneDNN
-// (x and y rounded to bfloat16, as torch's own int4 kernel rounds them); fewer rows take the float32
-// row kernels. kiln_cpu::int4_gemm_rows sets it (benchmarks, tests); measured crossover below.
-std::atomic<int64_t> int4_gemm_rows{8};
+// From this many rows of x, where oneDNN has a bfloat16 brgemm (AMX, AVX512-BF16) and torch packs
+// for AVX512, the weight is dequantized to bfloat16 per block and multiplied by brgemm (x and w
+// rounded to bfloat16, float32 sums); fewer rows take the float32 row kernels. It pays from 8 rows
+// (1.6x there, 5-9x at 512), but its rounding is bfloat16's: with it from 8 or 32 rows, a batched
+// 4-prompt prefill and the same prompts' later steps disagreed with speculative decoding's by a
+// greedy near-tie (0.03 in logprob). From 256 rows only long prefill chunks take it, and the rows of
+// shorter steps are float32 sums whatever their batch. kiln_cpu::int4_gemm_rows sets it.
+std::atomic<int64_t> int4_gemm_rows{256};
 
 int64_t set_int4_gemm_rows(int64_t rows) { return int4_gemm_rows.exchange(rows); }
 
