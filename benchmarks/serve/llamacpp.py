@@ -22,6 +22,12 @@ completions of ``--stream-len`` tokens (``ignore_eos``, which llama-server reads
 llama-cpp-python's server has no such field, so the record keeps each stream's token count), three
 rounds after a warm-up; output tok/s counts the tokens each server reports in ``usage``.
 
+Where the CPU has AMX but llama.cpp's native build crashes in ``libggml-cpu`` (a general protection
+fault: the OS does not grant it the AMX tiles), build it without AMX: ``CMAKE_ARGS="-DGGML_NATIVE=OFF
+-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"`` for ``pip install llama-cpp-python`` and
+for ``cmake -B build`` of ``llama-server``.
+
     python -m benchmarks.serve llamacpp
     python -m benchmarks.serve llamacpp --llama-server /path/to/llama-server --threads 2
     python -m benchmarks.serve llamacpp --repeats 1 --decode-len 16 --prefill-len 64 --parts batch1  # smoke
