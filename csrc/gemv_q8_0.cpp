@@ -287,24 +287,26 @@ at::Tensor gemv_q8_0(const at::Tensor& x, const at::Tensor& qweight, const at::T
   const bool avx512 = has_avx512_f16c();
   if (has_avx2_f16c()) rows = rows_avx2;
 #endif
-  std::vector<float> row, xsum;
+  std::vector<float> row;
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
 #if defined(__x86_64__)
-  if (avx512 && M >= 2) {  // passes of up to kMaxRows rows of x, each reading the weight once
+  if (avx512) {  // passes of up to kMaxRows rows of x, each reading the weight once
     const int64_t nc = Kp / kChunk;
-    std::vector<float> rows_x(kMaxRows * Kp), sums(kMaxRows * nc * 16);
+    std::vector<float> rows_x(kMaxRows * Kp), xsum(nc * 16);
     for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
       const int64_t mr = std::min(kMaxRows, M - m0);
-      std::fill(sums.begin(), sums.end(), 0.f);
       for (int64_t m = 0; m < mr; ++m) {
         layout_row(xc.data_ptr<float>() + (m0 + m) * K, K, Kp, row);
         std::copy(row.begin(), row.end(), rows_x.begin() + m * Kp);
-        for (int64_t i = 0; i < Kp; ++i) sums[(m * nc + i / kChunk) * 16 + i % 16] += row[i];
+      }
+      if (mr == 1) {  // per chunk, lane l: the sum of x over the chunk's quarters at l
+        std::fill(xsum.begin(), xsum.end(), 0.f);
+        for (int64_t i = 0; i < Kp; ++i) xsum[(i / kChunk) * 16 + i % 16] += row[i];
       }
       at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
-        if (mr == 1) rows_avx512(wp, sp, rows_x.data(), sums.data(), yp + m0 * N, Kp, t0 * kTileRows,
-                                 std::min(N, t1 * kTileRows), N);
-        else rows_avx512_batch(mr, wp, sp, rows_x.data(), yp + m0 * N, N, Kp, t0 * kTileRows, std::min(N, t1 * kTileRows));
+        const int64_t n0 = t0 * kTileRows, n1 = std::min(N, t1 * kTileRows);
+        if (mr == 1) rows_avx512(wp, sp, rows_x.data(), xsum.data(), yp + m0 * N, Kp, n0, n1, N);
+        else rows_avx512_batch(mr, wp, sp, rows_x.data(), yp + m0 * N, N, Kp, n0, n1);
       });
     }
     return y;
@@ -312,16 +314,6 @@ at::Tensor gemv_q8_0(const at::Tensor& x, const at::Tensor& qweight, const at::T
 #endif
   for (int64_t m = 0; m < M; ++m) {
     layout_row(xc.data_ptr<float>() + m * K, K, Kp, row);
-#if defined(__x86_64__)
-    if (avx512) {
-      xsum.assign(Kp / kChunk * 16, 0.f);  // per chunk, lane l: the sum of x over the chunk's quarters at l
-      for (int64_t i = 0; i < Kp; ++i) xsum[(i / kChunk) * 16 + i % 16] += row[i];
-      at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
-        rows_avx512(wp, sp, row.data(), xsum.data(), yp + m * N, Kp, t0 * kTileRows, std::min(N, t1 * kTileRows), N);
-      });
-      continue;
-    }
-#endif
     at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
       rows(wp, sp, row.data(), yp + m * N, Kp, t0 * kTileRows, std::min(N, t1 * kTileRows));
     });
