@@ -204,10 +204,10 @@ class Q8Head(NamedTuple):
 
 # Rows of x the Q8_0 head takes where torch dispatches to AVX512: its AVX-512 kernel reads the
 # weight once per 8 rows, faster there than the bfloat16 head through oneDNN up to 8 (one thread,
-# SmolLM2's head: 1.9 / 3.9 ms at 2 / 8 rows against 5.1 / 5.2) and even at 16. Up to 16 rows
-# (e.g. speculative verification of 4 sequences x 4 tokens) a row's logits are the same sums
-# whatever the batch; across the switch to bfloat16 they are not, which flipped a near-tie of
-# greedy decoding under n-gram speculation. Elsewhere one row.
+# SmolLM2's head: 1.9 / 3.9 ms at 2 / 8 rows against 5.1 / 5.2). 9-16 rows take two passes, slower
+# than bfloat16 (11.2 against 5.2 ms at 16), and stay on it so that a row's logits are the same sums
+# whatever the batch up to 16 (speculative verification of 4 sequences x 4 tokens): across the
+# switch to bfloat16 a greedy near-tie flipped under n-gram speculation. Elsewhere one row.
 Q8_HEAD_ROWS = 16
 _Q8_ROWS = torch.backends.cpu.get_cpu_capability() == "AVX512"
 
