@@ -171,3 +171,9 @@ def console_table(header: list[str], rows: list[list]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def markdown_table(header: list[str], rows: list[list]) -> list[str]:
+    """The lines of a markdown table (cells as given, str()-ed)."""
+    return ["| " + " | ".join(map(str, header)) + " |", "|" + " --- |" * len(header),
+            *("| " + " | ".join(map(str, row)) + " |" for row in rows)]

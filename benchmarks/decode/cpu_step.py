@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from benchmarks.common import console_table, out_dir, weight_bytes_per_step
+from benchmarks.common import console_table, markdown_table, out_dir, weight_bytes_per_step
 
 # (part, substrings of a profiler event's name); first match wins.
 PARTS = (
@@ -127,7 +127,6 @@ def main(argv=None) -> None:
           f"`python -m benchmarks.decode cpu-step`: {meta['mb_per_step']} MB read a step; prompt {args.prompt_len}, "
           f"{args.tokens} steps, median of {args.rounds} rounds; load average {meta['load_avg']} at the end. "
           "Parts (ms a step) come from one profiled round; host is the profiled wall time no op accounts for.", "",
-          "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    md += ["| " + " | ".join(row) + " |" for row in table]
+          *markdown_table(header, table)]
     with open(out + ".md", "w") as f:
         f.write("\n".join(md) + "\n")
