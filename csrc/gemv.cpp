@@ -627,22 +627,92 @@ void int4_rows_avx512(const uint8_t* w, const uint16_t* sz, const float* x, cons
   }
 }
 
-// Every row of x against block n0 (64 rows): passes of at most kInt4Rows512 rows, as even as they come.
+// Group g0 of block n0's q' as float32, [group][64] (8 KiB for a group of 32, in L1): rows of x
+// beyond one pass read it instead of converting each nibble once per pass.
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void int4_group_f32_avx512(const uint8_t* block, float* out, int64_t g0, int64_t group) {
+  const __m512 lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t k = g0; k < g0 + group; ++k) {
+    const uint8_t* col = block + k * 32;
+    const __m512i e0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(col)));
+    const __m512i e1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 16)));
+    float* dst = out + (k - g0) * 64;
+    _mm512_storeu_ps(dst, _mm512_permutexvar_ps(e0, lut));
+    _mm512_storeu_ps(dst + 16, _mm512_permutexvar_ps(e1, lut));
+    _mm512_storeu_ps(dst + 32, _mm512_permutexvar_ps(_mm512_srli_epi32(e0, 4), lut));
+    _mm512_storeu_ps(dst + 48, _mm512_permutexvar_ps(_mm512_srli_epi32(e1, 4), lut));
+  }
+}
+
+// int4_rows_avx512's products and sums for one group, q' read from int4_group_f32_avx512's buffer.
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void int4_group_rows_avx512(const float* q, const uint16_t* sz, const float* x, const float* xsums, float* y,
+                            int64_t N, int64_t K, int64_t group, int64_t n0, int64_t m0, int64_t g0) {
+  const float* xr = x + m0 * K;
+  const int64_t groups = K / group, gi = g0 / group;
+  __m512 t[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) t[r][v] = _mm512_setzero_ps();
+  for (int64_t k = g0; k < g0 + group; ++k) {
+    const float* qk = q + (k - g0) * 64;
+    const __m512 q0 = _mm512_loadu_ps(qk), q1 = _mm512_loadu_ps(qk + 16);
+    const __m512 q2 = _mm512_loadu_ps(qk + 32), q3 = _mm512_loadu_ps(qk + 48);
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(xr[r * K + k]);
+      t[r][0] = _mm512_fmadd_ps(q0, a, t[r][0]);
+      t[r][1] = _mm512_fmadd_ps(q1, a, t[r][1]);
+      t[r][2] = _mm512_fmadd_ps(q2, a, t[r][2]);
+      t[r][3] = _mm512_fmadd_ps(q3, a, t[r][3]);
+    }
+  }
+  const uint16_t* gsz = sz + (gi * N + n0) * 2;
+  for (int v = 0; v < 4; ++v) {
+    __m512 sc, z;
+    int4_scales16(gsz + 32 * v, &sc, &z);
+    for (int r = 0; r < R; ++r) {
+      float* out = y + (m0 + r) * N + n0 + 16 * v;
+      const __m512 xs = _mm512_set1_ps(xsums[(m0 + r) * groups + gi]);
+      _mm512_storeu_ps(out, _mm512_fmadd_ps(z, xs, _mm512_fmadd_ps(sc, t[r][v], _mm512_loadu_ps(out))));
+    }
+  }
+}
+
+// Every row of x against block n0 (64 rows): passes of at most kInt4Rows512 rows, as even as they
+// come. One pass converts the nibbles as it goes (int4_rows_avx512); with more, each group's q' is
+// converted once into a float32 buffer the passes read. Both sum each row, group and lane in the
+// same order, so a row's result does not depend on the passes.
 constexpr int64_t kInt4Rows512 = 6;
 
 void int4_all_rows_avx512(const uint8_t* w, const uint16_t* sz, const float* x, const float* xsums, float* y,
                           int64_t M, int64_t N, int64_t K, int64_t group, int64_t n0) {
   const int64_t passes = (M + kInt4Rows512 - 1) / kInt4Rows512;
-  for (int64_t i = 0, m = 0; i < passes; ++i) {
-    const int64_t rows = M / passes + (i < M % passes ? 1 : 0);
-    switch (rows) {
-      case 6: int4_rows_avx512<6>(w, sz, x, xsums, y, N, K, group, n0, m); break;
-      case 5: int4_rows_avx512<5>(w, sz, x, xsums, y, N, K, group, n0, m); break;
-      case 4: int4_rows_avx512<4>(w, sz, x, xsums, y, N, K, group, n0, m); break;
-      case 3: int4_rows_avx512<3>(w, sz, x, xsums, y, N, K, group, n0, m); break;
-      default: int4_rows_avx512<2>(w, sz, x, xsums, y, N, K, group, n0, m); break;
+  auto rows_of = [&](int64_t i) { return M / passes + (i < M % passes ? 1 : 0); };
+  if (passes == 1) {
+    switch (M) {
+      case 6: int4_rows_avx512<6>(w, sz, x, xsums, y, N, K, group, n0, 0); break;
+      case 5: int4_rows_avx512<5>(w, sz, x, xsums, y, N, K, group, n0, 0); break;
+      case 4: int4_rows_avx512<4>(w, sz, x, xsums, y, N, K, group, n0, 0); break;
+      case 3: int4_rows_avx512<3>(w, sz, x, xsums, y, N, K, group, n0, 0); break;
+      default: int4_rows_avx512<2>(w, sz, x, xsums, y, N, K, group, n0, 0); break;
     }
-    m += rows;
+    return;
+  }
+  static thread_local std::vector<float> q;
+  if (q.size() < size_t(group * 64)) q.resize(group * 64);
+  const uint8_t* block = w + n0 * K / 2;
+  for (int64_t g0 = 0; g0 < K; g0 += group) {
+    int4_group_f32_avx512(block, q.data(), g0, group);
+    for (int64_t i = 0, m = 0; i < passes; ++i) {
+      const int64_t rows = rows_of(i);
+      switch (rows) {  // passes of 3 to 6 rows (M > 6)
+        case 6: int4_group_rows_avx512<6>(q.data(), sz, x, xsums, y, N, K, group, n0, m, g0); break;
+        case 5: int4_group_rows_avx512<5>(q.data(), sz, x, xsums, y, N, K, group, n0, m, g0); break;
+        case 4: int4_group_rows_avx512<4>(q.data(), sz, x, xsums, y, N, K, group, n0, m, g0); break;
+        default: int4_group_rows_avx512<3>(q.data(), sz, x, xsums, y, N, K, group, n0, m, g0); break;
+      }
+      m += rows;
+    }
   }
 }
 
@@ -694,7 +764,8 @@ void int4_dequant_vnni_avx512(const uint8_t* w, const uint16_t* sz, uint16_t* ou
 // casts and reshapes kiln/ops/quant.py's _linear_int4_cpu does, without its Python. Where torch
 // packed for AVX2 or AVX512 (its kernels' layout depends on the CPU capability it dispatches to)
 // and N is whole blocks (32 or 64 rows), kiln's float32 kernels run instead: one row in registers
-// (int4_block_avx2 / _avx512), more in passes of up to 6 rows, and on AVX512 from int4_gemm_rows
+// (int4_block_avx2 / _avx512), more in passes of up to 6 rows (on AVX512, beyond one pass, from a
+// float32 copy of each group's nibbles converted once), and on AVX512 from int4_gemm_rows
 // rows on (where oneDNN has a bfloat16 brgemm) the weight dequantized per block for brgemm. A
 // SmolLM2 layer's four linears, weights read from memory (python -m benchmarks.kernels cpu-int4
 // --rows): AMD EPYC, AVX2, 1.50x / 1.48x torch's kernel at 1 / 2 rows, 1.45-1.63x at 16 / 32; Intel
@@ -790,7 +861,11 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     const int64_t groups = K / group_size;
     std::vector<float> xsums(M * groups, 0.f);  // each row's and group's sum of x, for the zero points
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) xsums[m * groups + k / group_size] += xp[m * K + k];
+      for (int64_t g = 0; g < groups; ++g) {
+        float sum = 0.f;
+        for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) sum += xp[m * K + k];
+        xsums[m * groups + g] = sum;
+      }
     at::parallel_for(0, N / block, avx512_layout ? 2 : 4, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         if (avx512_layout) {

@@ -1,5 +1,5 @@
-"""Where a CPU batch-1 decode step of the default model goes: kernels, compiled glue and host, against
-the step's weight-read bound, for each thread count.
+"""Where a CPU decode step of the default model goes: kernels, compiled glue and host, against the
+step's weight-read bound, for each thread count (batch 1, or ``--batch`` sequences decoded together).
 
 ``make serve``'s model with kiln's defaults (``LLM()``: the GGUF's int4 blocks, its Q8_0 head, the
 compiled forward built before timing). For each ``--threads`` count, ``--rounds`` rounds of:
@@ -17,6 +17,7 @@ parts add up to more than ``step ms``; the split is what to compare.
 
     python -m benchmarks.decode cpu-step
     python -m benchmarks.decode cpu-step --threads 1 --rounds 1 --tokens 8   # smoke
+    python -m benchmarks.decode cpu-step --threads 2 --batch 8                # 8 streams' step
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--tokens", type=int, default=64, help="decode steps per timed run")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together (distinct prompts)")
     p.add_argument("--out", default=str(out_dir()))
     args = p.parse_args(argv)
     from kiln import LLM, SamplingParams
@@ -66,12 +68,13 @@ def main(argv=None) -> None:
     llm = LLM(compile={"startup": "complete"})
     model = llm.engine.executor.runner.model
     step_bytes = weight_bytes_per_step(model)
-    ids = list(range(1000, 1000 + args.prompt_len))
+    prompts = [{"prompt_token_ids": list(range(1000 + 7 * b, 1000 + 7 * b + args.prompt_len))}
+               for b in range(args.batch)]
 
     def run(n: int) -> float:
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t0
 
     def step_s() -> float:
@@ -117,13 +120,14 @@ def main(argv=None) -> None:
     table = [[str(r[c]) for c in cols] for r in records]
     print(console_table(header, table))
     meta = {"cpu": cpu_model(), "cores": os.cpu_count(), "mb_per_step": round(step_bytes / 1e6, 1),
-            "prompt_len": args.prompt_len, "tokens": args.tokens, "rounds": args.rounds, "torch": torch.__version__,
+            "batch": args.batch, "prompt_len": args.prompt_len, "tokens": args.tokens, "rounds": args.rounds,
+            "torch": torch.__version__,
             "load_avg": round(os.getloadavg()[0], 2)}
-    out = os.path.join(args.out, "cpu_step")
+    out = os.path.join(args.out, "cpu_step" if args.batch == 1 else f"cpu_step-b{args.batch}")
     os.makedirs(args.out, exist_ok=True)
     with open(out + ".json", "w") as f:
         json.dump({"meta": meta, "records": records}, f, indent=1)
-    md = [f"# A CPU batch-1 decode step of the default model ({meta['cpu']}, {meta['cores']} cores)", "",
+    md = [f"# A CPU batch-{args.batch} decode step of the default model ({meta['cpu']}, {meta['cores']} cores)", "",
           f"`python -m benchmarks.decode cpu-step`: {meta['mb_per_step']} MB read a step; prompt {args.prompt_len}, "
           f"{args.tokens} steps, median of {args.rounds} rounds; load average {meta['load_avg']} at the end. "
           "Parts (ms a step) come from one profiled round; host is the profiled wall time no op accounts for.", "",

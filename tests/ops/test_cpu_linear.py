@@ -262,6 +262,21 @@ def test_linear_int4_packed_matches_float64(n, k, group, rows, int4_path):
 
 
 @needs_gemv
+@pytest.mark.skipif(not cpu_linear.int4_takes_float(), reason="torch's int4 kernel runs here")
+def test_linear_int4_rows_do_not_depend_on_the_batch():
+    """Below int4_gemm_rows a row's float32 sums take the same order in one pass of rows or several
+    (and, on AVX512, from a converted-once buffer of the weight): the first rows of 2..20 come out
+    bit for bit alike, so a batch's other requests never move a greedy token."""
+    g = torch.Generator().manual_seed(5)
+    w, sz = quant.quantize_int4(torch.randn(512, 576, generator=g), 32)
+    pw, psz = quant.pack_int4_cpu(w, sz, 32)
+    x = torch.randn(20, 576, generator=g)
+    first = torch.ops.kiln_cpu.linear_int4_packed(x[:2], pw, psz, 32)
+    for rows in range(3, 21):
+        assert torch.equal(torch.ops.kiln_cpu.linear_int4_packed(x[:rows], pw, psz, 32)[:2], first), rows
+
+
+@needs_gemv
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the CPU runs torch's AVX2 kernels")
 def test_linear_int4_packed_avx2_layout_on_an_avx512_cpu():
     """Where torch dispatches to AVX512, a child process told to dispatch to AVX2 packs for AVX2:
