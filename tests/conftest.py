@@ -18,6 +18,11 @@ a Hugging Face directory (about 14 s to convert), kept in ``$KILN_TEST_SHARED_DI
 ``.kiln-cache/`` in the checkout, git-ignored) and linked into each session's cache dir. Point it
 at ``~/.cache/kiln`` to share the conversion with your own kiln; set it to an empty string to
 convert into the session's cache dir every run. A test must never write into a linked entry.
+
+Under pytest-xdist each worker takes its share of the cores (``cores_per_worker``): torch's threads
+and ``$OMP_NUM_THREADS``, which the processes a test starts inherit. Two workers that each ran a
+thread per core would make every OpenMP region of one wait on threads the other has descheduled; a
+test that needs several threads sets them itself.
 """
 
 import os
@@ -86,6 +91,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "multi_gpu" in item.keywords and torch.cuda.device_count() < 2:
             item.add_marker(skip_multi)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cores_per_worker():
+    """The cores of one xdist worker, which it and its child processes use (see the module docstring);
+    all of them without xdist."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = max(1, (os.cpu_count() or 1) // workers)
+    if workers == 1:
+        yield cores
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", str(cores))
+        yield cores
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session", autouse=True)

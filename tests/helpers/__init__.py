@@ -12,4 +12,5 @@ in nothing: each module imports only what its own helpers need.
 - ``parallel``: the tensor-parallel check that two engines' completions agree.
 - ``ray_executor``: Ray if installed, and the Ray executor tests' workload.
 - ``server``: a real uvicorn server on a free port, a stand-in engine, and response checks.
+- ``threads``: torch's thread count for a block of code.
 """

@@ -5,8 +5,9 @@ gives contexts a partial last block, hands the kernel q/k/v as row-strided views
 tensor, poisons the output with NaN, and requires the cache to match the reference bit for bit
 and the output within the dtype's tolerance (float32 1e-5, bfloat16 2e-2).
 
-The module skips only when ``kiln._C`` is not built (``pip install --no-build-isolation -e .``
-builds it; the Makefile does).
+The kernel runs on two threads (a test worker may have a share of one core): a batch with enough
+work splits its items between them, a batch of one request its heads. The module skips only when
+``kiln._C`` is not built (``pip install --no-build-isolation -e .`` builds it; the Makefile does).
 """
 
 from __future__ import annotations
@@ -18,11 +19,18 @@ from kiln.forward_context import ForwardContext, forward_context
 from kiln.ops import cpu_attention as ca
 from kiln.ops.attention import attend_paged_reference
 from kiln.ops.registry import select_kernels
+from tests.helpers.threads import torch_threads
 
 if not ca.load_extension():
     pytest.skip("kiln._C is not built: run `pip install --no-build-isolation -e .`", allow_module_level=True)
 
 DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    with torch_threads(2):
+        yield
 
 
 def _check(seed, *, decodes=(), prefills=(), group=4, num_kv_heads=2, head_dim=64, block_size=16,
@@ -62,7 +70,8 @@ def test_odd_group_and_block_size_bf16_and_fp32(dtype):
 
 
 def test_contiguous_inputs_and_single_request():
-    _check(5, decodes=(40,), group=8, fused_qkv=False)  # batch 1: the group is split across threads
+    # Batch 1 over 160 keys is work enough for two threads (kMinParallelWork): the group is split.
+    _check(5, decodes=(160,), group=8, fused_qkv=False)
     _check(6, prefills=((64, 64),), group=1, num_kv_heads=1, fused_qkv=False)
 
 
@@ -73,7 +82,7 @@ def test_sliding_window_and_softcap_match_reference(window, softcap, dtype):
     # that tanh saturates (random scores are of order 1). Contexts both shorter and longer than W.
     _check(8, decodes=(5, 40, 70), prefills=((75, 11), (45, 45), (30, 1)), group=4, block_size=8, dtype=dtype,
            sliding_window=window, logit_softcap=softcap)
-    _check(9, decodes=(90,), group=8, fused_qkv=False, sliding_window=window, logit_softcap=softcap)  # batch 1
+    _check(9, decodes=(160,), group=8, fused_qkv=False, sliding_window=window, logit_softcap=softcap)  # batch 1
 
 
 def test_window_and_softcap_change_the_output():
