@@ -464,9 +464,6 @@ class EngineConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
-        if self.lora.enabled and self.parallel.tensor_parallel_size != 1:
-            raise ValueError("LoRA adapters are served with parallel.tensor_parallel_size=1 for now; "
-                             "set it to 1 or leave lora off")
         if self.lora.enabled and self.parallel.pipeline_parallel_size != 1:
             raise ValueError("LoRA adapters are served with parallel.pipeline_parallel_size=1 for now; "
                              "set it to 1 or leave lora off")

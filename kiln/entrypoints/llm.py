@@ -167,18 +167,20 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Optional[dict[str, Any]] = None,
+        lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (or a list of them) and generate.
         ``continue_final_message``: the last message is continued in place (with
         ``add_generation_prompt=False``); ``chat_template_kwargs``: more of the template's variables
-        (``{"enable_thinking": False}`` for Qwen3's)."""
+        (``{"enable_thinking": False}`` for Qwen3's); ``lora_request``: as ``generate``'s, one for
+        every conversation or one each."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for c in conversations:  # image parts (image_url, image_pil) become the template's placeholders
             c, images = split_image_parts(c, OFFLINE)
             text = self.apply_chat_template(c, add_generation_prompt, continue_final_message, chat_template_kwargs)
             prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
-        return self.generate(prompts, sampling_params, use_tqdm, add_special_tokens=False)
+        return self.generate(prompts, sampling_params, use_tqdm, add_special_tokens=False, lora_request=lora_request)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
                             continue_final_message: bool = False,

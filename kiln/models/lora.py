@@ -20,7 +20,9 @@ o_proj, gate_up_proj, down_proj) holding every device slot's adapter, laid out s
       lora_b[s]  [3R, q + 2 kv]     q's B.T at rows 0..r, cols 0..q; k's at R.., q..q+kv; v's at 2R.., q+kv..
 
 An adapter that leaves a module out leaves its rows zero. Slots are written in place (the
-buffers are graph inputs), so which adapter a slot holds is data to the compiled graph.
+buffers are graph inputs), so which adapter a slot holds is data to the compiled graph. Under
+tensor parallelism each rank reads the whole adapter and writes its shard (``module_shards``):
+column-parallel projections take their columns of B, row-parallel ones their columns of A.
 
 Joined layout (``join_shrink``, on CUDA): a plain linear of the model dtype without a bias gets
 its weight moved to the head of a buffer whose tail is the stack's ``lora_a``, so that one GEMM
@@ -45,6 +47,7 @@ import torch
 from torch import nn
 
 import kiln.ops.lora  # noqa: F401  (registers torch.ops.kiln.add_lora)
+from kiln.models.parallel import SINGLE, Shard, column_shard, head_shards, row_shard
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -72,15 +75,43 @@ class LoraAdapter:
 
 
 def module_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """target -> (in, out) of one layer's projection in ``model`` (a native Llama-family model)."""
+    """target -> (in, out) of one layer's whole projection in ``model`` (a native Llama-family
+    model), as the checkpoint and its adapters hold it, whatever this rank's shard."""
     arch = model.arch
-    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    if not hasattr(mlp, "down_proj"):
+    if not hasattr(model.layers[0].mlp, "down_proj"):
         raise ValueError(f"LoRA adapters are served for dense models; {arch.family} has sparse (MoE) layers")
-    inter = mlp.down_proj.in_features
-    h, q, kv = arch.hidden_size, attn.q_size, attn.kv_size
+    h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    inter = arch.intermediate_size
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+
+
+def module_shards(model: nn.Module) -> dict[str, Shard]:
+    """target -> the slice of its [out, in] weight this rank holds under tensor parallelism (None:
+    all of it), as ``kiln.models.parallel`` shards the base weights. A column-parallel projection's
+    adapter keeps A whole and this rank's columns of B.T; a row-parallel one this rank's columns of A
+    and B whole: its term joins the partial sum before the block's all-reduce."""
+    arch, tp = model.arch, getattr(model, "tp", SINGLE)
+    heads = head_shards(arch, tp)
+    col, row = column_shard(arch.intermediate_size, tp), row_shard(arch.intermediate_size, tp)
+    return {**heads, "o_proj": row_shard(arch.num_heads * arch.head_dim, tp), "gate_proj": col, "up_proj": col,
+            "down_proj": row}
+
+
+def shard_module(pair: tuple[torch.Tensor, torch.Tensor], shard: Shard) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A [r, in], B.T [r, out]) narrowed to this rank's ``shard`` of the weight [out, in]."""
+    if shard is None:
+        return pair
+    a, bt = pair
+    dim, start, length = shard
+    return (a, bt.narrow(1, start, length)) if dim == 0 else (a.narrow(1, start, length), bt)
+
+
+def _local(shape: tuple[int, int], shard: Shard) -> tuple[int, int]:
+    fan_in, fan_out = shape
+    if shard is None:
+        return shape
+    return (fan_in, shard[2]) if shard[0] == 0 else (shard[2], fan_out)
 
 
 def read_adapter(name: str, path: str, shapes: dict[str, tuple[int, int]], num_layers: int, max_rank: int,
@@ -258,15 +289,17 @@ class ModelLoras:
         if not hasattr(model, "layers") or not hasattr(model, "arch"):
             raise ValueError("LoRA adapters are served on kiln's native models (the Llama family); "
                              "use model.impl=native or leave lora off")
-        self.shapes = module_shapes(model)
+        self.shapes = module_shapes(model)  # whole, as adapters hold them
+        self.shards = module_shards(model)  # this rank's slice of each
+        local = {t: _local(shape, self.shards[t]) for t, shape in self.shapes.items()}
         self.num_layers = len(model.layers)
         self.stacks: list[dict[str, LoraStack]] = []
         self.num_joined = 0  # stacks in the joined layout
         for layer in model.layers:
             stacks = {}
             for group, (owner, targets) in STACKS.items():
-                in_features = self.shapes[targets[0]][0]
-                out_sizes = tuple(self.shapes[t][1] for t in targets)
+                in_features = local[targets[0]][0]
+                out_sizes = tuple(local[t][1] for t in targets)
                 linear = getattr(getattr(layer, owner), LINEARS[group])
                 lora_a = None
                 if join_shrink and tuple(linear.weight.shape) == (sum(out_sizes), in_features):
@@ -284,7 +317,8 @@ class ModelLoras:
         modules = adapter.modules if adapter is not None else {}
         for layer, stacks in enumerate(self.stacks):
             for group, (_, targets) in STACKS.items():
-                stacks[group].write(index, [modules.get((layer, t)) for t in targets])
+                stacks[group].write(index, [shard_module(modules[(layer, t)], self.shards[t])
+                                            if (layer, t) in modules else None for t in targets])
 
 
 def attach_lora(model: nn.Module, num_slots: int, max_rank: int, dtype: torch.dtype,

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from kiln.lora_request import LoRARequest
 from kiln.runtime.request import Request
 from kiln.sampling_params import SamplingParams
 from kiln.runtime.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -43,6 +44,7 @@ class NewRequest:
     num_new_tokens: int
     eos_token_ids: tuple[int, ...] = ()  # min_tokens masks them
     pooling: Optional[str] = None
+    lora_request: Optional[LoRARequest] = None  # the adapter it runs with
 
 
 # (request_id, output tokens appended, block ids appended, num_computed_tokens, num_new_tokens)
@@ -74,7 +76,8 @@ class StepEncoder:
             if sent is None or sent[1] > len(blocks):
                 delta.scheduled.append(NewRequest(req.request_id, req.prompt_token_ids, list(outputs),
                                                   req.sampling_params, list(blocks), req.num_computed_tokens,
-                                                  s.num_new_tokens, req.eos_token_ids, req.pooling))
+                                                  s.num_new_tokens, req.eos_token_ids, req.pooling,
+                                                  req.lora_request))
             else:
                 n_out, n_blocks = sent
                 delta.scheduled.append((req.request_id, outputs[n_out:], blocks[n_blocks:],
@@ -104,7 +107,7 @@ class RequestMirror:
             if isinstance(item, NewRequest):
                 req = Request(item.request_id, list(item.prompt_token_ids), item.sampling_params,
                               eos_token_ids=tuple(item.eos_token_ids), output_token_ids=list(item.output_token_ids),
-                              pooling=item.pooling)
+                              pooling=item.pooling, lora_request=item.lora_request)
                 blocks = list(item.block_ids)
                 self._requests[item.request_id] = (req, blocks)
                 num_computed, num_new = item.num_computed_tokens, item.num_new_tokens

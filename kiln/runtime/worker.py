@@ -7,6 +7,8 @@ Protocol over one duplex pipe per rank (messages are pickled once by the executo
                                                under pipeline parallelism, hidden states stage to stage)
     executor <─ ("ok", RunnerOutput | None) ── tp rank 0 of the last stage samples and answers, others None
     executor ─ ("forget", [request ids]) ────> every rank (mirrors; rank 0's sampler), no answer
+    executor ─ ("add_lora", LoRARequest) ────> every rank reads the adapter and keeps its shard
+               ("remove_lora", int id)         ("ok", bool) or ("refused", ValueError): it goes on serving
     executor ─ ("shutdown", None) ───────────> every rank: leave the loop, destroy the group, exit
 
 A step travels as a ``StepDelta`` (``kiln.runtime.step_delta``): each rank keeps a mirror of the
@@ -15,7 +17,8 @@ live requests, so a steady decode sends a few integers per request, not its whol
 Ray actor (``ray``) drives it.
 
 Rules kept here:
-- Every failure is answered, never swallowed: ("error", exception, traceback text), then exit.
+- Every failure is answered, never swallowed: ("error", exception, traceback text), then exit;
+  an adapter a rank refuses is a ("refused", ValueError) answer, not a failure.
 - A worker never outlives the engine: it exits when its pipe closes or its parent process is gone.
 - The process group (and under pipeline parallelism every stage's tensor-parallel group,
   ``kiln.runtime.pipeline``) is initialized before the model is built (the KV block count is
@@ -30,14 +33,14 @@ import socket
 import sys
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
 import torch
 
-from kiln.config import CacheConfig, CompileConfig, ModelConfig, SchedulerConfig
+from kiln.config import CacheConfig, CompileConfig, LoraConfig, ModelConfig, SchedulerConfig
 from kiln.models.parallel import TensorParallel
 from kiln.models.pipeline import WHOLE, PipelineStage, global_rank
 from kiln.runtime.model_runner import RunnerOutput
@@ -62,6 +65,7 @@ class WorkerSpec:
     # of the host); a Ray actor sees only the GPU Ray gave it, so it passes 0.
     local_gpu: Optional[int] = None
     stage: PipelineStage = WHOLE  # parallel.pipeline_parallel_size: this rank's stage
+    lora: LoraConfig = field(default_factory=LoraConfig)  # every rank holds its shard of each adapter
 
     @property
     def rank(self) -> int:
@@ -91,6 +95,17 @@ class RankWorker:
     def execute(self, delta: StepDelta) -> Optional[RunnerOutput]:
         out = self.runner.execute(self.mirror.apply(delta))
         return out if self.runner.is_sampler else None
+
+    def lora(self, method: str, arg: Any) -> tuple[str, Any]:
+        """("ok", the manager's answer) to add_lora / remove_lora, or ("refused", the ValueError of
+        an adapter this rank cannot serve): a refusal keeps the rank serving."""
+        manager = self.runner.lora
+        if manager is None:
+            return "refused", ValueError("this engine serves no LoRA adapters; start it with lora.enabled=true")
+        try:
+            return "ok", manager.add(arg) if method == "add_lora" else manager.remove(arg)
+        except ValueError as exc:
+            return "refused", exc
 
     def forget(self, request_ids: list[str]) -> None:
         self.mirror.forget(request_ids)
@@ -141,7 +156,8 @@ def _start(spec: WorkerSpec):
 
         local_gpu = torch.device("cuda", torch.cuda.current_device())
         symm_mem_all_reduce.setup(resolve_dtype(spec.model.dtype, device), local_gpu)
-    return ModelRunner(spec.model, spec.cache, spec.compile, spec.scheduler, spec.tp, stage=spec.stage)
+    return ModelRunner(spec.model, spec.cache, spec.compile, spec.scheduler, spec.tp, stage=spec.stage,
+                       lora=spec.lora)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -168,6 +184,8 @@ def _serve(worker: RankWorker, conn: Connection, parent_pid: int) -> None:
                 conn.send(("ok", worker.execute(arg)))
             elif method == "forget":
                 worker.forget(arg)
+            elif method in ("add_lora", "remove_lora"):
+                conn.send(worker.lora(method, arg))
             else:
                 raise ValueError(f"unknown worker message {method!r}")
         except BaseException as exc:  # noqa: BLE001

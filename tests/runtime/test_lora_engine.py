@@ -3,7 +3,8 @@ three random PEFT adapters (non-zero B). A mixed batch (base and adapters interl
 prompts under every adapter, chunked prefill and prefix caching on) gives, for each request,
 transformers' greedy tokens on the base with that adapter merged (``merge_and_unload``); with
 more adapters than device slots (and than host slots) too. Adapters load, unload and reload at
-run time, and a bad adapter is refused without leaving a request or a block behind. On CUDA
+run time, and a bad adapter is refused without leaving a request or a block behind; two
+tensor-parallel ranks give the same tokens. On CUDA
 (``gpu``), the same mixed batch in the joined layout (the shrink inside the base GEMM).
 """
 
@@ -101,6 +102,24 @@ def test_load_unload_reload_and_refusals(family, kiln_cache_dir, tmp_path):
     llm.engine.shutdown()
 
 
+def test_chat_runs_each_conversation_with_its_adapter(family, kiln_cache_dir):
+    base_dir, loras, _, _ = family
+    if base_dir.parent.name.startswith("lora-qwen2"):
+        pytest.skip("the toy word-level tokenizer loads as Qwen2's BPE class and encodes no text")
+    llm = _llm(base_dir, kiln_cache_dir, max_loras=2)
+    llm.tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    chat = [[{"role": "user", "content": "one two three"}]] * 3
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.chat(chat, params, use_tqdm=False,
+                                                   lora_request=[loras["a"], None, loras["b"]])]
+    text = llm.apply_chat_template(chat[0])
+    for lora, tokens in zip([loras["a"], None, loras["b"]], got):
+        out = llm.generate([text], params, use_tqdm=False, add_special_tokens=False, lora_request=lora)
+        assert out[0].outputs[0].token_ids == tokens
+    assert len({tuple(t) for t in got}) == 3  # each adapter (and the base) answers differently
+    llm.engine.shutdown()
+
+
 def test_engine_without_lora_refuses_an_adapter(family, kiln_cache_dir):
     base_dir, loras, prompts, _ = family
     llm = LLM(str(base_dir), dtype="float32", compile={"mode": "eager"}, cache={"dir": kiln_cache_dir})
@@ -121,6 +140,31 @@ def test_compiled_forward_serves_every_mix_from_one_capture(family, kiln_cache_d
     forward = compiled.forward
     assert forward.num_captures == 1 and forward.num_recompiles == 0
     llm.engine.shutdown()
+
+
+def test_tensor_parallel_ranks_hold_shards_and_match_peft_merged(family, kiln_cache_dir, tmp_path):
+    """parallel.tensor_parallel_size=2 (mp, gloo): each rank reads every adapter and writes its
+    shard (q/k/v and gate/up columns of B, o/down columns of A), and the mixed batch gives the
+    merged adapters' tokens, as one rank does; a refused adapter leaves both ranks serving."""
+    base_dir, loras, prompts, want = family
+    if base_dir.parent.name.startswith("lora-qwen2"):
+        pytest.skip("one family is enough for two rank processes")
+    llm = LLM(str(base_dir), dtype="float32", compile={"mode": "eager"},
+              cache={"dir": kiln_cache_dir, "block_size": 4}, lora={"max_loras": 2},
+              scheduler={"max_num_batched_tokens": 16, "max_num_seqs": 8},
+              parallel={"tensor_parallel_size": 2, "backend": "mp"})
+    try:
+        _check_mixed(llm, loras, prompts, want)  # 3 adapters through 2 slots
+        engine = llm.engine
+        with pytest.raises(ValueError, match="adapter_config.json is missing"):
+            engine.add_lora(LoRARequest("bad", 9, str(tmp_path)))
+        assert engine.remove_lora(1) and not engine.remove_lora(1)
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        out = llm.generate([prompts[2]], params, use_tqdm=False, lora_request=loras["a"])
+        assert out[0].outputs[0].token_ids == want[("a", 2)]
+        assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_usable_blocks
+    finally:
+        llm.engine.shutdown()
 
 
 @pytest.mark.gpu

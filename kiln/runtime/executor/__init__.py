@@ -24,10 +24,10 @@ __all__ = ["Executor", "MultiprocExecutor", "UniProcExecutor", "make_executor"]
 def make_executor(model: ModelConfig, cache: CacheConfig, compile: CompileConfig, parallel: ParallelConfig,
                   scheduler: Optional[SchedulerConfig] = None,
                   speculative: SpeculativeConfig = SpeculativeConfig(), lora: LoraConfig = LoraConfig()) -> Executor:
-    if lora.enabled and parallel.backend != "uni":
-        raise ValueError(f"LoRA adapters are served with parallel.backend=uni for now, not {parallel.backend}")
+    if lora.enabled and parallel.backend == "ray":
+        raise ValueError("LoRA adapters are served with parallel.backend=uni or mp for now, not ray")
     if parallel.backend == "mp":
-        return MultiprocExecutor(model, cache, compile, parallel, scheduler)
+        return MultiprocExecutor(model, cache, compile, parallel, scheduler, lora=lora)
     if parallel.backend == "ray":
         from kiln.runtime.executor.ray import make_ray_executor  # Ray stays optional
 

@@ -31,7 +31,8 @@ from typing import Any, Optional
 
 import torch.multiprocessing as mp
 
-from kiln.config import CacheConfig, CompileConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from kiln.config import CacheConfig, CompileConfig, LoraConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from kiln.lora_request import LoRARequest
 from kiln.models.loader import resolve_device
 from kiln.models.pipeline import driver_rank
 from kiln.runtime.executor.base import (START_TIMEOUT_S, Executor, RankFailures, check_ranks_fit,
@@ -48,7 +49,8 @@ class MultiprocExecutor(Executor):
     """One ``ModelRunner`` shard per rank, each in its own process."""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, compile: CompileConfig, parallel: ParallelConfig,
-                 scheduler: Optional[SchedulerConfig] = None, start_timeout_s: float = START_TIMEOUT_S):
+                 scheduler: Optional[SchedulerConfig] = None, start_timeout_s: float = START_TIMEOUT_S,
+                 lora: LoraConfig = LoraConfig()):
         if resolve_device(model.device).type == "cuda":
             import torch
 
@@ -68,7 +70,7 @@ class MultiprocExecutor(Executor):
         atexit.register(self.shutdown)
         for rank, (tp, stage) in enumerate(rank_layout(parallel)):
             spec = WorkerSpec(model, cache, compile, scheduler, tp, init_method, collective_timeout_s=group_timeout_s,
-                              all_reduce=parallel.all_reduce, stage=stage)
+                              all_reduce=parallel.all_reduce, stage=stage, lora=lora)
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=worker_main, args=(spec, child_conn), name=f"kiln-rank{rank}")
             proc.start()
@@ -95,6 +97,24 @@ class MultiprocExecutor(Executor):
         if request_ids:
             self._encoder.forget(request_ids)
             self._send(range(self.world_size), ("forget", request_ids))
+
+    def add_lora(self, lora: LoRARequest) -> bool:
+        """Every rank reads ``lora`` and keeps its shard; the ValueError of an adapter a rank
+        refuses is raised here, after every rank has forgotten it."""
+        answers = self._lora_call("add_lora", lora)
+        refused = next((a for a in answers if isinstance(a, ValueError)), None)
+        if refused is not None:
+            self._lora_call("remove_lora", lora.lora_int_id)
+            raise refused
+        return answers[0]
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return any(a is True for a in self._lora_call("remove_lora", lora_id))
+
+    def _lora_call(self, method: str, arg: Any) -> list[Any]:
+        self._check_idle(self._in_flight is not None)
+        self._send(range(self.world_size), (method, arg))
+        return self._gather("ok", self.step_timeout_s, refused_ok=True)
 
     def shutdown(self) -> None:
         """Stop every worker: ask, then terminate, then kill. Safe to call more than once."""
@@ -135,8 +155,9 @@ class MultiprocExecutor(Executor):
                 self._failures.fail(f"tensor-parallel rank {rank} is unreachable ({exc!r})"
                                     f"{self._exit_codes()}")
 
-    def _gather(self, expected: str, timeout_s: float) -> list[Any]:
-        """One answer per rank, in rank order; raises as soon as any rank dies, errs or times out."""
+    def _gather(self, expected: str, timeout_s: float, refused_ok: bool = False) -> list[Any]:
+        """One answer per rank, in rank order; raises as soon as any rank dies, errs or times out.
+        ``refused_ok``: a ("refused", ValueError) answer is that rank's answer."""
         answers: dict[int, Any] = {}
         deadline = time.monotonic() + timeout_s
         while len(answers) < self.world_size:
@@ -146,7 +167,7 @@ class MultiprocExecutor(Executor):
             if not ready:
                 self._failures.no_answer(sorted(set(range(self.world_size)) - set(answers)), timeout_s)
             for conn in [c for c in ready if c in pending]:
-                answers[pending[conn]] = self._read(conn, pending[conn], expected)
+                answers[pending[conn]] = self._read(conn, pending[conn], expected, refused_ok)
             for sentinel in [s for s in ready if s in sentinels]:
                 rank = sentinels[sentinel]
                 if rank not in answers and self._conns[rank].poll():
@@ -154,11 +175,13 @@ class MultiprocExecutor(Executor):
                 self._failures.fail(self._died(rank))
         return [answers[r] for r in range(self.world_size)]
 
-    def _read(self, conn: Connection, rank: int, expected: str) -> Any:
+    def _read(self, conn: Connection, rank: int, expected: str, refused_ok: bool = False) -> Any:
         try:
             message = conn.recv()
         except (EOFError, OSError):
             self._failures.fail(f"tensor-parallel rank {rank} closed its pipe{self._exit_codes()}")
+        if refused_ok and message[0] == "refused":
+            return message[1]
         if message[0] == "error":
             _, exc, text = message
             self._failures.fail(f"tensor-parallel rank {rank} failed:\n{text}", exc)
