@@ -122,9 +122,9 @@ def cmd_bench(cli: CliConfig) -> None:
 TASKS = {"serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench}
 # The sections of CliConfig each command reads ("": the top-level keys, generate's own).
 COMMAND_SECTIONS = {
-    "serve": ("model", "cache", "scheduler", "compile", "server", "parallel", "speculative"),
+    "serve": ("model", "cache", "scheduler", "compile", "server", "parallel", "speculative", "lora"),
     "generate": ("model", "cache", "scheduler", "compile", "parallel", "speculative", ""),
-    "bench": ("model", "cache", "scheduler", "compile", "server", "parallel", "speculative", "bench"),
+    "bench": ("model", "cache", "scheduler", "compile", "server", "parallel", "speculative", "lora", "bench"),
 }
 # serve and generate write nothing to a run directory: no outputs/, no .hydra/, no log file.
 # They go before the user's overrides, so an explicit hydra.run.dir=... still wins.

@@ -28,7 +28,7 @@ from typing import NoReturn
 
 from kiln.bench.sweep import BENCH_KINDS, BenchConfig
 from kiln.config import (
-    API_KEY_ENV, COMPILE_MODES, CUDAGRAPH_MODES, REDACTED, CacheConfig, CompileConfig, EngineConfig,
+    API_KEY_ENV, COMPILE_MODES, CUDAGRAPH_MODES, REDACTED, CacheConfig, CompileConfig, EngineConfig, LoraConfig,
     ModelConfig, QUANTIZATIONS, REPLACED_BY_STARTUP, ParallelConfig, SchedulerConfig, ServerConfig, SPECULATIVE_METHODS,
     STARTUP_POLICIES, TOOL_CALL_PARSERS, SpeculativeConfig, replaced_by_startup,
 )
@@ -50,6 +50,7 @@ class CliConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     prompt: str = "Give me three tips for a good night's sleep."  # generate
     max_tokens: int = 64  # generate
@@ -154,6 +155,11 @@ FIELD_HELP = {
     "speculative.draft_compile_mode": "draft: compile.mode of the draft model",
     "speculative.draft_cudagraph": "draft: compile.cudagraph of the draft model",
     "speculative.max_batch_size": "speculate only while at most this many requests decode in one step",
+    "lora.enabled": "serve PEFT LoRA adapters beside the base model (server.lora_modules turns it on; "
+                    "/v1/load_lora_adapter adds more at run time)",
+    "lora.max_loras": "adapters on the device at once: distinct adapters one step may mix with the base model",
+    "lora.max_lora_rank": "the largest adapter rank r served; the device slots' size",
+    "lora.max_cpu_loras": "adapters kept loaded on the host (least recently used dropped first); null: max_loras",
     "bench.kind": "throughput, latency, serve (over HTTP) or startup",
     "bench.batch_sizes": "concurrent requests per measured point",
     "bench.prompt_len": "tokens per prompt (random ids, fixed length)",
@@ -212,9 +218,20 @@ def prepare_overrides(overrides: list[str]) -> list[str]:
     """``overrides`` with ``model=X`` rewritten. An unknown key or group option is a ValueError that
     names the closest valid one."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
 
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException as e:
+        bad = next((o for o in overrides if "=[" in o and "=" in o.split("=[", 1)[1] and '"' not in o), None)
+        if bad is None:
+            raise
+        key, items = bad.split("=[", 1)
+        quoted = ",".join(f'"{item}"' for item in items.rstrip("]").split(","))
+        raise ValueError(f"{bad}: quote each item of a list that holds '=', e.g. '{key}=[{quoted}]' "
+                         "(in single quotes for the shell)") from e
     prepared = []
-    for override in OverridesParser.create().parse_overrides(overrides):
+    for override in parsed:
         if override.is_hydra_override() or override.package is not None:
             prepared.append(override.input_line)  # Hydra's own settings: Hydra's to check
         elif override.key_or_group == "model" and not override.is_delete():
@@ -349,7 +366,7 @@ def _did_you_mean(name: str, candidates: list[str], otherwise: str) -> str:
 def engine_config(cli: CliConfig) -> EngineConfig:
     return EngineConfig(model=cli.model, cache=cli.cache, scheduler=cli.scheduler,
                         compile=cli.compile, server=cli.server, parallel=cli.parallel,
-                        speculative=cli.speculative)
+                        speculative=cli.speculative, lora=cli.lora)
 
 
 def register_configs() -> None:

@@ -72,6 +72,19 @@ def test_groups_and_overrides():
     assert cli.bench.kind == "latency" and cli.prompt == "Hi there"
 
 
+def test_lora_keys_reach_the_engine_config():
+    cli = OmegaConf.to_object(composed(["lora.max_loras=2", "lora.max_lora_rank=16", "lora.max_cpu_loras=6",
+                                        "server.lora_modules=[\"sql=/adapters/sql\"]"]))
+    lora = engine_config(cli).lora
+    assert (lora.enabled, lora.max_loras, lora.max_lora_rank, lora.num_cpu_loras) == (False, 2, 16, 6)
+    assert engine_config(cli).resolved("cpu").lora.enabled  # an adapter served from the start turns it on
+    with pytest.raises(ValueError, match="lora.max_cpu_loras=1 is below lora.max_loras=2"):
+        OmegaConf.to_object(composed(["lora.max_loras=2", "lora.max_cpu_loras=1"]))
+    # name=path items unquoted are a Hydra parse error; the message shows the quoted form
+    with pytest.raises(ValueError, match=r"""'server.lora_modules=\["sql=/a","b=/c"\]'"""):
+        prepare_overrides(["server.lora_modules=[sql=/a,b=/c]"])
+
+
 def test_every_option_of_every_group_composes(monkeypatch):
     monkeypatch.setenv("KILN_HF_DIR", "/some/hf/dir")
     groups = {p.name: sorted(q.stem for q in p.glob("*.yaml")) for p in CONFIG_DIR.iterdir() if p.is_dir()}
