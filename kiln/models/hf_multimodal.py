@@ -12,7 +12,8 @@ Rules kept here:
 - Only the text decoder's attention is kiln's paged attention; the vision tower keeps
   transformers' SDPA (bidirectional over one image's patches).
 - Families are served only where their image tokens are plain causal tokens at consecutive 1-D
-  positions (LLaVA); the others are refused with the reason (``check_vision_supported``).
+  positions (LLaVA, and LLaVA-NeXT, whose ``get_image_features`` packs an image's tiles into the
+  run of tokens its processor wrote); the others are refused with the reason (``check_vision_supported``).
 """
 
 from __future__ import annotations
@@ -25,13 +26,12 @@ from torch import nn
 import kiln.ops.multimodal  # noqa: F401  (registers torch.ops.kiln.merge_mm_embeds)
 from kiln.models.hf_generic import HFGenericForCausalLM, build_generic
 
-VISION_FAMILIES = ("llava",)
+VISION_FAMILIES = ("llava", "llava_next")
 # Why the other vision-language families are refused.
 REFUSED_VISION = {
     "qwen2_vl": "its M-RoPE positions (time, height, width per image token) are not kiln's 1-D positions",
     "qwen2_5_vl": "its M-RoPE positions (time, height, width per image token) are not kiln's 1-D positions",
     "gemma3": "its image tokens attend to each other bidirectionally, and kiln's paged attention is causal only",
-    "llava_next": "its image features are split into tiles packed by image size, which kiln does not place yet",
 }
 
 

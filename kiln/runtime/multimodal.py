@@ -126,25 +126,27 @@ class MultimodalProcessor:
         return ids, tuple(features)
 
     def _preprocess(self, images: list[Any]) -> tuple[list[int], list[dict[str, torch.Tensor]]]:
-        """Per image: its number of tokens and its pixel tensors, from one processor call over a
-        text of the placeholders (the processor expands each by the image's size)."""
+        """Per image: its number of tokens and its pixel tensors, from a processor call over that
+        image alone (the processor expands its placeholder by the image's size). Alone, so that an
+        image's tensors (and hash) never depend on the others: LLaVA-NeXT pads every image of one
+        call to the most tiles among them."""
         from PIL import Image
 
         for k, img in enumerate(images):
             if not isinstance(img, Image.Image):
                 raise ValueError(f"{MM_DATA}: image {k} is a {type(img).__name__}, not a PIL image")
-        rgb = [img if img.mode == "RGB" else img.convert("RGB") for img in images]
-        text = "\n".join([self.image_token] * len(rgb))
-        try:
-            out = self.processor(text=[text], images=rgb, return_tensors="pt")
-        except (ValueError, OSError, TypeError) as e:
-            raise ValueError(f"{MM_DATA}: the model's processor refused the images: {e}") from e
-        counts = _runs(out["input_ids"][0].tolist(), self.image_token_id)
-        if len(counts) != len(rgb):
-            raise ValueError(f"{MM_DATA}: the processor made {len(counts)} image token runs for {len(rgb)} images")
-        per_image = []
-        for k in range(len(rgb)):
-            per_image.append({name: v[k:k + 1] for name, v in out.items()
+        counts, per_image = [], []
+        for k, img in enumerate(images):
+            try:
+                out = self.processor(text=[self.image_token], images=[img if img.mode == "RGB" else img.convert("RGB")],
+                                     return_tensors="pt")
+            except (ValueError, OSError, TypeError) as e:
+                raise ValueError(f"{MM_DATA}: the model's processor refused image {k}: {e}") from e
+            runs = _runs(out["input_ids"][0].tolist(), self.image_token_id)
+            if len(runs) != 1:
+                raise ValueError(f"{MM_DATA}: the processor made {len(runs)} image token runs for image {k}")
+            counts.append(runs[0])
+            per_image.append({name: v for name, v in out.items()
                               if name not in ("input_ids", "attention_mask") and isinstance(v, torch.Tensor)})
         return counts, per_image
 

@@ -1,4 +1,5 @@
-"""Vision-language models on the generic path (LLaVA: CLIP tower, projector, Llama decoder)
+"""Vision-language models on the generic path (LLaVA: CLIP tower, projector, Llama decoder; and
+LLaVA-NeXT's tiled images)
 against transformers' own ``generate`` on a tiny random checkpoint with its processor: greedy
 tokens and logprobs of prompts with one and several images of different sizes, batched with
 text-only prompts, chunked prefill cutting inside images, ``LLM.chat`` with image parts, the
@@ -13,7 +14,7 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.models.hf_multimodal import check_vision_supported
-from tests.helpers.vision import image, png_bytes, tiny_llava_checkpoint
+from tests.helpers.vision import image, png_bytes, tiny_llava_checkpoint, tiny_llava_next_checkpoint
 
 MAX_TOKENS = 6
 PROMPTS = [
@@ -142,8 +143,34 @@ def test_text_model_refuses_images():
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("model_type, reason", [("qwen2_vl", "M-RoPE"), ("gemma3", "bidirectionally"),
-                                                ("llava_next", "tiles")])
+def test_llava_next_tiles_match_transformers(tmp_path):
+    """LLaVA-NeXT (anyres): each image is the best 32-pixel grid of tiles plus the whole image
+    scaled down, its features packed by aspect ratio with a newline row, so images of different
+    sizes take different numbers of tokens; batched with text and with 12-token chunks cutting
+    inside images, kiln gives transformers' tokens and logprobs."""
+    from transformers import AutoProcessor, LlavaNextForConditionalGeneration
+
+    path = tiny_llava_next_checkpoint(str(tmp_path / "llava-next"))
+    hf = AutoProcessor.from_pretrained(path), LlavaNextForConditionalGeneration.from_pretrained(path).eval()
+    # The 17x90 image again, alone: fewer tiles than the 64x64 one it is padded to beside it.
+    batch = [*PROMPTS, ("<image> again", [PROMPTS[1][1][1]])]
+    prompts = [{"prompt": p, "multi_modal_data": {"image": _images(s)}} for p, s in batch] + [TEXT_ONLY]
+    want = [_hf_generate(hf, p, _images(s)) for p, s in batch] + [_hf_generate(hf, TEXT_ONLY, [])]
+    counts = {len(hf[0](text=["<image>"], images=_images([s]), return_tensors="pt")["input_ids"][0])
+              for s in PROMPTS[1][1] + PROMPTS[2][1]}
+    assert len(counts) > 1  # the sizes take different numbers of image tokens
+    for scheduler in ({}, {"max_num_batched_tokens": 12, "max_num_seqs": 4}):
+        llm = _engine(path, **scheduler)
+        try:
+            for out, expected in zip(llm.generate(prompts, _params(), use_tqdm=False), want):
+                _check(out, expected)
+            if not scheduler:  # one step: the repeated image has one hash and is encoded once
+                assert llm.engine.executor.runner.encoder_cache.num_encoded == 6
+        finally:
+            llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("model_type, reason", [("qwen2_vl", "M-RoPE"), ("gemma3", "bidirectionally")])
 def test_other_vision_families_are_refused_with_the_reason(model_type, reason):
     class Config:
         pass
