@@ -6,6 +6,8 @@ tokens on llama3-8b): ``--batch`` requests, contexts drawn uniformly from ``--mi
 CUDA-graph capture launches them (``static_decode_splits(--max-model-len)``); times are
 ``triton.testing.do_bench`` medians of ``attend_paged_cached`` (attention only, no store), and
 GB/s divides the K/V bytes read by them. Each variant is checked against the reference first.
+A variant overrides ``LaunchConfig`` fields: ``VARIANTS`` for a bf16 cache, ``FP8_VARIANTS`` (the
+register cap of ``kiln.ops.triton_attention.decode_maxnreg``) for an FP8 one.
 
 ``--ops``: instead, the op a decode-only step of the Llama family calls per layer
 (``triton_attend_paged_rope``: q and k not yet rotated, the new K/V not yet stored) at each
@@ -30,6 +32,8 @@ from benchmarks.common import out_dir
 
 VARIANTS = [dict(), dict(decode_block_n=128), dict(decode_block_n=32), dict(decode_num_warps=8),
             dict(decode_num_warps=8, decode_block_n=128), dict(decode_num_stages=2), dict(decode_num_stages=4)]
+FP8_VARIANTS = [dict(), dict(fp8_decode_maxnreg=None), dict(fp8_decode_maxnreg=128), dict(fp8_decode_maxnreg=80),
+                dict(decode_block_n=128), dict(decode_num_stages=5)]
 
 
 def main(argv=None) -> None:
@@ -38,7 +42,8 @@ def main(argv=None) -> None:
     p.add_argument("--min-ctx", type=int, default=257)
     p.add_argument("--max-ctx", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--variants", type=int, default=len(VARIANTS), help="only the first this many variants")
+    p.add_argument("--variants", type=int, default=None, help="only the first this many variants")
+    p.add_argument("--kv", default="bfloat16,float8_e4m3fn", help="','-separated cache dtypes")
     p.add_argument("--ops", action="store_true", help="time the per-layer op of a decode step (see above)")
     p.add_argument("--batches", default="512", help="--ops: ','-separated decode batch sizes")
     p.add_argument("--pool-blocks", type=int, default=53248, help="--ops: blocks of the large pool")
@@ -60,14 +65,14 @@ def main(argv=None) -> None:
     base = random_paged_batch(spec, device="cuda", seed=0)
     scale = 128 ** -0.5
     rows = []
-    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    for kv_dtype in (getattr(torch, name) for name in args.kv.split(",")):
         cache = base.kv_cache.to(kv_dtype)
         kv_bytes = sum(ctx) * 8 * 128 * 2 * cache.element_size()
         want = attend_paged_reference(base.q, base.k[:0], base.v[:0], cache.clone(),
                                       replace(base.meta, slot_mapping=base.meta.slot_mapping[:0]), scale)
-        for over in VARIANTS[:args.variants]:
+        for over in (FP8_VARIANTS if cache.element_size() == 1 else VARIANTS)[:args.variants]:
             cfg = replace(LaunchConfig(), **over)
-            out = torch.empty_like(base.q)
+            out = torch.full_like(base.q, float("nan"))
             with static_decode_splits(args.max_model_len):
                 attend_paged_cached(base.q, cache, base.meta, scale, out, cfg)
                 err = (out.float() - want.float()).abs().max().item()

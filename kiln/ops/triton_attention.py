@@ -84,6 +84,9 @@ class LaunchConfig:
     decode_block_n: int = 64  # keys per decode tile
     decode_num_warps: int = 4
     decode_num_stages: int = 3
+    # Registers a thread of the decode kernel over an FP8 cache on a grid that fills the card
+    # (``decode_maxnreg``); None leaves them to the compiler
+    fp8_decode_maxnreg: Optional[int] = 96
     min_split_tokens: int = 256  # never split a decode context finer than this
     # ... except inside static_decode_splits (CUDA graphs): there the split width comes from
     # max_model_len, not the context, so at batch 1 wide splits leave one program per kv head looping
@@ -520,6 +523,7 @@ def _launch_decodes(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_wi
         cos, sin_signed = rope
         store.update(cos_ptr=cos, sin_ptr=sin_signed, stride_cos=cos.stride(0), stride_sin=sin_signed.stride(0),
                      ROPE=True, ROT_DIM=cos.shape[-1])
+    maxnreg = decode_maxnreg(cfg, kv_cache, nd * num_kv_heads, _num_sms(q.device))
     _decode_kernel[(nd, num_kv_heads, num_splits)](
         **_kernel_args(q, kv_cache, meta, out, kv_scale), part_out_ptr=part_out, part_lse_ptr=part_lse,
         split_tokens=split_tokens, **_score_args(q, scale, sliding_window, logit_softcap),
@@ -527,7 +531,7 @@ def _launch_decodes(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_wi
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n, SINGLE_SPLIT=single,
         **_dot_args(q, kv_cache), num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
         **store, **pdl_args(q), counters_ptr=counters, FUSED_MERGE=counters is not None,
-        SPLITS_POW2=triton.next_power_of_2(num_splits),
+        SPLITS_POW2=triton.next_power_of_2(num_splits), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if not single and counters is None:
         _merge_splits_kernel[(nd, num_heads)](
@@ -535,6 +539,34 @@ def _launch_decodes(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_wi
             HEAD_DIM=head_dim, HEAD_DIM_P2=triton.next_power_of_2(head_dim),
             SPLITS_POW2=triton.next_power_of_2(num_splits), num_warps=4 if head_dim >= 128 else 2, **pdl_args(q),
         )
+
+
+# Programs of the decode kernel over an FP8 cache that share an SM with the compiler's own register
+# use: about 160 registers a thread (4 warps, 64-key tiles, head_dim 128) leave room for 3.
+UNCAPPED_DECODE_PROGRAMS_PER_SM = 3
+
+
+def decode_maxnreg(cfg: LaunchConfig, kv_cache: torch.Tensor, num_pairs: int, num_sms: int) -> Optional[int]:
+    """The register cap of a decode launch over an FP8 cache whose ``num_pairs`` (decode, kv head)
+    pairs alone are more programs than the card holds at the compiler's registers, else None.
+
+    At 512 decodes of 257-512 keys (random:llama3-8b's shapes, an H200) the kernel over an FP8
+    cache read 1.9 TB/s where bf16's reads 3.7: as long as bf16's over half the bytes, so the reads
+    are not what bounds it. More programs in flight helped: the compiler gives a thread about 160
+    registers (3 programs an SM); capped at 96 (a 24-byte stack frame) 5 share an SM and the kernel
+    took 187 us a layer against 208 (128 registers, 4 programs: 187; 80, with more spills: 220).
+    More pipeline stages (2 to 4 K/V buffers a program: 203-229 us) and widening V in registers
+    (more registers, 282 us) did not pay. Applied at every size the cap made batch 1 slower
+    (random:llama3-8b 350 against 356 tok/s, random:qwen2.5-0.5b 1,037 against 1,080), so a launch
+    of at most that many pairs keeps the compiler's registers (2-49 decodes of llama3-8b were not
+    measured either way).
+    ``KILN_FP8_DECODE_MAXNREG`` overrides the cap (0: none), to measure."""
+    if kv_cache.element_size() != 1 or not kv_cache.is_cuda:
+        return None
+    if num_pairs <= UNCAPPED_DECODE_PROGRAMS_PER_SM * num_sms:
+        return None
+    over = os.environ.get("KILN_FP8_DECODE_MAXNREG")
+    return (int(over) if over else cfg.fp8_decode_maxnreg) or None
 
 
 def _launch_prefills(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_window=0, logit_softcap=0.0,

@@ -211,6 +211,64 @@ def test_triton_attention_with_scaled_fp8_cache_matches_reference(seed):
         assert _rel(got, want) < 1e-2
 
 
+def test_fp8_decode_register_cap_only_where_the_pairs_fill_the_card(monkeypatch):
+    """The cap applies to an FP8 cache on CUDA whose (decode, kv head) pairs exceed what the card
+    holds at the compiler's registers (3 programs an SM); batch 1 and bf16 keep the compiler's."""
+    pytest.importorskip("triton")
+    from kiln.ops.triton_attention import LaunchConfig, decode_maxnreg
+
+    class Cache:  # decode_maxnreg reads only these of the cache
+        def __init__(self, element_size: int, is_cuda: bool = True):
+            self._size, self.is_cuda = element_size, is_cuda
+
+        def element_size(self) -> int:
+            return self._size
+
+    cfg, sms = LaunchConfig(), 132
+    assert decode_maxnreg(cfg, Cache(1), 512 * 8, sms) == cfg.fp8_decode_maxnreg == 96
+    assert decode_maxnreg(cfg, Cache(1), 3 * sms + 1, sms) == 96
+    for pairs in (1 * 8, 49 * 8, 3 * sms):  # batch 1 and 49 of llama3-8b (8 kv heads)
+        assert decode_maxnreg(cfg, Cache(1), pairs, sms) is None
+    assert decode_maxnreg(cfg, Cache(2), 512 * 8, sms) is None  # bf16
+    assert decode_maxnreg(cfg, Cache(1, is_cuda=False), 512 * 8, sms) is None  # the interpreter
+    monkeypatch.setenv("KILN_FP8_DECODE_MAXNREG", "128")
+    assert decode_maxnreg(cfg, Cache(1), 512 * 8, sms) == 128
+    monkeypatch.setenv("KILN_FP8_DECODE_MAXNREG", "0")
+    assert decode_maxnreg(cfg, Cache(1), 512 * 8, sms) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability() < (8, 9), reason="needs SM89+")
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 8, 128), (14, 2, 64)])
+@pytest.mark.parametrize("maxnreg", [None, "0", "80"])
+def test_fp8_decode_of_a_large_batch_matches_reference(monkeypatch, num_heads, num_kv_heads, head_dim, maxnreg):
+    """The offline batch's decode step (512 decodes, contexts 257-512: one split each) over a scaled
+    FP8 cache, at the register cap of ``LaunchConfig`` (96), none, and 80 (a larger stack frame)."""
+    from kiln.ops.triton_attention import attend_paged_cached, static_decode_splits
+    from kiln.ops.triton_kv_store import triton_store_kv
+
+    if maxnreg is not None:
+        monkeypatch.setenv("KILN_FP8_DECODE_MAXNREG", maxnreg)
+    gen = torch.Generator().manual_seed(head_dim)
+    ctx = torch.randint(257, 513, (512,), generator=gen).tolist()
+    spec = PagedBatchSpec(decode_seq_lens=tuple(ctx), num_heads=num_heads, num_kv_heads=num_kv_heads,
+                          head_dim=head_dim, block_size=16, dtype=torch.bfloat16)
+    batch = random_paged_batch(spec, device="cuda", seed=head_dim)
+    batch.kv_cache = (batch.kv_cache.float() * 3).to(FP8)
+    kv_scale = torch.tensor([0.5, 2.0], device="cuda")
+    scale = head_dim ** -0.5
+    ref_cache = batch.kv_cache.clone()
+    want = attend_paged_reference(batch.q, batch.k, batch.v, ref_cache, batch.meta, scale, kv_scale=kv_scale)
+    cache = batch.kv_cache.clone()
+    triton_store_kv(batch.k, batch.v, cache, batch.meta.slot_mapping, kv_scale=kv_scale)
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    got = torch.full_like(batch.q, float("nan"))
+    with static_decode_splits(2048):
+        attend_paged_cached(batch.q, cache, batch.meta, scale, got, kv_scale=kv_scale)
+    assert not got.isnan().any()
+    assert _rel(got, want) < 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability() < (8, 9), reason="needs SM89+")
 def test_triton_store_with_scales_and_fp32_queries_matches_reference():
