@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import logging
 from typing import Any, Optional, Sequence, Union
@@ -36,7 +38,7 @@ class LLM:
     """
 
     def __init__(self, model: Union[str, dict, ModelConfig] = "smollm2-135m-instruct", **kwargs: Any):
-        model_fields = {"dtype", "device", "max_model_len", "seed", "impl"}
+        model_fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"model"}  # LLM(path, quantization=...)
         model_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in model_fields}
         if isinstance(model, str):
             model = ModelConfig(model=model, **model_kwargs)

@@ -11,6 +11,7 @@ tensor-parallel ranks give the same tokens. On CUDA
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kiln import LLM, LoRARequest, SamplingParams
 from tests.helpers.hf import random_prompts
@@ -117,6 +118,30 @@ def test_chat_runs_each_conversation_with_its_adapter(family, kiln_cache_dir):
         out = llm.generate([text], params, use_tqdm=False, add_special_tokens=False, lora_request=lora)
         assert out[0].outputs[0].token_ids == tokens
     assert len({tuple(t) for t in got}) == 3  # each adapter (and the base) answers differently
+    llm.engine.shutdown()
+
+
+def test_adapters_on_a_quantized_base(family, kiln_cache_dir):
+    """LLM(path, quantization="int8"): the base linears are int8 and the adapters' term is added in
+    the model dtype; base rows of a mixed batch equal the quantized engine's without LoRA."""
+    base_dir, loras, prompts, _ = family
+    if base_dir.parent.name.startswith("lora-qwen2"):
+        pytest.skip("one family is enough for the quantized base")
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(base_dir), dtype="float32", quantization="int8", compile={"mode": "eager"},
+                cache={"dir": kiln_cache_dir, "block_size": 4})
+    base = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    plain.engine.shutdown()
+    llm = LLM(str(base_dir), dtype="float32", quantization="int8", compile={"mode": "eager"},
+              cache={"dir": kiln_cache_dir, "block_size": 4}, lora={"max_loras": 2})
+    assert llm.config.model.quantization == "int8"
+    assert type(llm.engine.executor.runner.model.layers[0].self_attn.qkv_proj) is not torch.nn.Linear
+    mixed = [None, loras["a"], None, loras["b"]]
+    outs = llm.generate([prompts[0], prompts[0], prompts[1], prompts[1]], params, use_tqdm=False,
+                        lora_request=mixed)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got[0] == base[0] and got[2] == base[1]
+    assert got[1] != base[0] or got[3] != base[1]  # the adapters change the tokens
     llm.engine.shutdown()
 
 
