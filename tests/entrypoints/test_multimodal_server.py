@@ -124,6 +124,29 @@ def test_openai_client_with_data_urls_matches_transformers(server, hf):
         assert answer.choices[0].message.content == hf_text(hf, parts, images)
 
 
+def test_responses_input_image_parts(server, hf):
+    """/v1/responses takes input_image parts (by URL) as chat takes image_url parts: the same
+    answer as transformers'; an uploaded file's id, or a hostile image, is a 400."""
+    srv, engine = server
+    img = image(40, 30, 11)
+    r = httpx.post(srv.url + "/v1/responses", timeout=60, json={
+        "model": "llava", "max_output_tokens": MAX_TOKENS, "temperature": 0.0,
+        "input": [{"role": "user", "content": [{"type": "input_image", "image_url": data_url(png_bytes(img))},
+                                               {"type": "input_text", "text": "What is this?"}]}]})
+    assert r.status_code == 200, r.text
+    text = r.json()["output"][-1]["content"][0]["text"]
+    assert text == hf_text(hf, [image_part("x"), {"type": "text", "text": "What is this?"}], [img])
+    for part, says in (({"type": "input_image", "file_id": "file-1"}, "image_url"),
+                       ({"type": "input_image"}, "image_url"),
+                       ({"type": "input_image", "image_url": HOSTILE["truncated_png"](None)}, "content[1]")):
+        r = httpx.post(srv.url + "/v1/responses", timeout=60, json={
+            "model": "llava", "max_output_tokens": MAX_TOKENS,
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "look"}, part]}]})
+        error = assert_error(r, 400)
+        assert says in error["message"], error
+    _answers_normally(srv, engine)
+
+
 def test_allowed_host_and_local_path(server, hf, image_host, media_dir):
     from PIL import Image
 

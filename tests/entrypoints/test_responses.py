@@ -253,8 +253,10 @@ REFUSED = [
     ({"conversation": "conv-1"}, "conversation", "stateless"),
     ({"background": True}, "background", "stateless"),
     ({"input": [{"type": "web_search_call", "id": "ws-1"}]}, "input", "input items of type 'web_search_call'"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
-     "content parts of type 'input_image'"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input",
+     "content parts of type 'input_file'"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]},
+     "input", None),  # a text model (this one) or a bad image
     ({"input": [{"type": "function_call", "name": "f"}]}, "input", "call_id"),
     ({"input": []}, "input", "at least one"),
     ({"input": 5}, "input", "string or a list"),

@@ -7,8 +7,9 @@ range):
 - Stateless, as vLLM's first version: nothing is stored, so ``previous_response_id``,
   ``conversation`` and ``background: true`` are 400s that say so; ``store`` is accepted and
   ignored (vLLM's behaviour without a store: most clients send OpenAI's default, true).
-- ``input`` is a string (one user message) or a list of items: messages (text parts only; an
-  assistant's ``output_text`` parts too, so a client can send earlier output back), the
+- ``input`` is a string (one user message) or a list of items: messages (``input_text`` and
+  ``input_image`` parts, the image by its URL as a chat ``image_url`` part; an assistant's
+  ``output_text`` parts too, so a client can send earlier output back), the
   ``function_call`` items of earlier turns with their ``function_call_output`` results, and
   ``reasoning`` items, which are dropped (chat templates drop earlier thinking). Any other item,
   part or tool type is a 400 naming it.
@@ -54,21 +55,60 @@ class InputText(_Request):
     logprobs: Optional[list[Any]] = None
 
 
+class InputImage(_Request):
+    """An image part: its URL (data:, or http(s): and file: where the server allows them), as a
+    chat message's image_url part carries it."""
+
+    type: Literal["input_image"]
+    image_url: Optional[Text] = None
+    file_id: Optional[Text] = None
+    detail: Optional[Literal["auto", "low", "high"]] = None
+
+    @model_validator(mode="after")
+    def _url(self) -> "InputImage":
+        if self.file_id is not None:
+            _stateless("an input_image cannot name an uploaded file (`file_id`); send its `image_url`")
+        if self.image_url is None:
+            raise PydanticCustomError("content_type", "an input_image part has an `image_url` (a data:, http(s): "
+                                      "or file: URL)")
+        return self
+
+
+PART_TYPES = {"input_text": InputText, "output_text": InputText, "input_image": InputImage}
+
+
 def _parts(value: Any) -> Any:
-    """Text parts pass; a part of another type (images, files, refusals) is a 400 naming its type."""
-    for part in value if isinstance(value, list) else ():
+    """Text and image parts pass, each validated as its type; a part of another type (files,
+    refusals, audio) is a 400 naming its type."""
+    if not isinstance(value, list):
+        return value
+    parts = []
+    for part in value:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text"):
+        if kind not in PART_TYPES:
             raise PydanticCustomError("not_implemented", "kiln does not implement content parts of type {kind}; "
-                                      "send parts of type 'input_text'", {"kind": ascii(kind)[:40]})
-    return value
+                                      "send parts of type 'input_text' or 'input_image'", {"kind": ascii(kind)[:40]})
+        parts.append(PART_TYPES[kind].model_validate(part))
+    return parts
 
 
-Content = Annotated[Union[Text, list[InputText]], BeforeValidator(_parts)]
+Content = Annotated[Union[Text, list[Union[InputText, InputImage]]], BeforeValidator(_parts)]
 
 
-def _text(content: Union[str, list[InputText]]) -> str:
-    return content if isinstance(content, str) else "".join(p.text for p in content)
+def _text(content: Union[str, list[Union[InputText, InputImage]]]) -> str:
+    if isinstance(content, str):
+        return content
+    if any(isinstance(p, InputImage) for p in content):
+        raise ValueError("an input_image part can only be in a message's content")
+    return "".join(p.text for p in content)
+
+
+def _chat_content(content: Union[str, list[Union[InputText, InputImage]]]) -> Union[str, list[dict]]:
+    """A message's content as a chat message's: text, or text and image_url parts."""
+    if isinstance(content, str) or not any(isinstance(p, InputImage) for p in content):
+        return _text(content)
+    return [{"type": "image_url", "image_url": {"url": p.image_url}} if isinstance(p, InputImage)
+            else {"type": "text", "text": p.text} for p in content]
 
 
 class MessageItem(_Request):
@@ -268,7 +308,7 @@ class ResponsesRequest(_Shared):
         names: dict[str, str] = {}
         for item in self.input:
             if isinstance(item, MessageItem):
-                out.append(ChatMessage(role=item.role, content=_text(item.content)))
+                out.append(ChatMessage(role=item.role, content=_chat_content(item.content)))
             elif isinstance(item, FunctionCallItem):
                 names[item.call_id] = item.name
                 call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
