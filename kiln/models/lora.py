@@ -24,6 +24,9 @@ buffers are graph inputs), so which adapter a slot holds is data to the compiled
 tensor parallelism each rank reads the whole adapter and writes its shard (``module_shards``):
 column-parallel projections take their columns of B, row-parallel ones their columns of A.
 
+On the generic path (``GenericLoras``) transformers' own projections are plain linears named as
+PEFT names them; each is followed by a stack of one slice (``_LinearWithLora``).
+
 Joined layout (``join_shrink``, on CUDA): a plain linear of the model dtype without a bias gets
 its weight moved to the head of a buffer whose tail is the stack's ``lora_a``, so that one GEMM
 over the whole buffer computes the base output and every slot's shrink (``LoraShrinkJoinPass``);
@@ -287,8 +290,8 @@ class ModelLoras:
     def __init__(self, model: nn.Module, num_slots: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device, join_shrink: bool = False) -> None:
         if not hasattr(model, "layers") or not hasattr(model, "arch"):
-            raise ValueError("LoRA adapters are served on kiln's native models (the Llama family); "
-                             "use model.impl=native or leave lora off")
+            raise ValueError("LoRA adapters are served on kiln's native models and on transformers' "
+                             "Llama-family layouts (the generic path); this model is neither")
         self.shapes = module_shapes(model)  # whole, as adapters hold them
         self.shards = module_shards(model)  # this rank's slice of each
         local = {t: _local(shape, self.shards[t]) for t, shape in self.shapes.items()}
@@ -321,8 +324,64 @@ class ModelLoras:
                                             if (layer, t) in modules else None for t in targets])
 
 
+class _LinearWithLora(nn.Module):
+    """A transformers model's ``nn.Linear`` followed by its ``LoraStack`` (the generic path)."""
+
+    def __init__(self, base: nn.Linear, lora: LoraStack) -> None:
+        super().__init__()
+        self.base, self.lora = base, lora
+
+    @property
+    def weight(self) -> torch.Tensor:  # read by modeling code that asks for the linear's dtype
+        return self.base.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        return self.lora(y.reshape(-1, y.shape[-1]), x.reshape(-1, x.shape[-1])).view_as(y)
+
+
+class GenericLoras:
+    """The ``LoraStack``s of a transformers model on the generic path: every decoder layer's
+    projections (``model.layers.<i>.self_attn.q_proj``, ... ``mlp.down_proj``, PEFT's own module
+    names) are plain ``nn.Linear``s, each followed by a stack of its own (one slice)."""
+
+    def __init__(self, model: nn.Module, num_slots: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        layers = getattr(getattr(getattr(model, "hf", None), "model", None), "layers", None)
+        if layers is None:
+            raise ValueError("LoRA adapters are served on models whose decoder layers are model.layers "
+                             "(the Llama family's layout); this model has none")
+        self.stacks: list[dict[str, LoraStack]] = []
+        for i, layer in enumerate(layers):
+            stacks = {}
+            for target in TARGETS:
+                owner = getattr(layer, "self_attn" if target in ATTENTION_TARGETS else "mlp", None)
+                linear = getattr(owner, target, None)
+                if type(linear) is not nn.Linear:
+                    raise ValueError(f"LoRA adapters: model.layers.{i}.{target} is "
+                                     f"{type(linear).__name__ if linear is not None else 'missing'}, not a plain "
+                                     "Linear (a sparse MoE block, a quantized or fused projection)")
+                stacks[target] = LoraStack(linear.in_features, (linear.out_features,), num_slots, max_rank, dtype,
+                                           device)
+                setattr(owner, target, _LinearWithLora(linear, stacks[target]))
+            self.stacks.append(stacks)
+        first = self.stacks[0]
+        self.shapes = {t: (first[t].lora_a.shape[2], first[t].out_sizes[0]) for t in TARGETS}
+        self.shards: dict[str, Shard] = dict.fromkeys(TARGETS)
+        self.num_layers = len(layers)
+        self.num_joined = 0
+
+    def write(self, index: int, adapter: Optional[LoraAdapter]) -> None:
+        modules = adapter.modules if adapter is not None else {}
+        for layer, stacks in enumerate(self.stacks):
+            for target, stack in stacks.items():
+                stack.write(index, [modules.get((layer, target))])
+
+
 def attach_lora(model: nn.Module, num_slots: int, max_rank: int, dtype: torch.dtype,
-                device: torch.device, join_shrink: bool = False) -> ModelLoras:
+                device: torch.device, join_shrink: bool = False) -> "ModelLoras | GenericLoras":
     """Give ``model``'s targeted linears ``num_slots`` adapter slots of rank ``max_rank`` (all zero),
-    in the joined layout where ``join_shrink`` and the linear allow."""
+    in the joined layout where ``join_shrink`` and the linear allow (native models only)."""
+    if hasattr(model, "hf"):
+        return GenericLoras(model, num_slots, max_rank, dtype, device)
     return ModelLoras(model, num_slots, max_rank, dtype, device, join_shrink)

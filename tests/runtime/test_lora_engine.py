@@ -103,6 +103,18 @@ def test_load_unload_reload_and_refusals(family, kiln_cache_dir, tmp_path):
     llm.engine.shutdown()
 
 
+def test_generic_path_matches_peft_merged(family, kiln_cache_dir):
+    """model.impl=transformers: each of transformers' projections is followed by a stack of its own,
+    and the mixed batch gives the merged adapters' tokens as the native model does."""
+    base_dir, loras, prompts, want = family
+    llm = LLM(str(base_dir), dtype="float32", impl="transformers", compile={"mode": "eager"},
+              cache={"dir": kiln_cache_dir, "block_size": 4}, lora={"max_loras": 2},
+              scheduler={"max_num_batched_tokens": 16, "max_num_seqs": 8})
+    assert not hasattr(llm.engine.executor.runner.model, "layers")  # transformers' modules, not kiln's
+    _check_mixed(llm, loras, prompts, want)  # 3 adapters through 2 slots
+    llm.engine.shutdown()
+
+
 def test_chat_runs_each_conversation_with_its_adapter(family, kiln_cache_dir):
     base_dir, loras, _, _ = family
     if base_dir.parent.name.startswith("lora-qwen2"):
