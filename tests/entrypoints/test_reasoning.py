@@ -10,12 +10,11 @@ import httpx
 import pytest
 
 from kiln.config import REASONING_PARSERS, ServerConfig
-from kiln.entrypoints.openai import build_app
 from kiln.entrypoints.openai.output_parser import OutputStream, parse_output
 from kiln.entrypoints.openai.reasoning import REASONING_FORMATS, Begin, reasoning_format
 from kiln.entrypoints.openai.tool_calls import FORMATS
-from tests.helpers.chat_models import QWEN3_TEMPLATE, exact_regex, streamed, tiny_chat_checkpoint
-from tests.helpers.server import ServerThread, assert_error, serve
+from tests.helpers.chat_models import exact_regex, streamed
+from tests.helpers.server import assert_error
 
 QWEN3, R1 = REASONING_FORMATS["qwen3"], REASONING_FORMATS["deepseek_r1"]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -91,18 +90,13 @@ def test_parser_names_and_config_errors():
 
 # ---- end to end -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """Three apps over one engine: the thinking forced by regex (grammar in the thinking), the
-    default (grammar after it), and no reasoning parser."""
-    path = tiny_chat_checkpoint(str(tmp_path_factory.mktemp("qwen3ish")), QWEN3_TEMPLATE, tokens=("<think>", "</think>"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("KILN_API_KEY", raising=False)
-        forced, engine = serve(path, reasoning_parser="qwen3", structured_outputs_in_reasoning=True)
-    deferred = ServerThread(build_app(engine, ServerConfig(reasoning_parser="qwen3")))
-    plain = ServerThread(build_app(engine, ServerConfig()))
-    yield {"forced": forced, "deferred": deferred, "plain": plain, "model": path, "tokenizer": engine.tokenizer}
-    for s in (deferred, plain, forced):
-        s.stop()
+def servers(qwen3_chat_server):
+    """Three apps over the shared engine (``tests/entrypoints/conftest.py``): the thinking forced
+    by regex (grammar in the thinking), the default (grammar after it), and no reasoning parser."""
+    path, engine, server = qwen3_chat_server
+    return {"forced": server(reasoning_parser="qwen3", structured_outputs_in_reasoning=True),
+            "deferred": server(reasoning_parser="qwen3"), "plain": server(), "model": path,
+            "tokenizer": engine.tokenizer}
 
 
 def _chat(server, servers, text=None, stream=False, **kw):

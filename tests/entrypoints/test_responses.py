@@ -12,10 +12,8 @@ import httpx
 import openai
 import pytest
 
-from kiln.config import ServerConfig
-from kiln.entrypoints.openai import build_app
-from tests.helpers.chat_models import QWEN3_TEMPLATE, exact_regex, tiny_chat_checkpoint
-from tests.helpers.server import ServerThread, assert_error, serve
+from tests.helpers.chat_models import exact_regex
+from tests.helpers.server import assert_error
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.", "parameters": CITY}
@@ -25,19 +23,12 @@ KEY = "responses-key"
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """Over one engine: a server with the qwen3 reasoning parser (a regex forces the thinking too),
-    one without, and one behind an API key."""
-    path = tiny_chat_checkpoint(str(tmp_path_factory.mktemp("responses")), QWEN3_TEMPLATE,
-                                tokens=("<think>", "</think>"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("KILN_API_KEY", raising=False)
-        thinking, engine = serve(path, reasoning_parser="qwen3", structured_outputs_in_reasoning=True)
-        plain = ServerThread(build_app(engine, ServerConfig()))
-        keyed = ServerThread(build_app(engine, ServerConfig(api_key=KEY)))
-    yield {"thinking": thinking, "plain": plain, "keyed": keyed, "model": path}
-    for s in (keyed, plain, thinking):
-        s.stop()
+def servers(qwen3_chat_server):
+    """Over the shared engine (``tests/entrypoints/conftest.py``): a server with the qwen3
+    reasoning parser (a regex forces the thinking too), one without, and one behind an API key."""
+    path, _, server = qwen3_chat_server
+    return {"thinking": server(reasoning_parser="qwen3", structured_outputs_in_reasoning=True),
+            "plain": server(), "keyed": server(api_key=KEY), "model": path}
 
 
 def _create(servers, forced=None, server="plain", **kw):

@@ -11,10 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kiln.config import TOOL_CALL_PARSERS, ServerConfig
-from kiln.entrypoints.openai import build_app
 from kiln.entrypoints.openai.tool_calls import FORMATS, ToolStreamer, choose_format
-from tests.helpers.chat_models import QWEN3_TEMPLATE, exact_regex, streamed, tiny_chat_checkpoint
-from tests.helpers.server import ServerThread, serve
+from tests.helpers.chat_models import exact_regex, streamed
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
         "required": ["city", "days"]}
@@ -112,16 +110,10 @@ def test_auto_chooses_by_the_template_and_names_match_the_config():
 
 # ---- end to end -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """One engine; one app per format."""
-    path = tiny_chat_checkpoint(str(tmp_path_factory.mktemp("tools")), QWEN3_TEMPLATE)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("KILN_API_KEY", raising=False)
-        first, engine = serve(path, tool_call_parser=NEW[0])
-    apps = {NEW[0]: first, **{n: ServerThread(build_app(engine, ServerConfig(tool_call_parser=n))) for n in NEW[1:]}}
-    yield path, apps
-    for name in reversed(NEW):
-        apps[name].stop()
+def servers(qwen3_chat_server):
+    """One app per format over the shared engine (``tests/entrypoints/conftest.py``)."""
+    path, _, server = qwen3_chat_server
+    return path, {n: server(tool_call_parser=n) for n in NEW}
 
 
 def _forced_calls(servers, name: str, stream: bool) -> tuple[str | None, list[dict], list[str]]:

@@ -1,7 +1,7 @@
 """A real server for the tests that drive kiln's HTTP API: uvicorn on a free localhost port in a
-thread (``ServerThread``), over an engine-core process as ``kiln serve`` runs one (``serve``), or
-over a stand-in engine that can be made to fail on demand (``FakeEngine``); and the checks of what
-it answers (``assert_error``, ``metric``, ``idle_free_blocks``).
+thread (``ServerThread``), over an engine-core process as ``kiln serve`` runs one (``serve``,
+``engine_core``), or over a stand-in engine that can be made to fail on demand (``FakeEngine``);
+and the checks of what it answers (``assert_error``, ``metric``, ``idle_free_blocks``).
 """
 
 from __future__ import annotations
@@ -59,9 +59,10 @@ class ServerThread:
         self.thread.join(30)
 
 
-def serve(model: str, quantization: str = "auto", **server) -> tuple[ServerThread, EngineCoreClient]:
-    """A server over an engine-core process, as ``kiln serve`` runs one (``quantization``: the
-    model's; ``none`` for answers compared with transformers on the dequantized weights)."""
+def engine_core(model: str, quantization: str = "auto", **server) -> EngineCoreClient:
+    """An engine-core process, as ``kiln serve`` runs one, once ready (``quantization``: the
+    model's; ``none`` for answers compared with transformers on the dequantized weights); apps
+    over it are ``ServerThread(build_app(engine, ServerConfig(...)))``."""
     config = EngineConfig(
         model=ModelConfig(model, max_model_len=MAX_MODEL_LEN, quantization=quantization),
         cache=CacheConfig(num_blocks=NUM_BLOCKS),
@@ -69,7 +70,13 @@ def serve(model: str, quantization: str = "auto", **server) -> tuple[ServerThrea
     )
     engine = EngineCoreClient(config, limits=QueueLimits.from_server(config.server))
     engine.wait_ready(timeout=300)
-    return ServerThread(build_app(engine, config.server)), engine
+    return engine
+
+
+def serve(model: str, quantization: str = "auto", **server) -> tuple[ServerThread, EngineCoreClient]:
+    """A server over a new ``engine_core(model, quantization, **server)``."""
+    engine = engine_core(model, quantization, **server)
+    return ServerThread(build_app(engine, ServerConfig(**server))), engine
 
 
 def idle_free_blocks(engine: AsyncEngine) -> int:
