@@ -79,14 +79,15 @@ class LoraAdapter:
 
 def module_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
     """target -> (in, out) of one layer's whole projection in ``model`` (a native Llama-family
-    model), as the checkpoint and its adapters hold it, whatever this rank's shard."""
+    model), as the checkpoint and its adapters hold it, whatever this rank's shard; the attention
+    projections alone where the MLP layers are sparse (MoE)."""
     arch = model.arch
-    if not hasattr(model.layers[0].mlp, "down_proj"):
-        raise ValueError(f"LoRA adapters are served for dense models; {arch.family} has sparse (MoE) layers")
     h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+    if any(not hasattr(layer.mlp, "down_proj") for layer in model.layers):  # sparse (MoE) layers
+        return shapes  # adapters on the attention projections only
     inter = arch.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    return {**shapes, "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
 
 
 def module_shards(model: nn.Module) -> dict[str, Shard]:
@@ -148,6 +149,9 @@ def read_adapter(name: str, path: str, shapes: dict[str, tuple[int, int]], num_l
         if set(pair) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {name!r}: {where} has lora_{next(iter(pair))} without its pair")
         a, b = pair["A"], pair["B"]
+        if target not in shapes:
+            raise ValueError(f"LoRA adapter {name!r}: {where}: this model's MLP layers are sparse (MoE); kiln "
+                             f"serves LoRA on their attention projections ({', '.join(shapes)})")
         fan_in, fan_out = shapes[target]
         r = a.shape[0]
         if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != (r, fan_in) or tuple(b.shape) != (fan_out, r):
@@ -301,6 +305,8 @@ class ModelLoras:
         for layer in model.layers:
             stacks = {}
             for group, (owner, targets) in STACKS.items():
+                if targets[0] not in local:  # a sparse MLP: attention stacks only
+                    continue
                 in_features = local[targets[0]][0]
                 out_sizes = tuple(local[t][1] for t in targets)
                 linear = getattr(getattr(layer, owner), LINEARS[group])
@@ -319,9 +325,9 @@ class ModelLoras:
         """Slot row ``index`` holds ``adapter`` (None: zeros)."""
         modules = adapter.modules if adapter is not None else {}
         for layer, stacks in enumerate(self.stacks):
-            for group, (_, targets) in STACKS.items():
-                stacks[group].write(index, [shard_module(modules[(layer, t)], self.shards[t])
-                                            if (layer, t) in modules else None for t in targets])
+            for group, stack in stacks.items():
+                stack.write(index, [shard_module(modules[(layer, t)], self.shards[t])
+                                    if (layer, t) in modules else None for t in STACKS[group][1]])
 
 
 class _LinearWithLora(nn.Module):

@@ -115,6 +115,39 @@ def test_generic_path_matches_peft_merged(family, kiln_cache_dir):
     llm.engine.shutdown()
 
 
+def test_moe_base_serves_attention_adapters(tmp_path, kiln_cache_dir):
+    """A sparse (Mixtral) base: adapters on its attention projections give PEFT's merged tokens; one
+    on its experts is refused, naming the tensor."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.hf import MOE_VOCAB, moe_hf_configs, write_toy_tokenizer
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(moe_hf_configs()["mixtral"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in base.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.1)
+    base.save_pretrained(tmp_path / "base")
+    write_toy_tokenizer(tmp_path / "base")
+    write_adapter(base, tmp_path / "attn", 8, 16, False, ["q_proj", "k_proj", "v_proj", "o_proj"], seed=3)
+    write_adapter(base, tmp_path / "experts", 4, 8, False, ["w1", "w3"], seed=4)
+    prompts = random_prompts(MOE_VOCAB, [7, 12], seed=2)
+    attn = merged(base, tmp_path / "attn")
+    want = [greedy(base, prompts[0], MAX_TOKENS), greedy(attn, prompts[1], MAX_TOKENS)]
+    llm = _llm(tmp_path / "base", kiln_cache_dir, max_loras=1)
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False,
+                            lora_request=[None, LoRARequest("attn", 1, str(tmp_path / "attn"))])
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert want[1] != greedy(base, prompts[1], MAX_TOKENS)  # the adapter changes the tokens
+        with pytest.raises(ValueError, match=r"mlp\.experts.*cannot serve"):
+            llm.engine.add_lora(LoRARequest("experts", 2, str(tmp_path / "experts")))
+    finally:
+        llm.engine.shutdown()
+
+
 def test_chat_runs_each_conversation_with_its_adapter(family, kiln_cache_dir):
     base_dir, loras, _, _ = family
     if base_dir.parent.name.startswith("lora-qwen2"):
