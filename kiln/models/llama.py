@@ -466,8 +466,8 @@ class LlamaForCausalLM(nn.Module):
                 yield f"{p}self_attn.k_norm.weight", attn.k_norm.weight, None
             inter = mlp.down_proj.in_features if not isinstance(mlp, SparseMoeBlock) else 0
             col, row = column_shard(arch.intermediate_size, tp), row_shard(arch.intermediate_size, tp)
-            if isinstance(mlp, SparseMoeBlock):  # experts are never sharded (the block refuses tp > 1)
-                yield from ((name, dest, None) for name, dest in mlp.weight_slices(p))
+            if isinstance(mlp, SparseMoeBlock):  # every expert cut along its intermediate dimension
+                yield from mlp.weight_slices(p)
             elif fused:
                 gate = col or (0, 0, inter)
                 yield f"{p}mlp.gate_up_proj.weight", mlp.gate_up_proj.weight[:inter], gate

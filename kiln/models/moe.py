@@ -15,8 +15,10 @@ compiler points at the device's kernel (``kiln.passes.moe_backend``).
 
 Expert weights are stacked per layer: ``w13`` [E, 2I, H] (gate rows, then up rows, as the fused
 dense MLP) and ``w2`` [E, H, I]. Checkpoints store one tensor per expert and projection; the
-loader copies each into its slice (``weight_slices``). Tensor parallelism is not implemented for
-experts and is refused.
+loader copies each into its slice (``weight_slices``). Under tensor parallelism every rank holds
+every expert, each cut along its intermediate dimension as the dense MLP is (gate and up rows
+column-parallel, down columns row-parallel; the shared expert too): the router is replicated, so
+every rank routes every token alike, and the block's partial sums meet in one all-reduce.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kiln.ops.collective  # noqa: F401  (registers torch.ops.kiln.all_reduce)
 import kiln.ops.moe  # noqa: F401  (registers torch.ops.kiln.fused_moe)
 from kiln.models.arch import ArchConfig
-from kiln.models.parallel import SINGLE, TensorParallel
+from kiln.models.parallel import SINGLE, Shard, TensorParallel, column_shard, row_shard
 
 
 class SharedExpert(nn.Module):
@@ -48,21 +51,19 @@ class SharedExpert(nn.Module):
 class SparseMoeBlock(nn.Module):
     def __init__(self, arch: ArchConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        if tp.size > 1:
-            raise ValueError(f"{arch.family}: tensor parallelism is not implemented for mixture-of-experts "
-                             "models; use parallel.tensor_parallel_size=1")
+        self.tp = tp
         self.family = arch.family
         self.top_k = arch.num_experts_per_tok
         self.renormalize = arch.norm_topk_prob
         self.float_weights = arch.family == "mixtral"  # transformers' Mixtral never rounds them
-        num_experts, hidden, inter = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
+        num_experts, hidden, inter = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size // tp.size
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.shared_expert = None
         self.shared_expert_gate = None
         if arch.shared_expert_intermediate_size:
-            self.shared_expert = SharedExpert(hidden, arch.shared_expert_intermediate_size)
+            self.shared_expert = SharedExpert(hidden, arch.shared_expert_intermediate_size // tp.size)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,27 +78,29 @@ class SparseMoeBlock(nn.Module):
         out = torch.ops.kiln.fused_moe(x, self.w13, self.w2, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return torch.ops.kiln.all_reduce(out) if self.tp.size > 1 else out
 
-    def weight_slices(self, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-        """(checkpoint name, the slice of a parameter it fills) for this block; ``prefix`` is the
-        layer's ('model.layers.3.')."""
-        inter = self.w2.shape[-1]
+    def weight_slices(self, prefix: str) -> Iterator[tuple[str, torch.Tensor, Shard]]:
+        """(checkpoint name, the slice of a parameter it fills, the shard of the checkpoint tensor
+        this rank loads) for this block; ``prefix`` is the layer's ('model.layers.3.')."""
+        inter = self.w2.shape[-1]  # this rank's
+        col, row = column_shard(inter * self.tp.size, self.tp), row_shard(inter * self.tp.size, self.tp)
         if self.family == "mixtral":
             p = f"{prefix}block_sparse_moe."
             names = ("w1", "w3", "w2")  # gate, up, down
         else:
             p = f"{prefix}mlp."
             names = ("gate_proj", "up_proj", "down_proj")
-        yield f"{p}gate.weight", self.gate.weight
+        yield f"{p}gate.weight", self.gate.weight, None
         for e in range(self.w13.shape[0]):
-            yield f"{p}experts.{e}.{names[0]}.weight", self.w13[e, :inter]
-            yield f"{p}experts.{e}.{names[1]}.weight", self.w13[e, inter:]
-            yield f"{p}experts.{e}.{names[2]}.weight", self.w2[e]
+            yield f"{p}experts.{e}.{names[0]}.weight", self.w13[e, :inter], col
+            yield f"{p}experts.{e}.{names[1]}.weight", self.w13[e, inter:], col
+            yield f"{p}experts.{e}.{names[2]}.weight", self.w2[e], row
         if self.shared_expert is not None:
             shared = self.shared_expert
             n = shared.down_proj.in_features
-            yield f"{p}shared_expert.gate_proj.weight", shared.gate_up_proj.weight[:n]
-            yield f"{p}shared_expert.up_proj.weight", shared.gate_up_proj.weight[n:]
-            yield f"{p}shared_expert.down_proj.weight", shared.down_proj.weight
-            yield f"{p}shared_expert_gate.weight", self.shared_expert_gate.weight
+            scol, srow = column_shard(n * self.tp.size, self.tp), row_shard(n * self.tp.size, self.tp)
+            yield f"{p}shared_expert.gate_proj.weight", shared.gate_up_proj.weight[:n], scol
+            yield f"{p}shared_expert.up_proj.weight", shared.gate_up_proj.weight[n:], scol
+            yield f"{p}shared_expert.down_proj.weight", shared.down_proj.weight, srow
+            yield f"{p}shared_expert_gate.weight", self.shared_expert_gate.weight, None

@@ -66,6 +66,10 @@ def check_tensor_parallel(arch: ArchConfig, size: int) -> None:
         problems.append(f"num_kv_heads={arch.num_kv_heads} (neither a multiple nor a divisor)")
     if arch.intermediate_size % size:
         problems.append(f"intermediate_size={arch.intermediate_size}")
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # each expert is cut too
+        value = getattr(arch, key, 0) or 0
+        if value % size:
+            problems.append(f"{key}={value}")
     if problems:
         raise ValueError(f"parallel.tensor_parallel_size={size} does not divide this model's "
                          f"{', '.join(problems)}; choose a size that divides num_heads={arch.num_heads} "

@@ -197,7 +197,7 @@ def single(engines):
 
 # The default suite runs each model once (PP=2 and PP=3 each at least once); `-m slow` the rest.
 @pytest.mark.parametrize("model,tp,pp", [
-    ("llama", 1, 2), ("qwen2", 1, 3), ("qwen2_moe", 1, 3),
+    ("llama", 1, 2), ("qwen2", 1, 3), ("qwen2_moe", 1, 3), ("qwen2_moe", 2, 1),
     pytest.param("qwen2", 1, 2, marks=pytest.mark.slow), pytest.param("llama", 1, 3, marks=pytest.mark.slow),
     pytest.param("llama", 2, 2, marks=pytest.mark.slow), pytest.param("qwen2", 2, 2, marks=pytest.mark.slow),
 ])

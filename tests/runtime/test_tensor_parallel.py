@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from kiln import LLM, SamplingParams
-from kiln.models.arch import PRESETS
+from kiln.models.arch import PRESETS, ArchConfig
 from kiln.models.loader import build_empty_model, init_random_weights, iter_random_weights
 from kiln.models.parallel import TensorParallel, check_tensor_parallel, vocab_range
 from kiln.ops.collective import all_gather_reference, all_reduce_reference
@@ -36,6 +36,36 @@ def _generate(llm):
 
 
 # ---- sharding (no processes) -------------------------------------------------------------------
+@pytest.mark.parametrize("source", ["checkpoint", "random"])
+def test_moe_experts_shard_along_their_intermediate_dimension(source):
+    """Each rank holds every expert's gate/up rows and down columns of its range (the shared
+    expert's too) and the whole router: the slices of the very weights TP=1 holds."""
+    from tests.helpers.hf import moe_hf_configs
+
+    arch = ArchConfig.from_hf_config(moe_hf_configs()["qwen2_moe"].to_dict())
+    full = build_empty_model(arch, torch.device("cpu"), torch.float32)
+    init_random_weights(full, seed=0)
+    whole = full.layers[0].mlp
+    width = whole.w2.shape[-1]
+    for rank in range(2):
+        model = build_empty_model(arch, torch.device("cpu"), torch.float32, TensorParallel(rank, 2))
+        if source == "random":
+            init_random_weights(model, seed=0)
+        else:
+            model.load_weights(full.weight_targets())
+        mine = model.layers[0].mlp
+        n = mine.w2.shape[-1]
+        assert n * 2 == width
+        cols = slice(rank * n, (rank + 1) * n)
+        assert torch.equal(mine.w13[:, :n], whole.w13[:, :width][:, cols])
+        assert torch.equal(mine.w13[:, n:], whole.w13[:, width:][:, cols])
+        assert torch.equal(mine.w2, whole.w2[:, :, cols])
+        shared = whole.shared_expert.down_proj.weight
+        k = mine.shared_expert.down_proj.in_features
+        assert torch.equal(mine.shared_expert.down_proj.weight, shared[:, rank * k:(rank + 1) * k])
+        assert torch.equal(mine.gate.weight, whole.gate.weight)
+
+
 @pytest.mark.parametrize("preset,size,source", [
     ("tiny", 2, "checkpoint"), ("tiny-qwen2", 2, "checkpoint"), ("tiny", 4, "checkpoint"),
     ("tiny-odd-vocab", 2, "checkpoint"), ("tiny-odd-vocab", 4, "checkpoint"),
