@@ -348,9 +348,15 @@ class ParallelConfig:
     # Engine cores (replicas, each its own process and KV cache) behind one server, which balances
     # requests by load and prefix-cache affinity (kiln.engine.dp_client); replica i takes GPU i.
     data_parallel_size: int = 1
+    # Mixture-of-experts models: place the experts whole across the tensor-parallel ranks (expert
+    # parallelism) instead of cutting each along its intermediate dimension.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         _check_positive("parallel", "tensor_parallel_size", self.tensor_parallel_size)
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("parallel.enable_expert_parallel places experts across the tensor-parallel ranks; "
+                             "set parallel.tensor_parallel_size above 1 (and parallel.backend=mp or ray)")
         _check_positive("parallel", "pipeline_parallel_size", self.pipeline_parallel_size)
         _check_positive("parallel", "data_parallel_size", self.data_parallel_size)
         if self.data_parallel_size > 1 and (self.world_size != 1 or self.backend != "uni"):

@@ -143,6 +143,8 @@ FIELD_HELP = {
     "parallel.step_timeout_s": "a rank silent this long in one step fails the engine",
     "parallel.all_reduce": "symm_mem: small all-reduces through PyTorch symmetric memory (CUDA, one host), NCCL above",
     "parallel.placement_strategy": "ray: how the ranks are laid over nodes; PACK fills a node first",
+    "parallel.enable_expert_parallel": "mixture-of-experts models: place the experts whole across the tensor-parallel "
+                                       "ranks instead of cutting each one (needs tensor_parallel_size > 1)",
     "parallel.data_parallel_size": "engine cores (replicas: a process, KV cache and GPU each) behind one server, "
                                    "requests balanced by load and prefix-cache affinity; serving only",
     "speculative.method": "none; ngram: propose what followed the context's last n-gram earlier in it; "

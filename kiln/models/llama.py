@@ -251,7 +251,7 @@ class MissingLayer(nn.Identity):
 class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ArchConfig, tp: TensorParallel = SINGLE, stage: PipelineStage = WHOLE) -> None:
         super().__init__()
-        check_tensor_parallel(arch, tp.size)
+        check_tensor_parallel(arch, tp.size, tp.experts)
         if tp.size > 1 and arch.traits.qk_norm == "proj":
             raise ValueError(f"{arch.family} normalizes q and k over all heads, which kiln does not split over "
                              "ranks; use parallel.tensor_parallel_size=1")
@@ -391,7 +391,13 @@ class LlamaForCausalLM(nn.Module):
         return set(self._weight_places())
 
     def _held_by_another_stage(self, name: str) -> bool:
-        """A tensor of the whole model that another pipeline stage loads (never one of this stage's)."""
+        """A tensor of the whole model that another pipeline stage loads (never one of this stage's),
+        or, with expert parallelism, an expert another rank holds."""
+        if self.tp.experts and ".experts." in name:
+            parts = name.split(".experts.", 1)[1].split(".")
+            if parts[0].isdigit():
+                local = int(parts[0]) * self.tp.size // max(1, self.arch.num_experts or 1)  # its rank
+                return local != self.tp.rank
         if self.stage.size == 1:
             return False
         if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):

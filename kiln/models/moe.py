@@ -18,7 +18,10 @@ dense MLP) and ``w2`` [E, H, I]. Checkpoints store one tensor per expert and pro
 loader copies each into its slice (``weight_slices``). Under tensor parallelism every rank holds
 every expert, each cut along its intermediate dimension as the dense MLP is (gate and up rows
 column-parallel, down columns row-parallel; the shared expert too): the router is replicated, so
-every rank routes every token alike, and the block's partial sums meet in one all-reduce.
+every rank routes every token alike, and the block's partial sums meet in one all-reduce. With
+expert parallelism (``tp.experts``) rank r holds experts [r E / N, (r + 1) E / N) whole and
+computes only its experts' share of each token (the other top-k slots weigh 0 there); the same
+all-reduce combines them (dispatch by replication, vLLM's naive backend, not an all-to-all).
 """
 
 from __future__ import annotations
@@ -56,10 +59,13 @@ class SparseMoeBlock(nn.Module):
         self.top_k = arch.num_experts_per_tok
         self.renormalize = arch.norm_topk_prob
         self.float_weights = arch.family == "mixtral"  # transformers' Mixtral never rounds them
-        num_experts, hidden, inter = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size // tp.size
+        num_experts, hidden = arch.num_experts, arch.hidden_size
+        inter = arch.moe_intermediate_size if tp.experts else arch.moe_intermediate_size // tp.size
+        local = num_experts // tp.size if tp.experts else num_experts
+        self.first_expert = tp.rank * local if tp.experts else 0  # this rank's experts: first_expert + [0, local)
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.w13 = nn.Parameter(torch.empty(local, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(local, hidden, inter))
         self.shared_expert = None
         self.shared_expert_gate = None
         if arch.shared_expert_intermediate_size:
@@ -75,6 +81,10 @@ class SparseMoeBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if not self.float_weights:
             weights = weights.to(x.dtype)
+        if self.tp.experts:  # this rank's experts only: another's slot weighs 0 (at local expert 0)
+            local = ids - self.first_expert
+            mine = (local >= 0) & (local < self.w13.shape[0])
+            weights, ids = torch.where(mine, weights, torch.zeros_like(weights)), torch.where(mine, local, 0)
         out = torch.ops.kiln.fused_moe(x, self.w13, self.w2, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -84,7 +94,10 @@ class SparseMoeBlock(nn.Module):
         """(checkpoint name, the slice of a parameter it fills, the shard of the checkpoint tensor
         this rank loads) for this block; ``prefix`` is the layer's ('model.layers.3.')."""
         inter = self.w2.shape[-1]  # this rank's
-        col, row = column_shard(inter * self.tp.size, self.tp), row_shard(inter * self.tp.size, self.tp)
+        if self.tp.experts:  # whole experts, this rank's range of them
+            col = row = None
+        else:
+            col, row = column_shard(inter * self.tp.size, self.tp), row_shard(inter * self.tp.size, self.tp)
         if self.family == "mixtral":
             p = f"{prefix}block_sparse_moe."
             names = ("w1", "w3", "w2")  # gate, up, down
@@ -93,9 +106,10 @@ class SparseMoeBlock(nn.Module):
             names = ("gate_proj", "up_proj", "down_proj")
         yield f"{p}gate.weight", self.gate.weight, None
         for e in range(self.w13.shape[0]):
-            yield f"{p}experts.{e}.{names[0]}.weight", self.w13[e, :inter], col
-            yield f"{p}experts.{e}.{names[1]}.weight", self.w13[e, inter:], col
-            yield f"{p}experts.{e}.{names[2]}.weight", self.w2[e], row
+            name = f"{p}experts.{self.first_expert + e}."
+            yield f"{name}{names[0]}.weight", self.w13[e, :inter], col
+            yield f"{name}{names[1]}.weight", self.w13[e, inter:], col
+            yield f"{name}{names[2]}.weight", self.w2[e], row
         if self.shared_expert is not None:
             shared = self.shared_expert
             n = shared.down_proj.in_features

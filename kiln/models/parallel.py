@@ -43,6 +43,9 @@ class TensorParallel:
 
     rank: int = 0
     size: int = 1
+    # Expert parallelism (parallel.enable_expert_parallel): a mixture-of-experts block's experts are
+    # placed whole across the group's ranks rather than each cut along its intermediate dimension.
+    experts: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -55,7 +58,7 @@ SINGLE = TensorParallel()
 Shard = Optional[tuple[int, int, int]]
 
 
-def check_tensor_parallel(arch: ArchConfig, size: int) -> None:
+def check_tensor_parallel(arch: ArchConfig, size: int, experts: bool = False) -> None:
     """Raise a ValueError naming the first dimension that ``size`` ranks cannot split."""
     if size == 1:
         return
@@ -66,10 +69,14 @@ def check_tensor_parallel(arch: ArchConfig, size: int) -> None:
         problems.append(f"num_kv_heads={arch.num_kv_heads} (neither a multiple nor a divisor)")
     if arch.intermediate_size % size:
         problems.append(f"intermediate_size={arch.intermediate_size}")
-    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # each expert is cut too
+    cut = ("shared_expert_intermediate_size",) if experts else ("moe_intermediate_size",
+                                                                 "shared_expert_intermediate_size")
+    for key in cut:  # each expert is cut too (with expert parallelism, the shared one only)
         value = getattr(arch, key, 0) or 0
         if value % size:
             problems.append(f"{key}={value}")
+    if experts and (arch.num_experts or 0) % size:
+        problems.append(f"num_experts={arch.num_experts} (parallel.enable_expert_parallel places them whole)")
     if problems:
         raise ValueError(f"parallel.tensor_parallel_size={size} does not divide this model's "
                          f"{', '.join(problems)}; choose a size that divides num_heads={arch.num_heads} "

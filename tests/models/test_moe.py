@@ -174,10 +174,22 @@ def test_moe_config_fields_and_sparse_layers():
         ArchConfig.from_hf_config({**configs["qwen3_moe"].to_dict(), "attention_bias": True})
     with pytest.raises(ValueError, match="has no experts"):
         dataclasses.replace(PRESETS["tiny"], num_experts=4)
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        from kiln.models.parallel import TensorParallel
-        with torch.device("meta"):
-            SparseMoeBlock(qwen3, TensorParallel(rank=0, size=2))
+    from kiln.models.parallel import TensorParallel, check_tensor_parallel
+
+    with torch.device("meta"):  # tensor parallelism cuts each expert; expert parallelism places them whole
+        cut = SparseMoeBlock(qwen3, TensorParallel(rank=0, size=2))
+        placed = SparseMoeBlock(qwen3, TensorParallel(rank=1, size=2, experts=True))
+    assert cut.w2.shape == (qwen3.num_experts, qwen3.hidden_size, qwen3.moe_intermediate_size // 2)
+    assert placed.w2.shape == (qwen3.num_experts // 2, qwen3.hidden_size, qwen3.moe_intermediate_size)
+    assert placed.first_expert == qwen3.num_experts // 2
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        check_tensor_parallel(dataclasses.replace(qwen3, moe_intermediate_size=33), 2)
+    with pytest.raises(ValueError, match="num_experts"):
+        check_tensor_parallel(dataclasses.replace(qwen3, num_experts=9, num_experts_per_tok=2), 2, experts=True)
+    from kiln.config import ParallelConfig
+
+    with pytest.raises(ValueError, match="tensor_parallel_size above 1"):
+        ParallelConfig(enable_expert_parallel=True)
 
 
 def test_moe_presets_have_published_sizes():

@@ -174,10 +174,11 @@ def engines(model_dirs, kiln_cache_dir):
     tp x pp processes that import torch and kiln: seconds apiece on a busy CPU)."""
     built = {}
 
-    def get(model: str, tp: int = 1, pp: int = 1):
-        key = (model, tp, pp)
+    def get(model: str, tp: int = 1, pp: int = 1, ep: bool = False):
+        key = (model, tp, pp, ep)
         if key not in built:
-            parallel = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "backend": "mp" if tp * pp > 1 else "uni"}
+            parallel = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "backend": "mp" if tp * pp > 1 else "uni",
+                        "enable_expert_parallel": ep}
             built[key] = LLM(model_dirs[model], compile={"mode": "eager"}, cache={**CACHE, "dir": kiln_cache_dir},
                              scheduler=SCHEDULER, parallel=parallel)
         return built[key]
@@ -209,6 +210,18 @@ def test_pipeline_matches_one_process(model, tp, pp, engines, single):
     assert_same_completions(got, single[model])
     assert llm.engine.scheduler.num_preemptions > 0
     assert len({t for o in single[model] for t in o.token_ids}) > 4  # the models do not repeat one token
+
+
+def test_expert_parallel_matches_one_process(engines, single):
+    """parallel.enable_expert_parallel at TP=2: Qwen2-MoE's six experts three to a rank, whole (the
+    shared expert and attention still cut): one process's tokens and logprobs."""
+    from kiln.models.parallel import TensorParallel
+
+    rank1 = build_empty_model(QWEN2_MOE, torch.device("cpu"), torch.float32, TensorParallel(1, 2, experts=True))
+    block = rank1.layers[0].mlp  # the layout each rank builds
+    assert block.w13.shape[0] == 3 and block.first_expert == 3
+    assert block.w2.shape[-1] == QWEN2_MOE.moe_intermediate_size  # whole experts
+    assert_same_completions(_generate(engines("qwen2_moe", 2, 1, ep=True)), single["qwen2_moe"])
 
 
 @pytest.mark.slow  # kiln's compile of each stage's layers in its own process: tens of seconds on two cores

@@ -102,7 +102,8 @@ def rank_layout(parallel: ParallelConfig) -> list[tuple[TensorParallel, Pipeline
     """Each global rank's tensor-parallel place and pipeline stage, in rank order (tp fastest, as
     vLLM lays them: ``kiln.models.pipeline``)."""
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-    return [(TensorParallel(rank % tp, tp), PipelineStage(rank // tp, pp)) for rank in range(tp * pp)]
+    experts = parallel.enable_expert_parallel
+    return [(TensorParallel(rank % tp, tp, experts), PipelineStage(rank // tp, pp)) for rank in range(tp * pp)]
 
 
 def check_ranks_fit(parallel: ParallelConfig, num_gpus: int) -> None:
