@@ -154,11 +154,11 @@ class GraphCounter:
     many of them replayed a full graph, by wrapping the compiled model's dispatch."""
 
     def __init__(self):
-        import kiln.compiler.compiled_model as compiled_model
+        import kiln.compiler.graph_sets as graph_sets
         from kiln.compiler.cudagraph import GraphMode
 
         self.verify_steps = self.full_steps = 0
-        inner = compiled_model.dispatch
+        inner = graph_sets.dispatch
 
         def counting(full, piecewise, num_tokens, num_reqs, num_decodes, verify=None, query_len=0):
             mode, padded = inner(full, piecewise, num_tokens, num_reqs, num_decodes, verify, query_len)
@@ -167,7 +167,7 @@ class GraphCounter:
                 self.full_steps += mode is GraphMode.FULL
             return mode, padded
 
-        compiled_model.dispatch = counting
+        graph_sets.dispatch = counting
 
     def take(self) -> float | None:
         pct = 100.0 * self.full_steps / self.verify_steps if self.verify_steps else None

@@ -8,8 +8,9 @@ loaded model, the ``CompileConfig`` and a ``KernelSet``; ``run(ModelInputs) -> M
 
 from kiln.compiler.artifact_cache import ArtifactCache
 from kiln.compiler.capture import KilnForward
-from kiln.compiler.compiled_model import CompiledModel, GraphMemoryEstimate, ModelOutputs
+from kiln.compiler.compiled_model import CompiledModel, ModelOutputs
 from kiln.compiler.forward import build_forward, build_now, compile_seconds, forward_profile_key
+from kiln.compiler.graph_memory import GraphMemoryEstimate
 from kiln.compiler.inputs import InputBuffers, InputLimits, ModelInputs, VerifyShape
 
 __all__ = ["ArtifactCache", "build_forward", "build_now", "compile_seconds", "CompiledModel", "forward_profile_key", "GraphMemoryEstimate", "InputBuffers",

@@ -12,7 +12,7 @@ What this module owns:
 
 - ``GraphMode`` and ``wanted_graph_modes``: the kinds of graph ``compile.cudagraph`` asks for.
   ``piecewise`` graphs (the pieces between attention ops, ``compile.mode=kiln`` only) live in
-  ``kiln.compiler.piecewise``; which one a batch replays is ``kiln.compiler.compiled_model.dispatch``.
+  ``kiln.compiler.piecewise``; which one a batch replays is ``kiln.compiler.graph_sets.dispatch``.
 
 Rules kept here: captures happen at start-up, or (lazy capture (``compile.startup`` auto or fast)) between engine steps,
 never while a step is in flight; a batch only ever replays a captured size (``padded_size`` looks

@@ -100,7 +100,7 @@ class LoadedModel:
 
 
 # A thread that waits for the GIL gets it after this long while ``quick_gil_handoff`` is held
-# (Python's default is 5 ms). See its users: WeightFill and kiln.compiler.compiled_model.BackgroundBuild.
+# (Python's default is 5 ms). See its users: WeightFill and kiln.compiler.background_build.BackgroundBuild.
 QUICK_SWITCH_INTERVAL_S = 1e-4
 _handoff_lock = threading.Lock()
 _handoff_users = 0

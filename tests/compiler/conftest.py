@@ -2,13 +2,13 @@
 
 import pytest
 
-from kiln.compiler.compiled_model import dispatch
+from kiln.compiler.graph_sets import dispatch
 
 
 @pytest.fixture
 def dispatch_log(monkeypatch):
     """Every dispatch decision of the model runner: (mode, num_tokens, padded, has a prefill)."""
-    import kiln.compiler.compiled_model as compiled_model
+    import kiln.compiler.graph_sets as graph_sets
 
     log = []
 
@@ -17,5 +17,5 @@ def dispatch_log(monkeypatch):
         log.append((mode, num_tokens, padded, num_decodes < num_reqs))
         return mode, padded
 
-    monkeypatch.setattr(compiled_model, "dispatch", recording)
+    monkeypatch.setattr(graph_sets, "dispatch", recording)
     return log

@@ -12,7 +12,7 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.compiler import KilnForward
-from kiln.compiler.compiled_model import BackgroundBuild
+from kiln.compiler.background_build import BackgroundBuild
 from kiln.config import CompileConfig
 from kiln.models.llama import LlamaForCausalLM
 
@@ -75,9 +75,9 @@ def test_steps_run_eagerly_while_the_forward_loads_from_the_compile_cache(eager_
 def test_builds_in_one_process_run_one_at_a_time(eager_outputs):
     """Dynamo captures must not overlap: a background build waits while another build holds the
     process's build lock, and steps run eagerly meanwhile."""
-    from kiln.compiler import compiled_model
+    from kiln.compiler import background_build
 
-    with compiled_model._ONE_BUILD:  # as a build running elsewhere in this process would
+    with background_build.ONE_BUILD:  # as a build running elsewhere in this process would
         llm = LLM(model="random:tiny", compile=BACKGROUND)
         assert not llm.engine.wait_for_build(timeout=1.0)
         _assert_like_eager(_generate(llm), eager_outputs)
@@ -91,7 +91,7 @@ def test_the_server_reports_a_running_build_until_it_ends():
     """``kiln_compile_building`` on /metrics (what ``kiln bench``'s serve runs wait on) reads the
     build as it is: 1 while it runs, 0 once it has ended, with no request in between (the engine
     thread is idle then, and its other stats are as of its last turn)."""
-    from kiln.compiler import compiled_model
+    from kiln.compiler import background_build
     from kiln.config import EngineConfig, ModelConfig
     from kiln.entrypoints.openai.metrics import ServerMetrics
     from kiln.engine.async_engine import AsyncEngine
@@ -100,7 +100,7 @@ def test_the_server_reports_a_running_build_until_it_ends():
         text = ServerMetrics(engine.stats, engine.is_healthy).render().decode()
         return float(next(line.split()[1] for line in text.splitlines() if line.startswith("kiln_compile_building ")))
 
-    with compiled_model._ONE_BUILD:  # the build waits while the test holds the lock
+    with background_build.ONE_BUILD:  # the build waits while the test holds the lock
         engine = AsyncEngine.from_config(EngineConfig(model=ModelConfig("random:tiny"), compile=BACKGROUND))
         engine.wait_ready(timeout=300)
         assert gauge(engine) == 1.0
@@ -163,12 +163,12 @@ def test_the_cpu_default_serves_at_once_and_builds_kiln(eager_outputs, caplog):
 _EAGER_START = """
 import sys
 from kiln import LLM, SamplingParams
-from kiln.compiler import compiled_model
+from kiln.compiler import background_build
 HEAVY = ("torch._dynamo", "torch._inductor", "kiln.passes.manager", "sympy")
 eager = LLM(model="random:tiny", compile={"mode": "eager"})
 eager.generate([[5, 17, 3]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
 print("EAGER", [m for m in HEAVY if m in sys.modules])
-with compiled_model._ONE_BUILD:  # the background build waits before importing anything of its own
+with background_build.ONE_BUILD:  # the background build waits before importing anything of its own
     llm = LLM(model="random:tiny", compile={"mode": "kiln", "startup": "fast"})
     llm.generate([[5, 17, 3]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     print("BACKGROUND", [m for m in HEAVY if m in sys.modules])
@@ -200,7 +200,7 @@ def test_cuda_starts_serve_eagerly_then_capture_over_kiln_and_keep_the_graphs_me
     the compile cache, then captures over it."""
     import gc
 
-    from kiln.compiler import compiled_model
+    from kiln.compiler import background_build
 
     sizes = [1, 2, 4, 8, 16]
     options = dict(model="random:tiny", device="cuda", dtype="float32", max_model_len=256,
@@ -208,7 +208,7 @@ def test_cuda_starts_serve_eagerly_then_capture_over_kiln_and_keep_the_graphs_me
                    compile={"mode": "kiln", "startup": "fast", "capture_sizes": sizes})
     for start in ("first", "warm"):
         caplog.clear()
-        with caplog.at_level(logging.INFO), compiled_model._ONE_BUILD:  # the build waits: steps surely run eagerly
+        with caplog.at_level(logging.INFO), background_build.ONE_BUILD:  # the build waits: steps surely run eagerly
             llm = LLM(**options)
             runner, compiled = llm.engine.executor.runner, llm.engine.executor.runner.compiled
             assert compiled.building and compiled.forward is compiled.model
@@ -252,7 +252,7 @@ def test_the_cuda_server_answers_while_kiln_builds_then_captures_when_idle(tmp_p
     forward from the compile cache before ready: no eager step, the same tokens."""
     import asyncio
 
-    from kiln.compiler import compiled_model
+    from kiln.compiler import background_build
     from kiln.config import CacheConfig, EngineConfig, ModelConfig
     from kiln.engine.async_engine import AsyncEngine
 
@@ -265,7 +265,7 @@ def test_the_cuda_server_answers_while_kiln_builds_then_captures_when_idle(tmp_p
         outs = [out async for out in engine.generate(request_id, PROMPTS[0], params)]
         return list(outs[-1].outputs[0].token_ids)
 
-    with compiled_model._ONE_BUILD:  # the build waits: the first request surely runs eagerly
+    with background_build.ONE_BUILD:  # the build waits: the first request surely runs eagerly
         engine = AsyncEngine.from_config(config)
         engine.wait_ready(timeout=300)
         assert engine.stats()["compile_building"] == 1
@@ -352,9 +352,9 @@ def test_eager_calls_wait_for_an_fx_trace_on_the_build_thread():
     logits wait for the trace to end rather than being traced into it."""
     import threading
 
-    from kiln.compiler import compiled_model
+    from kiln.compiler import background_build
 
-    with compiled_model._ONE_BUILD:  # the build waits: the model is still served eagerly
+    with background_build.ONE_BUILD:  # the build waits: the model is still served eagerly
         llm = LLM(model="random:tiny", compile=BACKGROUND)
         compiled = llm.engine.executor.runner.compiled
         assert compiled.building
@@ -370,7 +370,7 @@ def test_eager_calls_wait_for_an_fx_trace_on_the_build_thread():
             order.append("trace released")
             release.set()
 
-        with compiled_model._traces_exclude_eager_forwards():
+        with background_build.traces_exclude_eager_forwards():
             tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(WaitsInTrace(),))
             tracer.start()
             assert tracing.wait(timeout=60)
@@ -388,7 +388,7 @@ def test_the_step_gate_parks_the_builds_python_while_a_step_runs():
     step runs, but for its passes after each longest park, and runs freely between steps."""
     import threading
 
-    from kiln.compiler.compiled_model import StepGate
+    from kiln.compiler.background_build import StepGate
 
     gate, calls, stop = StepGate(), [0], threading.Event()
 
@@ -448,7 +448,7 @@ def test_a_cancelled_build_stops_at_its_next_safe_point_and_lets_the_next_build_
     build's thread raises ``BuildCancelled`` at its next safe point and lets go of the one-build lock."""
     import threading
 
-    from kiln.compiler import compiled_model
+    from kiln.compiler import background_build
     from kiln.compiler.cancel import BuildCancelled
 
     making, proceed, built = threading.Event(), threading.Event(), []
@@ -461,8 +461,8 @@ def test_a_cancelled_build_stops_at_its_next_safe_point_and_lets_the_next_build_
     def build_now(forward, device):
         built.append(forward)
 
-    original_build_now = compiled_model.build_now
-    compiled_model.build_now = build_now
+    original_build_now = background_build.build_now
+    background_build.build_now = build_now
     try:
         build = BackgroundBuild(make_forward, torch.device("cpu"))
         build.start()
@@ -471,17 +471,17 @@ def test_a_cancelled_build_stops_at_its_next_safe_point_and_lets_the_next_build_
         proceed.set()
         assert build.wait(30)
     finally:
-        compiled_model.build_now = original_build_now
+        background_build.build_now = original_build_now
     assert isinstance(build.error, BuildCancelled) and build.forward is None and built == []
-    assert compiled_model._ONE_BUILD.acquire(timeout=5)
-    compiled_model._ONE_BUILD.release()
+    assert background_build.ONE_BUILD.acquire(timeout=5)
+    background_build.ONE_BUILD.release()
 
 
 def test_a_start_that_fails_after_its_build_began_stops_the_build(monkeypatch):
     """As a first CUDA start does, the build starts before the KV cache is sized; that fails. The
     runner cancels the build, which stops at its next safe point before the error reaches the
     caller, letting go of the one-build lock."""
-    from kiln.compiler import compiled_model
+    from kiln.compiler import background_build
     from kiln.compiler.cancel import BuildCancelled
     from kiln.runtime import model_runner
 
@@ -497,22 +497,22 @@ def test_a_start_that_fails_after_its_build_began_stops_the_build(monkeypatch):
         LLM(model="random:tiny", compile=BACKGROUND)
     (build,) = started
     assert build.done and isinstance(build.error, BuildCancelled) and build.forward is None
-    assert compiled_model._ONE_BUILD.acquire(timeout=1)
-    compiled_model._ONE_BUILD.release()
+    assert background_build.ONE_BUILD.acquire(timeout=1)
+    background_build.ONE_BUILD.release()
 
 
 @pytest.mark.gpu
 def test_a_first_cuda_start_that_fails_stops_its_build(tmp_path):
     """A first CUDA start begins its build with the weight read; when the start then fails (here
     a KV cache budget of no blocks), the build stops and the next start in the process builds."""
-    from kiln.compiler import compiled_model
+    from kiln.compiler import background_build
 
     options = dict(model="random:tiny", device="cuda", dtype="float32", max_model_len=256,
                    compile={"mode": "kiln", "startup": "fast", "capture_sizes": [1, 2, 4]})
     with pytest.raises(ValueError, match="fewer than 2 blocks|short of one request"):  # the KV or graph check
         LLM(**options, cache={"dir": str(tmp_path), "kv_cache_memory_gib": 1e-6})
-    assert compiled_model._ONE_BUILD.acquire(timeout=5), "the failed start's build still holds the lock"
-    compiled_model._ONE_BUILD.release()
+    assert background_build.ONE_BUILD.acquire(timeout=5), "the failed start's build still holds the lock"
+    background_build.ONE_BUILD.release()
     llm = LLM(**options, cache={"dir": str(tmp_path)})
     assert llm.engine.wait_for_build(timeout=300)
     _generate(llm)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kiln.compiler import KilnForward, build_forward
-from kiln.compiler.compiled_model import BackgroundBuild
+from kiln.compiler.background_build import BackgroundBuild
 from kiln.config import CompileConfig
 from kiln.models.arch import PRESETS
 from kiln.models.llama import LlamaForCausalLM

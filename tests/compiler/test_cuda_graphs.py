@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.compiler.compiled_model import dispatch
+from kiln.compiler.graph_sets import dispatch
 from kiln.compiler.cudagraph import GraphMode, wanted_graph_modes
 from kiln.compiler.inputs import NULL_BLOCK_ID, InputBuffers, InputLimits
 from kiln.compiler.piecewise import PieceGraphs, PiecewiseCUDAGraphs

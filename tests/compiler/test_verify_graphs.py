@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.compiler.compiled_model import dispatch
+from kiln.compiler.graph_sets import dispatch
 from kiln.compiler.cudagraph import FullCUDAGraphs, GraphMode
 from kiln.compiler.inputs import InputBuffers, InputLimits, ModelInputs, VerifyShape
 from tests.helpers.triton_interpreter import run_in_triton_interpreter
@@ -143,7 +143,7 @@ def test_filled_proposals_make_uniform_verify_steps_and_keep_the_greedy_tokens(m
     """With verify graphs present the runner fills every speculating request's proposal up to its
     lookahead (``pad_drafts``), so each verify step is uniform; the tokens equal decoding
     without speculation, and only real proposals are counted."""
-    import kiln.compiler.compiled_model as compiled_model
+    import kiln.compiler.graph_sets as graph_sets
 
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     plain = LLM("smollm2-135m-instruct")
@@ -158,7 +158,7 @@ def test_filled_proposals_make_uniform_verify_steps_and_keep_the_greedy_tokens(m
         seen.append((num_tokens, num_reqs, query_len))
         return dispatch(full, piecewise, num_tokens, num_reqs, num_decodes, verify, query_len)
 
-    monkeypatch.setattr(compiled_model, "dispatch", recording)
+    monkeypatch.setattr(graph_sets, "dispatch", recording)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert got == reference
     verify_steps = [s for s in seen if s[0] > s[1] and s[2] == 4]
