@@ -96,6 +96,7 @@ from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.scheduler import Scheduler
 from kiln.runtime.scheduler_output import SchedulerOutput
 from kiln.runtime.spec_stats import SpecDecodeStats
+from kiln.runtime.startup import runner_timeline
 from kiln.runtime.structured_output import GrammarCompiler
 from kiln.sampling_params import SEED_MIN, SamplingParams
 
@@ -108,13 +109,6 @@ Prompt = Union[str, list[int], TokenizedPrompt]
 BUILD_POLL_S = 0.05
 
 
-# The runner's start-up phases (ModelRunner.startup_seconds), in the ready line's words; each is
-# time on the start's own thread, so they do not overlap (the weights: building the model and
-# waiting for the read; the rest of the read ran on threads beside the other phases).
-RUNNER_PHASES = (("load weights", ("load_call_s", "weights_wait_s")), ("Dynamo", "dynamo_s"), ("Inductor", "inductor_s"),
-                 ("compile cache load", "cache_load_s"), ("CUDA graphs", "cudagraph_s"),
-                 ("memory profile", "profile_s"), ("KV cache", "kv_alloc_s"), ("tokenizer wait", "tokenizer_wait_s"),
-                 ("eager warm-up", "eager_warm_up_s"))
 SHOWN_S = 0.05  # the ready line leaves out phases shorter than this
 
 
@@ -141,10 +135,8 @@ class StartupReport:
         """The report of an engine built ``startup_s`` seconds from when this process was
         ``age_at_engine`` seconds old (``kiln`` imported at ``age_at_import``)."""
         rows = [("interpreter", age_at_import), ("imports and config", max(0.0, age_at_engine - age_at_import))]
-        if phases_s:
-            runner = [(name, sum(phases_s.get(k, 0.0) for k in ((key,) if isinstance(key, str) else key)))
-                      for name, key in RUNNER_PHASES]
-            rows += runner + [("other", max(0.0, startup_s - sum(s for _, s in runner)))]
+        if phases_s:  # the runner's phases (kiln.runtime.startup), then what none accounts for
+            rows += runner_timeline(phases_s, startup_s)
         else:  # the ranks run elsewhere: each logs its own phases
             rows.append(("engine", startup_s))
         return cls(num_usable_blocks, block_size, startup_s, dict(phases_s), building, tuple(rows),

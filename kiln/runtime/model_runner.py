@@ -14,7 +14,8 @@ largest step's activations; size and allocate the KV cache (``kiln.runtime.kv_si
 CUDA graphs over it; make the sampler. With a background build (``compile.startup``) the build starts last, once
 all of that is done (on CUDA after a warm-up of the eager forward), except on a first CUDA start (no
 memory profile kept), where it starts as the weights start loading; graphs are captured between steps
-once it ends. Each phase's time lands in ``startup_seconds``.
+once it ends. ``kiln.runtime.startup`` owns the phases' names and timing (each phase's time lands in
+``startup_seconds``), the eager warm-up and the memory profile the KV cache is sized after.
 """
 
 from __future__ import annotations
@@ -51,14 +52,9 @@ from kiln.runtime.request import Request
 from kiln.runtime.sampler import SampledTokens, Sampler, host_to_device
 from kiln.runtime.structured_output import GrammarBitmasks, GrammarCompiler
 from kiln.runtime.scheduler_output import SchedulerOutput
+from kiln.runtime.startup import MemoryProfiler, StartupClock, log_startup, warm_up
 
 logger = logging.getLogger(__name__)
-
-# Blocks of the scratch KV cache that an eager warm-up before the weights have landed writes its
-# null requests' K/V to (block 0 only): more than 1, so that no kernel is specialised on a
-# one-block cache that no step has.
-WARM_UP_BLOCKS = 16
-
 
 # (prompt position, {token id: logprob}) for the prompt's own token there and the top-N
 PromptLogprobs = list[tuple[int, dict[int, float]]]
@@ -123,7 +119,7 @@ class ModelRunner:
     def _start(self, model_config: ModelConfig, cache_config: CacheConfig, compile_config: CompileConfig,
                scheduler_config: Optional[SchedulerConfig], tp: TensorParallel, speculative: SpeculativeConfig,
                lora: LoraConfig = LoraConfig()):
-        t_start = time.perf_counter()
+        clock = StartupClock()  # every phase's time, in kiln.runtime.startup's one table
         self.tp = tp  # under tensor parallelism: this rank's shard; rank 0 alone samples
         self.is_sampler = tp.rank == 0 and self.stage.is_last  # the rank that samples and answers
         self.device = resolve_device(model_config.device)
@@ -140,15 +136,15 @@ class ModelRunner:
             prefetch_triton_key()  # what the first launch of a Triton kernel hashes, while the weights load
             if compile_config.mode == "kiln" and compile_config.build == "startup":  # (a build's thread does)
                 prefetch_source_keys()  # what loading compiled pieces hashes, while the weights load
-        t0 = time.perf_counter()
-        # A checkpoint's weights may still be read while the model compiles (a cold start).
-        self.loaded: LoadedModel = load_model(model_config, cache_config.resolved_dir, self.device, self.dtype, tp,
-                                             self.kernels, background=True, stage=self.stage)
-        load_seconds = load_call_seconds = time.perf_counter() - t0
+        with clock.phase("load_call_s"):
+            # A checkpoint's weights may still be read while the model compiles (a cold start).
+            self.loaded: LoadedModel = load_model(model_config, cache_config.resolved_dir, self.device, self.dtype,
+                                                 tp, self.kernels, background=True, stage=self.stage)
+        clock.add("load_weights_s", clock.get("load_call_s"))
         self.model, self.arch = self.loaded.model, self.loaded.arch
         # Multi-LoRA: the adapter slots are part of the model (and of its compiled graph) from here.
         if lora.enabled:  # on CUDA the slots move the targeted linears' weights: read them in first
-            load_seconds += self.loaded.wait_for_weights()
+            clock.add("load_weights_s", self.loaded.wait_for_weights())
         self.lora = LoraManager(self.model, lora, self.dtype, self.device) if lora.enabled else None
         self.max_model_len = self.loaded.max_model_len
         sched = scheduler_config
@@ -166,8 +162,8 @@ class ModelRunner:
         self._verify = verify_shape(speculative, sched) if speculative.enabled else None
         self._has_draft = speculative.method == "draft"
         want_graphs = cache_config.num_blocks is None and cache_config.kv_cache_memory_gib is None
-        profile_cache = self._memory_profile_cache(sched, want_graphs) if self.device.type == "cuda" else None
-        kept_profile = profile_cache.load() if profile_cache is not None else None
+        self.memory_profiler = MemoryProfiler(self._memory_profile_cache(sched, want_graphs) if self.device.type == "cuda"
+                                     else None, self.kv_shape, self.device, self.max_model_len, sched, want_graphs)
         if compile_config.build == "background_when_cold":
             # compile.startup=auto: this forward was built here before, so the compile cache holds it
             # and loading it before ready costs about a second; else it compiles on a thread.
@@ -183,7 +179,7 @@ class ModelRunner:
         self.link = StageLink(tp, self.stage, stage_input) if self.stage.size > 1 else None
         self.compiled = CompiledModel(self.model, compile_config, self.kernels, limits, self.max_model_len, artifacts,
                                       forward_key=self._profile_key)
-        if self.device.type == "cuda" and kept_profile is None:
+        if self.device.type == "cuda" and self.memory_profiler.kept is None:
             # a background build on a first start: the build compiles for tens of seconds, so it
             # starts beside the weight read. A warm start's build loads from the compile cache in seconds
             # of Python that would slow the read and the warm-up more than that gains: after ready.
@@ -193,10 +189,11 @@ class ModelRunner:
         # weight's value: while they still land, it runs over a scratch cache of its own (the real
         # one is sized once the read's memory is free again).
         warmed_early = in_background and self.compiled.building and self.device.type == "cuda"
-        warm_up_seconds = self._timed_warm_up(scratch=True) if warmed_early else 0.0
-        t_wait = time.perf_counter()
-        load_seconds += self.loaded.wait_for_weights()
-        wait_seconds = time.perf_counter() - t_wait
+        if warmed_early:
+            with clock.phase("eager_warm_up_s"):
+                warm_up(self.compiled, self.kv_shape, self.device, scratch=True)
+        with clock.phase("weights_wait_s"):
+            clock.add("load_weights_s", self.loaded.wait_for_weights())
         if warmed_early:
             torch.cuda.empty_cache()  # the scratch cache: the KV cache is sized after what is in use
         self.input_batch = InputBatch(self.compiled.inputs, self.block_size)
@@ -205,18 +202,16 @@ class ModelRunner:
             self.compiled.set_verify_shape(self._verify)
         _check_verify_capture_sizes(speculative, sched, compile_config)
         activation_bytes, self.graph_estimate = 0, None
-        self._unmeasured_profile: Optional[tuple[kv_sizing.MemoryProfileCache, int]] = None
-        t_profile = time.perf_counter()
-        if self.device.type == "cuda":
-            activation_bytes, self.graph_estimate = self._profile_memory(sched, want_graphs, profile_cache,
-                                                                         kept_profile)
-        t_kv = time.perf_counter()
-        profile_seconds = t_kv - t_profile
-        self.num_blocks, self.kv_caches = self._make_kv_caches(cache_config, activation_bytes)
-        first = self.layer_ids.start  # the checkpoint's scales by global layer, the cache's by this stage's
-        stage_scales = {i - first: v for i, v in self.loaded.kv_scales.items() if i in self.layer_ids}
-        self.kv_scales = kv_sizing.allocate_kv_scales(self.kv_shape, stage_scales, self.device)
-        kv_seconds = time.perf_counter() - t_kv
+        with clock.phase("profile_s"):
+            if self.device.type == "cuda":
+                draft = self.proposer if isinstance(self.proposer, DraftProposer) else None
+                activation_bytes, self.graph_estimate = self.memory_profiler.profile(
+                    self.compiled, draft, self.arch.num_layers + 1, self.arch.hidden_size * self.dtype.itemsize)
+        with clock.phase("kv_alloc_s"):
+            self.num_blocks, self.kv_caches = self._make_kv_caches(cache_config, activation_bytes)
+            first = self.layer_ids.start  # the checkpoint's scales by global layer, the cache's by this stage's
+            stage_scales = {i - first: v for i, v in self.loaded.kv_scales.items() if i in self.layer_ids}
+            self.kv_scales = kv_sizing.allocate_kv_scales(self.kv_shape, stage_scales, self.device)
         self.compiled.bind_kv_caches(self.kv_caches, self.kv_scales,
                                      calibrate_kv_scales=cache_config.calculate_kv_scales)
         # lazy capture: the smallest sizes now (the first requests' decodes), the rest between
@@ -246,10 +241,10 @@ class ModelRunner:
         self._read_back_done = [torch.cuda.Event(), torch.cuda.Event()] if self.device.type == "cuda" else []
         self._read_back_turn = 0
         if self.compiled.building and self.device.type == "cuda" and not warmed_early:  # else the first step pays
-            warm_up_seconds = self._timed_warm_up()  # before the tokenizer wait: its thread goes on meanwhile
-        t_tokenizer = time.perf_counter()
-        self.tokenizer = self.loaded.wait_for_tokenizer()  # built on a thread meanwhile (a checkpoint's)
-        tokenizer_wait_seconds = time.perf_counter() - t_tokenizer
+            with clock.phase("eager_warm_up_s"):  # before the tokenizer wait: its thread goes on meanwhile
+                warm_up(self.compiled, self.kv_shape, self.device)
+        with clock.phase("tokenizer_wait_s"):
+            self.tokenizer = self.loaded.wait_for_tokenizer()  # built on a thread meanwhile (a checkpoint's)
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, _stop_ids(self.arch.eos_token_id))
         on_gpu = self.device.type == "cuda"
         self.bitmasks = GrammarBitmasks(self.grammars, pin_memory=on_gpu, background=on_gpu)
@@ -259,32 +254,12 @@ class ModelRunner:
                     "in %.2f GiB; CUDA graphs %.2f GiB", num_usable, self.block_size, num_usable * self.block_size,
                     self.num_blocks * self.kv_shape.bytes_per_block / 2**30,
                     self.compiled.graph_memory_bytes / 2**30)
-        self.startup_seconds = {"load_weights_s": load_seconds, "load_call_s": load_call_seconds,
-                                "weights_wait_s": wait_seconds,
-                                **self.compiled.startup_seconds(),
-                                "profile_s": profile_seconds, "kv_alloc_s": kv_seconds,
-                                "tokenizer_wait_s": tokenizer_wait_seconds, "eager_warm_up_s": warm_up_seconds,
-                                "ready_s": time.perf_counter() - t_start}
+        self.startup_seconds = clock.finish(self.compiled.startup_seconds())
         self.compiled.start_build()  # a warm start's build (a first start's began with the weight read)
-        s = self.startup_seconds
+        wait_seconds = clock.get("weights_wait_s")
         overlap = (f" (read on threads; {wait_seconds:.2f} s waited)" if in_background and self.compiled.building
                    else f" (read while compiling; {wait_seconds:.2f} s not hidden)" if in_background else "")
-        logger.info("start-up: load weights %.2f s%s, Dynamo %.2f s, Inductor %.2f s, compile cache load %.2f s, "
-                    "CUDA graphs %.2f s, memory profile %.2f s, KV allocation %.2f s, tokenizer wait %.2f s%s; "
-                    "ready in %.2f s", load_seconds, overlap, s["dynamo_s"], s["inductor_s"], s["cache_load_s"],
-                    s["cudagraph_s"], s["profile_s"], s["kv_alloc_s"], s["tokenizer_wait_s"],
-                    f", eager warm-up {warm_up_seconds:.2f} s" if warm_up_seconds else "", s["ready_s"])
-
-    def _timed_warm_up(self, scratch: bool = False) -> float:
-        """Seconds of ``CompiledModel.warm_up``; ``scratch``: over a KV cache of its own (the bound one
-        does not exist yet)."""
-        t0 = time.perf_counter()
-        if scratch:
-            self.compiled.warm_up(kv_sizing.allocate_kv_caches(self.kv_shape, WARM_UP_BLOCKS, self.device),
-                                  kv_sizing.allocate_kv_scales(self.kv_shape, {}, self.device))
-        else:
-            self.compiled.warm_up()
-        return time.perf_counter() - t0
+        log_startup(self.startup_seconds, overlap)
 
     # ---- lazy CUDA-graph capture (lazy capture) ------------------------------------------
     @property
@@ -326,19 +301,8 @@ class ModelRunner:
         return True
 
     def _keep_measured_profile(self) -> None:
-        """Once a first start's lazy capture ends, keep a memory profile for the next start: the
-        eager activations it was sized with, and the graphs' memory as measured, per size captured
-        (should capture have stopped at the guess, the largest sizes: an over-estimate of the rest)."""
-        if self._unmeasured_profile is None or self.graph_estimate is None:
-            return
-        cache, activation_bytes = self._unmeasured_profile
-        self._unmeasured_profile = None
-        sizes = self.graph_estimate.sizes
-        num_captured = max(1, len(sizes) - self.compiled.num_pending_captures)
-        per_size = self.compiled.graph_memory_bytes // num_captured
-        measured = kv_sizing.GraphMemoryEstimate(sizes, largest_bytes=per_size, per_size_bytes=per_size,
-                                                 num_extra_graphs=self.graph_estimate.num_extra_graphs)
-        cache.store(kv_sizing.MemoryProfile(activation_bytes, measured))
+        """Once a first start's lazy capture ends: the graphs' memory as measured, for the next start."""
+        self.memory_profiler.keep_measured(self.graph_estimate, self.compiled)
 
     def _stop_lazy_capture(self, reason: str) -> bool:
         logger.warning("CUDA graphs: %s; %d sizes stay without graphs", reason, self.compiled.num_pending_captures)
@@ -346,44 +310,6 @@ class ModelRunner:
         self.lazy_capture = False
         self.compiled.drop_pending_captures()
         return False
-
-    def _profile_memory(self, sched: SchedulerConfig, want_graphs: bool,
-                        cache: Optional[kv_sizing.MemoryProfileCache], cached: Optional[kv_sizing.MemoryProfile]
-                        ) -> tuple[int, Optional[kv_sizing.GraphMemoryEstimate]]:
-        """Peak activation bytes of the largest step, and what the CUDA graphs will take (when the
-        KV cache is sized from the free memory): profiled, or read from a warm start's cache. A
-        first start that serves eagerly while kiln's forward is built profiles the eager forward's
-        activations and guesses the graphs; what capture then takes is kept for the next start
-        (``_keep_measured_profile``). ``cache``: where the profile is kept (None: not kept), and
-        ``cached`` what it holds, if anything."""
-        if cached is not None:
-            logger.info("memory profile from the cache: peak activations %.2f GiB, CUDA graphs %.2f GiB",
-                        cached.activation_bytes / 2**30, cached.graphs.bytes() / 2**30 if cached.graphs else 0.0)
-            return cached.activation_bytes, cached.graphs
-        building = self.compiled.building  # a first start serving eagerly: no built forward to measure
-        if building:
-            logger.info("background build: no memory profile of kiln's forward is kept yet (a first "
-                        "start): the KV cache is sized after the eager forward and a guess of the CUDA "
-                        "graphs; what they take is kept for later starts")
-        activation_bytes = kv_sizing.profile_activation_bytes(  # building: the eager forward's peak
-            self.compiled, self.kv_shape, self.max_model_len, sched.max_num_batched_tokens, sched.max_num_seqs)
-        if isinstance(self.proposer, DraftProposer):  # runs before the target's forward, never beside it
-            draft = self.proposer
-            activation_bytes = max(activation_bytes, kv_sizing.profile_activation_bytes(
-                draft.compiled, draft.kv_shape, self.max_model_len, draft.compiled.inputs.max_num_tokens,
-                sched.max_num_seqs))
-        if building:  # should the graphs outgrow the guess, lazy capture stops there (capture_pending)
-            graphs = (self.compiled.guess_graph_memory(activation_bytes, sched.max_num_batched_tokens,
-                                                       self.arch.num_layers + 1, self.arch.hidden_size
-                                                       * self.dtype.itemsize) if want_graphs else None)
-            self._unmeasured_profile = (cache, activation_bytes) if cache is not None else None
-            return activation_bytes, graphs
-        graphs = None
-        if want_graphs:
-            graphs = self.compiled.profile_graph_memory(kv_sizing.allocate_kv_caches(self.kv_shape, 2, self.device))
-        if cache is not None:
-            cache.store(kv_sizing.MemoryProfile(activation_bytes, graphs))
-        return activation_bytes, graphs
 
     def _memory_profile_cache(self, sched: SchedulerConfig, want_graphs: bool
                               ) -> Optional[kv_sizing.MemoryProfileCache]:

@@ -328,22 +328,22 @@ def test_a_first_start_keeps_what_its_graphs_took_for_the_next_start(tmp_path, n
 
     from kiln.compiler import ArtifactCache, GraphMemoryEstimate
     from kiln.runtime import kv_sizing
-    from kiln.runtime.model_runner import ModelRunner
+    from kiln.runtime.startup import MemoryProfiler
 
     sizes = (1, 2, 4, 8, 16, 32, 64, 128)
     used = 3 * 2**30
     cache = kv_sizing.MemoryProfileCache(ArtifactCache(str(tmp_path), "m"), "key", max_num_seqs=128)
-    runner = ModelRunner.__new__(ModelRunner)
-    runner._unmeasured_profile = (cache, 600 * 2**20)
-    runner.graph_estimate = GraphMemoryEstimate(sizes, largest_bytes=2**30, per_size_bytes=2**20)  # the guess
-    runner.compiled = SimpleNamespace(graph_memory_bytes=used, num_pending_captures=num_pending)
-    runner._keep_measured_profile()
+    profiler = MemoryProfiler(cache, None, torch.device("cpu"), 256, None, want_graphs=True)
+    profiler.unmeasured_bytes = 600 * 2**20  # what a first background start's profile leaves
+    guess = GraphMemoryEstimate(sizes, largest_bytes=2**30, per_size_bytes=2**20)
+    compiled = SimpleNamespace(graph_memory_bytes=used, num_pending_captures=num_pending)
+    profiler.keep_measured(guess, compiled)
     kept = cache.load()
     assert kept is not None and kept.activation_bytes == 600 * 2**20 and kept.graphs.sizes == sizes
     captured = len(sizes) - num_pending
     assert kept.graphs.bytes() >= used * len(sizes) / captured
-    runner._keep_measured_profile()  # once only: a later call keeps nothing new
-    assert runner._unmeasured_profile is None
+    profiler.keep_measured(guess, compiled)  # once only: a later call keeps nothing new
+    assert profiler.unmeasured_bytes is None
 
 
 def test_eager_calls_wait_for_an_fx_trace_on_the_build_thread():
