@@ -23,7 +23,8 @@ Rules:
   request at once. The process also leaves on ``Shutdown`` and when its parent (the frontend) is
   gone, checked every ``PARENT_CHECK_S``: a killed frontend leaves no engine holding the device.
 - SIGINT and SIGTERM belong to the frontend, which drains and then sends ``Shutdown``; the process
-  ignores both (a signal to the process group would otherwise cut the drain short).
+  ignores both (a signal to the process group would otherwise cut the drain short; the spawn's
+  target in ``kiln.engine.launch`` sets that up, with the log level and a replica's placement).
 """
 
 from __future__ import annotations
@@ -33,12 +34,9 @@ import multiprocessing
 import os
 import pickle
 import shutil
-import signal
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
-import torch
 import zmq
 
 from kiln.config import EngineConfig
@@ -55,13 +53,6 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 500  # an idle loop wakes this often: stats, the parent check
 STATS_PERIOD_S = 0.1  # a busy loop sends the engine's stats at most this often
 PARENT_CHECK_S = 1.0
-LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # as the CLI's (hydra/job_logging=stdout)
-
-
-def inherited_log_level() -> Optional[int]:
-    """The level a spawned child (engine core, frontend) logs at: the caller's, once logging is set up."""
-    root = logging.getLogger()
-    return root.getEffectiveLevel() if root.handlers else None
 
 
 class EngineCore:
@@ -201,35 +192,10 @@ class EngineCore:
         return self._parent_alive()
 
 
-@dataclass(frozen=True)
-class ReplicaPlacement:
-    """Replica ``index`` of ``count`` data-parallel engine cores (``parallel.data_parallel_size``)."""
-
-    index: int
-    count: int
-
-    def visible_devices(self, visible: Optional[str]) -> str:
-        """The replica's CUDA_VISIBLE_DEVICES: the index-th of the parent's (``visible``), so its GPU
-        is cuda:0. Set at spawn, before the child's torch can read it."""
-        devices = visible.split(",") if visible else [str(i) for i in range(self.count)]
-        return devices[self.index % len(devices)]
-
-    def apply(self) -> None:
-        """Take this replica's share of the CPU cores: replicas on one host would otherwise each
-        start a thread per core and contend."""
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.count))
-
-
-def run_engine_core(config: EngineConfig, addresses: list[tuple[str, str]], log_level: Optional[int] = None,
-                    placement: Optional[ReplicaPlacement] = None) -> None:
-    """The engine-core process's target: build the engine, say Ready (or StartFailed) to every
-    frontend, serve, say Stopped. ``addresses`` holds each frontend's (input, output) endpoints."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if placement is not None:
-        placement.apply()
-    if log_level is not None:
-        logging.basicConfig(level=log_level, format=LOG_FORMAT)
+def run_engine_core(config: EngineConfig, addresses: list[tuple[str, str]]) -> None:
+    """The engine-core process's work (``kiln.engine.launch`` spawns it): build the engine, say
+    Ready (or StartFailed) to every frontend, serve, say Stopped. ``addresses`` holds each
+    frontend's (input, output) endpoints."""
     ctx = zmq.Context()
     inputs, outputs = [], []
     for input_address, output_address in addresses:

@@ -19,8 +19,10 @@ Threads and rules (the frontend side; the engine side is ``kiln.engine.core``):
 - Every admitted request gets an answer: its outputs, its refusal, or EngineDeadError. When the
   engine-core process dies (a failed step, a kill) every pending and later request fails at once,
   ``is_healthy()`` turns False and ``on_dead`` is called, so the server can exit non-zero.
-- Several frontends can share one engine core (``server.api_server_count``): ``SharedEngineCore``
-  starts it with one socket pair per frontend, and each frontend process attaches its client to
+- The engine-core process is spawned by ``kiln.engine.launch.EngineCoreProcess``, here or earlier
+  (``kiln serve`` spawns it before importing the server, so both start side by side). Several
+  frontends can share one engine core (``server.api_server_count``): ``EngineCoreProcess`` starts
+  it with one socket pair per frontend, and each frontend process attaches its client to
   its own pair (``EngineCoreClient(config, shared=...)``). The process belongs to whoever started
   it; an attached client's ``shutdown`` detaches (the engine core leaves after the last).
 """
@@ -29,13 +31,11 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import dataclasses
 import logging
 import multiprocessing
 import os
 import pickle
 import shutil
-import tempfile
 import threading
 import weakref
 from typing import Callable, Optional
@@ -45,7 +45,7 @@ import zmq
 from kiln.clock import process_age_s
 from kiln.config import EngineConfig
 from kiln.lora_request import LoRARequest
-from kiln.engine.core import ReplicaPlacement, inherited_log_level, run_engine_core
+from kiln.engine.launch import EngineCoreAddress, EngineCoreProcess, ReplicaPlacement, address
 from kiln.engine.messages import (
     AbortRequests, AddRequest, LoadLora, Ready, Shutdown, StartFailed, StepOutputs, Stopped, UnloadLora, encoder,
     from_engine_decoder,
@@ -75,66 +75,6 @@ def _shutdown_live_clients() -> None:
         client.shutdown(timeout=5)
 
 
-def _address(ipc_dir: str, index: int) -> tuple[str, str]:
-    """Frontend ``index``'s (input, output) endpoints in ``ipc_dir``."""
-    return f"ipc://{ipc_dir}/in{index}", f"ipc://{ipc_dir}/out{index}"
-
-
-def _spawn_engine_core(config: EngineConfig, ipc_dir: str, count: int,
-                       placement: Optional[ReplicaPlacement] = None) -> multiprocessing.Process:
-    proc = multiprocessing.get_context("spawn").Process(
-        target=run_engine_core, name="kiln-engine-core",
-        args=(config, [_address(ipc_dir, i) for i in range(count)], inherited_log_level(), placement))
-    if placement is None:
-        proc.start()
-        return proc
-    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
-    with _SPAWN_ENV_LOCK:  # the child inherits the environment as it is when it starts
-        os.environ["CUDA_VISIBLE_DEVICES"] = placement.visible_devices(previous)
-        try:
-            proc.start()
-        finally:
-            if previous is None:
-                del os.environ["CUDA_VISIBLE_DEVICES"]
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = previous
-    return proc
-
-
-_SPAWN_ENV_LOCK = threading.Lock()
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineCoreAddress:
-    """What a frontend process needs to attach to a shared engine core (picklable)."""
-
-    ipc_dir: str
-    index: int
-    engine_pid: int
-    owner_pid: int  # the process that started the engine core: the start-up clock is its
-    age_at_spawn: float
-
-
-class SharedEngineCore:
-    """One engine-core process for ``count`` frontends, each attaching through ``address(i)``."""
-
-    def __init__(self, config: EngineConfig, count: int):
-        self.ipc_dir = tempfile.mkdtemp(prefix="kiln-engine-")
-        self.age_at_spawn = process_age_s()
-        self.process = _spawn_engine_core(config, self.ipc_dir, count)
-
-    def address(self, index: int) -> EngineCoreAddress:
-        return EngineCoreAddress(self.ipc_dir, index, self.process.pid, os.getpid(), self.age_at_spawn)
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Wait for the engine core to leave (its frontends have detached), else kill it."""
-        self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(10)
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
-
-
 def _running(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie, which still answers signals, has exited)."""
     try:
@@ -147,10 +87,12 @@ def _running(pid: int) -> bool:
 class EngineCoreClient(ClientState):
     def __init__(self, config: EngineConfig, model_name: Optional[str] = None,
                  limits: QueueLimits = QueueLimits(), on_dead: Optional[Callable[[], None]] = None,
-                 shared: Optional[EngineCoreAddress] = None, placement: Optional[ReplicaPlacement] = None):
-        """Start the engine-core process for ``config`` (or, with ``shared``, attach to one that
-        ``SharedEngineCore`` started; ``placement``: as one data-parallel replica); ``on_dead`` runs
-        (on the reader thread) if the engine stops without being asked to."""
+                 shared: Optional[EngineCoreAddress] = None, placement: Optional[ReplicaPlacement] = None,
+                 started: Optional[EngineCoreProcess] = None):
+        """Start the engine-core process for ``config`` (``placement``: as one data-parallel
+        replica), or own ``started``, spawned earlier for one frontend, or, with ``shared``, attach
+        to a process with several; ``on_dead`` runs (on the reader thread) if the engine stops
+        without being asked to."""
         super().__init__(limits)  # its _lock also guards the input socket
         self.model_name = model_name or config.model.model
         self._on_dead = on_dead
@@ -165,8 +107,10 @@ class EngineCoreClient(ClientState):
         self._encode = encoder().encode
 
         self._shared = shared
-        self._ipc_dir = shared.ipc_dir if shared is not None else tempfile.mkdtemp(prefix="kiln-engine-")
-        input_address, output_address = _address(self._ipc_dir, shared.index if shared is not None else 0)
+        if shared is None and started is None:
+            started = EngineCoreProcess(config, 1, placement)
+        self._ipc_dir = shared.ipc_dir if shared is not None else started.ipc_dir
+        input_address, output_address = address(self._ipc_dir, shared.index if shared is not None else 0)
         # The process-wide context, never terminated: a client dropped without shutdown is garbage
         # collected with its sockets, and a context's finalizer can run before theirs and wait for
         # them forever. Unsent messages are dropped on close (LINGER 0): their engine core is gone.
@@ -181,8 +125,8 @@ class EngineCoreClient(ClientState):
         self._from_engine.bind(output_address)
         self._proc: Optional[multiprocessing.Process] = None
         if shared is None:
-            self.age_at_spawn = process_age_s()  # where the engine core's own start-up clock begins
-            self._proc = _spawn_engine_core(config, self._ipc_dir, 1, placement)
+            self.age_at_spawn = started.age_at_spawn  # where the engine core's own start-up clock begins
+            self._proc = started.process
             self._engine_pid = self._proc.pid
         else:
             self.age_at_spawn = shared.age_at_spawn

@@ -32,8 +32,8 @@ import threading
 from typing import Callable, Optional
 
 from kiln.config import EngineConfig
-from kiln.engine.core import ReplicaPlacement
 from kiln.engine.core_client import EngineCoreClient
+from kiln.engine.launch import ReplicaPlacement
 from kiln.engine.streams import EngineDeadError, QueueFullError, QueueLimits, RequestStream
 from kiln.lora_request import LoRARequest
 from kiln.runtime.input_processor import Prompt, TokenizedPrompt

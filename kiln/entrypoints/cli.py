@@ -72,11 +72,25 @@ def cmd_serve(cli: CliConfig) -> None:
     # Importing torch and the server takes seconds before the engine's first line: say so at once.
     logger.info("kiln: starting the server for %s on %s:%s (importing torch, then loading the model)",
                 cli.model.model, cli.server.host, cli.server.port)
-    try:
-        from kiln.entrypoints.openai.api_server import run_server
-    except ImportError as exc:
-        fail(f"the OpenAI server is not available in this installation ({exc})", code=1)
-    _user_errors(lambda: run_server(engine_config(cli)))
+
+    def run() -> None:
+        from kiln.engine.launch import EngineCoreProcess
+        from kiln.entrypoints.listen import bind_socket
+
+        config = engine_config(cli)
+        sock = bind_socket(config.server.host, config.server.port)  # a bad port fails before anything starts
+        # The engine core imports torch and loads the model while this process imports the server.
+        core = EngineCoreProcess.for_server(config)
+        try:
+            from kiln.entrypoints.openai.api_server import run_server
+        except ImportError as exc:
+            sock.close()
+            if core is not None:
+                core.stop(timeout=0)
+            fail(f"the OpenAI server is not available in this installation ({exc})", code=1)
+        run_server(config, engine_core=core, sock=sock)
+
+    _user_errors(run)
 
 
 def cmd_generate(cli: CliConfig) -> None:

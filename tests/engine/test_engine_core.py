@@ -16,7 +16,8 @@ import pytest
 
 from kiln import LLM, SamplingParams
 from kiln.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig
-from kiln.engine.core_client import EngineCoreClient, SharedEngineCore
+from kiln.engine.core_client import EngineCoreClient
+from kiln.engine.launch import EngineCoreProcess
 from kiln.engine.messages import AddRequest, encoder, to_engine_decoder
 from kiln.engine.streams import EngineDeadError, RequestStream, Sink
 from kiln.outputs import RequestDelta, RequestOutput, SampleDelta
@@ -70,6 +71,52 @@ def test_outputs_equal_the_in_process_engine(client, llm, params):
     want = [llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS]
     assert [_summary(o) for o in got] == [_summary(o) for o in want]
     assert all(o.finished for o in got)
+
+
+def test_the_launcher_imports_nothing_heavy():
+    """`kiln serve` spawns the engine core before its own heavy imports: what it needs for that
+    (the CLI, the launcher, the socket) must not pull in torch, or the two would not overlap."""
+    code = ("import sys, kiln.entrypoints.cli, kiln.engine.launch, kiln.entrypoints.listen\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'fastapi', 'kiln.engine.core') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_an_engine_core_spawned_early_is_its_clients(llm):
+    """A process spawned before its client (as `kiln serve` does) serves that client alike, and
+    the client's shutdown stops it and removes its sockets."""
+    core = EngineCoreProcess(CONFIG)
+    client = EngineCoreClient(CONFIG, started=core)
+    try:
+        client.wait_ready(timeout=300)
+        assert client.pid == core.process.pid
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        got = asyncio.run(_finals(client, "early", params))
+        want = [llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS]
+        assert [_summary(o) for o in got] == [_summary(o) for o in want]
+    finally:
+        client.shutdown()
+    assert not core.process.is_alive() and core.process.exitcode == 0
+    assert not os.path.exists(core.ipc_dir)
+
+
+def test_a_server_that_fails_before_its_client_stops_the_engine_core_it_was_given():
+    """run_server's own failures (here: the port is taken) stop an engine core spawned for it."""
+    import dataclasses
+    import socket
+
+    from kiln.config import ServerConfig
+    from kiln.entrypoints.openai import run_server
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        config = dataclasses.replace(CONFIG, server=ServerConfig(port=held.getsockname()[1]))
+        core = EngineCoreProcess(config)
+        with pytest.raises(ValueError, match="cannot listen"):
+            run_server(config, engine_core=core)
+    assert not core.process.is_alive()
+    assert not os.path.exists(core.ipc_dir)
 
 
 def test_a_lagging_stream_loses_nothing():
@@ -242,7 +289,7 @@ def test_the_server_exits_non_zero_when_its_engine_dies():
 def test_frontends_sharing_an_engine_core_get_their_own_outputs():
     """Two attached clients (server.api_server_count=2): each hears only its requests; one detaching
     frees its requests' blocks while the other keeps serving; the engine core leaves after the last."""
-    shared = SharedEngineCore(CONFIG, 2)
+    shared = EngineCoreProcess(CONFIG, 2)
     clients = [EngineCoreClient(CONFIG, shared=shared.address(i)) for i in range(2)]
     try:
         for c in clients:

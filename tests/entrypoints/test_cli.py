@@ -182,12 +182,14 @@ def test_serve_on_a_port_in_use_fails_before_loading_the_model(capsys, monkeypat
     engine (the model's start-up) is built; the port is free again afterwards."""
     import socket
 
+    from kiln.engine import launch
     from kiln.entrypoints.openai import api_server
 
     def no_engine(*args, **kwargs):
         raise AssertionError("the engine was started before the port was checked")
 
     monkeypatch.setattr(api_server, "EngineCoreClient", no_engine)
+    monkeypatch.setattr(launch.EngineCoreProcess, "__init__", no_engine)  # what `kiln serve` spawns first
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()

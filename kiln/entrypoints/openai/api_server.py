@@ -19,7 +19,7 @@ only its own requests: the others keep serving, ``/health`` says 503 naming it, 
 exits with status 1 once no replica is left.
 
 With ``server.api_server_count=N`` above 1, this process binds the port, starts the engine core
-(``SharedEngineCore``) and N frontend processes that accept on the one socket, each with its own
+(``EngineCoreProcess``) and N frontend processes that accept on the one socket, each with its own
 ``EngineCoreClient``, and then only supervises: SIGINT/SIGTERM goes to every frontend (each drains,
 then detaches), and a frontend or an engine core that dies ends the whole server with status 1.
 """
@@ -27,7 +27,6 @@ then detaches), and a frontend or an engine core that dies ends the whole server
 from __future__ import annotations
 
 import contextlib
-import errno
 import hmac
 import logging
 import multiprocessing
@@ -63,8 +62,9 @@ from kiln.entrypoints.openai.serving_embeddings import create_embeddings
 from kiln.entrypoints.openai.serving_responses import create_response
 from kiln.entrypoints.openai.serving_tokens import detokenize, tokenize
 from kiln.entrypoints.openai.timeouts import BodyReadTimeoutMiddleware, uvicorn_options
-from kiln.engine.core import LOG_FORMAT, inherited_log_level
-from kiln.engine.core_client import EngineCoreAddress, EngineCoreClient, SharedEngineCore
+from kiln.engine.core_client import EngineCoreClient
+from kiln.engine.launch import LOG_FORMAT, EngineCoreAddress, EngineCoreProcess, inherited_log_level
+from kiln.entrypoints.listen import bind_socket
 from kiln.engine.dp_client import DataParallelClient
 from kiln.engine.streams import EngineClient, QueueLimits
 
@@ -304,26 +304,35 @@ def _too_large(limit: int) -> Response:
                           None, "request_too_large")
 
 
-def run_server(config: EngineConfig, drain_s: float = 5.0) -> None:
+def run_server(config: EngineConfig, drain_s: float = 5.0, engine_core: Optional[EngineCoreProcess] = None,
+               sock: Optional[socket.socket] = None) -> None:
     """Build the engine (blocking until the model is loaded), then serve until SIGINT/SIGTERM.
 
-    On the signal, open requests get ``drain_s`` seconds to finish; then the engine stops, so a
-    stream still open ends with an error event and ``[DONE]`` rather than a cut connection.
+    ``kiln serve`` binds ``sock`` and spawns ``engine_core`` (with ``server.api_server_count``
+    socket pairs) before it imports this module; without them, both happen here. On the signal,
+    open requests get ``drain_s`` seconds to finish; then the engine stops, so a stream still open
+    ends with an error event and ``[DONE]`` rather than a cut connection.
     """
     server = config.server
-    sock = bind_socket(server.host, server.port)  # before a start that may take minutes: fails at once
-    if server.host not in _LOOPBACK_HOSTS and not server.resolved_api_key():
-        logger.warning("serving on %s without an API key: anyone who can reach it can use it", server.host)
-    with contextlib.closing(sock):
-        if server.api_server_count == 1:
-            _serve(config, sock, drain_s)
-        else:
-            _supervise(config, sock, drain_s)
+    try:
+        if sock is None:  # before a start that may take minutes: a bad port fails at once
+            sock = bind_socket(server.host, server.port)
+        if server.host not in _LOOPBACK_HOSTS and not server.resolved_api_key():
+            logger.warning("serving on %s without an API key: anyone who can reach it can use it", server.host)
+        with contextlib.closing(sock):
+            if server.api_server_count == 1:
+                _serve(config, sock, drain_s, started=engine_core)
+            else:
+                _supervise(config, sock, drain_s, engine_core)
+    finally:
+        if engine_core is not None:  # gone by now, unless the server failed before its client took it
+            engine_core.stop(timeout=0)
 
 
 def _serve(config: EngineConfig, sock: socket.socket, drain_s: float,
-           shared: Optional[EngineCoreAddress] = None) -> None:
-    """One frontend: its engine client (its own engine core, or ``shared``'s), the app, uvicorn."""
+           shared: Optional[EngineCoreAddress] = None, started: Optional[EngineCoreProcess] = None) -> None:
+    """One frontend: its engine client (its own engine core, ``started`` or a new one, or
+    ``shared``'s), the app, uvicorn."""
     server = config.server
     died = threading.Event()
     uv_server: list[uvicorn.Server] = []
@@ -338,7 +347,7 @@ def _serve(config: EngineConfig, sock: socket.socket, drain_s: float,
                                     on_dead=on_dead)
     else:
         engine = EngineCoreClient(config, model_name=config.model.model, limits=QueueLimits.from_server(server),
-                                  on_dead=on_dead, shared=shared)
+                                  on_dead=on_dead, shared=shared, started=started)
     try:
         engine.wait_ready()
         app = build_app(engine, server)
@@ -363,14 +372,16 @@ def _serve(config: EngineConfig, sock: socket.socket, drain_s: float,
         raise SystemExit(1)
 
 
-def _supervise(config: EngineConfig, sock: socket.socket, drain_s: float) -> None:
-    """``server.api_server_count`` frontend processes over one engine core, until a signal or a death."""
+def _supervise(config: EngineConfig, sock: socket.socket, drain_s: float,
+               engine: Optional[EngineCoreProcess] = None) -> None:
+    """``server.api_server_count`` frontend processes over one engine core (``engine``, or one
+    spawned here), until a signal or a death."""
     count = config.server.api_server_count
     ctx = multiprocessing.get_context("spawn")
     start_errors = ctx.SimpleQueue()
     metrics_dir = tempfile.mkdtemp(prefix="kiln-metrics-")
     log_level = inherited_log_level()
-    engine = SharedEngineCore(config, count)
+    engine = engine or EngineCoreProcess(config, count)
     frontends: list[multiprocessing.Process] = []
     stopping = False
 
@@ -451,30 +462,6 @@ def _frontend_main(config: EngineConfig, sock: socket.socket, shared: EngineCore
         if shared.index == 0:
             start_errors.put((type(e).__name__, str(e)))
         raise SystemExit(2) from None
-
-
-_BIND_HINTS = {
-    errno.EADDRINUSE: "another process listens there: stop it or choose another server.port",
-    errno.EACCES: "ports below 1024 need privileges: choose a server.port of 1024 or more",
-    errno.EADDRNOTAVAIL: "this machine has no such address: choose another server.host (0.0.0.0: every interface)",
-}
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """The server's socket, bound (not yet listening) before the model loads, so a port in use, a
-    privileged port or an address this machine lacks is a ValueError saying what to change at once
-    rather than uvicorn's error after the whole start-up."""
-    # As uvicorn binds: IPv6 for an address with a colon, else IPv4 (a name resolves to its IPv4
-    # address); SO_REUSEADDR, so a restart takes the port straight back.
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError as e:  # socket.gaierror too: a name that does not resolve
-        sock.close()
-        hint = _BIND_HINTS.get(e.errno, "choose another server.host or server.port")
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}; {hint}") from None
-    return sock
 
 
 def api_url(host: str, port: int) -> str:
