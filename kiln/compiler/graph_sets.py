@@ -66,6 +66,9 @@ def dispatch(full: Optional[FullCUDAGraphs], piecewise: Optional[PiecewiseCUDAGr
 
 
 class GraphSets:
+    """One compiled model's graph sets (``full``, ``verify``, ``piecewise``; None while not planned),
+    captured over the forward and caches each call is given, through ``capture_scope``."""
+
     def __init__(self, config: ResolvedCompileConfig, inputs: InputBuffers, device: torch.device,
                  compute_logits: Callable, argmax: Callable, capture_scope: CaptureScope) -> None:
         self.config, self.inputs, self.device = config, inputs, device
