@@ -456,6 +456,70 @@ class LoraConfig:
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
 
+PDL_SETTINGS = ("on", "off", "gemm")
+DECODE_MERGES = ("fused", "kernel")
+GEMV_JOIN_SCHEMES = ("fp8", "dense", "int4")  # in the order a KernelSet lists its joins
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Switches inside kiln's CUDA kernels (``kernels.*``; ``LLM(kernels={...})``). Every process of an
+    engine runs with the same one (``kiln.ops.options``); the ops read it when the KernelSet is chosen,
+    when graphs are traced and captured, and at launch. The defaults are the measured choices
+    (docs/decisions/one-row-decode-kernels.md); a key "to measure" exists to time the other way."""
+
+    # Programmatic dependent launch of kiln's Triton kernels on SM90+ (kiln.ops.pdl): on | off |
+    # gemm (the weight-only GEMVs alone; to measure each part).
+    pdl: str = "on"
+    # The schemes whose one-row GEMV computes its input from the add + RMSNorm or SiLU-and-mul that
+    # feeds it (kiln.ops.triton_joined_linear): dense; fp8 and int4 measured no faster joined; ()
+    # joins none (to measure). Changes the compiled graph.
+    gemv_join: tuple[str, ...] = ("dense",)
+    # Dense bf16/fp16 linears at one row through kiln's Triton GEMV (kiln.ops.dense_linear); false
+    # keeps cuBLAS, to measure.
+    dense_gemv: bool = True
+    # Split-K decode attention: fused (the last split to finish merges the others) | kernel (a merge
+    # launch of its own, to measure).
+    decode_merge: str = "fused"
+    # The decode kernel stores the new K/V itself in a decode-only batch of at most this many
+    # (decode, kv head) pairs (kiln.ops.triton_attention says why 256); 0: never, to measure.
+    max_store_join_pairs: int = 256
+    # Register cap of the decode kernel over an FP8 cache at large batches; None: the launch
+    # config's (96); 0: none; to measure.
+    fp8_decode_maxnreg: Optional[int] = None
+    # The rotary of q and k inside the attention kernel (RopeAttentionFusionPass); false keeps it in
+    # the graph, to measure. Changes the compiled graph.
+    rope_join: bool = True
+    # A LoRA adapter's shrink inside its base linear's GEMM (kiln.models.lora's joined layout);
+    # false keeps the stacks apart, to measure. Changes the model's weights' layout.
+    lora_join: bool = True
+
+    def __post_init__(self) -> None:
+        _check_choice("kernels", "pdl", self.pdl, PDL_SETTINGS)
+        _check_choice("kernels", "decode_merge", self.decode_merge, DECODE_MERGES)
+        for name in ("dense_gemv", "rope_join", "lora_join"):  # a string such as "0" would read as true
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"kernels.{name} takes true or false, got {getattr(self, name)!r}")
+        if isinstance(self.gemv_join, str):
+            raise ValueError(f"kernels.gemv_join takes a list of schemes, e.g. [dense,fp8], got {self.gemv_join!r}")
+        object.__setattr__(self, "gemv_join", tuple(self.gemv_join))
+        unknown = [s for s in self.gemv_join if s not in GEMV_JOIN_SCHEMES]
+        if unknown:
+            raise ValueError(f"kernels.gemv_join={list(self.gemv_join)}: {unknown[0]!r} is not a scheme; "
+                             f"choose from {list(GEMV_JOIN_SCHEMES)} ([] joins none)")
+        if self.max_store_join_pairs < 0:
+            raise ValueError(f"kernels.max_store_join_pairs must be >= 0 (0: never joined), "
+                             f"got {self.max_store_join_pairs}")
+        if self.fp8_decode_maxnreg is not None and self.fp8_decode_maxnreg < 0:
+            raise ValueError(f"kernels.fp8_decode_maxnreg must be >= 0 (0: no cap) or null, "
+                             f"got {self.fp8_decode_maxnreg}")
+
+    def graph_factors(self) -> dict[str, Any]:
+        """The options that change a compiled graph or the weights it runs on: part of the key of
+        what is kept beside a compiled forward (``kiln.compiler.artifact_cache.forward_key``)."""
+        return {"gemv_join": list(self.gemv_join), "rope_join": self.rope_join, "lora_join": self.lora_join}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every sub-config, composed (never inherited)."""
@@ -468,6 +532,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self) -> None:
         if self.lora.enabled and self.parallel.pipeline_parallel_size != 1:
@@ -501,7 +566,7 @@ class EngineConfig:
         types = {
             "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
             "compile": CompileConfig, "server": ServerConfig, "parallel": ParallelConfig,
-            "speculative": SpeculativeConfig, "lora": LoraConfig,
+            "speculative": SpeculativeConfig, "lora": LoraConfig, "kernels": KernelConfig,
         }
         built = {}
         for name, value in groups.items():

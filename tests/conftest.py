@@ -25,6 +25,7 @@ thread per core would make every OpenMP region of one wait on threads the other 
 test that needs several threads sets them itself.
 """
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -155,6 +156,17 @@ def cpu_default(request, cpu_auto_is_eager):
         mp.setitem(kiln.config.DEVICE_DEFAULTS, "cpu", (kiln.config.CPU_COMPILE_MODE, *kiln.config.DEVICE_DEFAULTS["cpu"][1:]))
         mp.setattr(kiln.config, "CPU_SPLIT_EVERY", cpu_auto_is_eager["split_every"])
         yield
+
+
+@pytest.fixture
+def kernel_config():
+    """``kernel_config(pdl="off")`` sets this process's kernel options (``kiln.ops.options``) for the
+    rest of the test, each call over the one before; the options from before the test come back
+    after it."""
+    from kiln.ops.options import kernel_options
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **fields: stack.enter_context(kernel_options(**fields))
 
 
 def _link_shared_models(root: Path) -> None:

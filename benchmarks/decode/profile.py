@@ -7,6 +7,12 @@ tokens minus a run of one (``quant_gpu.profile_decode``), the graphs left on: th
 replayed graph, per step, by name. ``kernel ms`` is their sum; ``step ms - kernel ms`` is what the
 GPU spends between kernels (launch gaps inside the graph) plus the host's share of the step.
 
+A system may end in kernel options, ``@kernels.NAME=VALUE+kernels.NAME=VALUE`` (``kiln.config.KernelConfig``;
+a list as schemes joined by ``/``, empty for none), to measure one against the defaults:
+
+    python -m benchmarks.decode profile --systems llama3-8b:int4,llama3-8b:int4@kernels.pdl=off --out $OUT
+    python -m benchmarks.decode profile --systems llama3-8b:none@kernels.gemv_join=+kernels.rope_join=false
+
 Run once per tree in the same device call to compare two versions of kiln:
 
     python -m benchmarks.decode profile --label before --out $OUT
@@ -15,10 +21,12 @@ Run once per tree in the same device call to compare two versions of kiln:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,7 +38,7 @@ from benchmarks.offline.quant_gpu import profile_decode, profile_table
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--systems", default="llama3-8b:none,llama3-8b:int4,qwen2.5-0.5b:none",
-                   help="comma-separated preset:quantization[:int4 group size][@KILN_PDL value | @NAME=VALUE+NAME=VALUE]")
+                   help="comma-separated preset:quantization[:int4 group size][@kernels.NAME=VALUE+kernels.NAME=VALUE]")
     p.add_argument("--label", default="kiln", help="names this tree's rows and files")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -67,25 +75,34 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def kernel_settings(text: str) -> dict[str, Any]:
+    """``kernels.NAME=VALUE+...`` (what follows a system's @) as ``KernelConfig`` fields: true / false,
+    whole numbers, null, ``gemv_join`` as schemes joined by / (empty: none), else the text. A bad
+    key or value is the config's error, before anything loads."""
+    from kiln.config import KernelConfig
+
+    names = {f.name for f in dataclasses.fields(KernelConfig)}
+    settings: dict[str, Any] = {}
+    for item in filter(None, text.split("+")):
+        key, eq, value = item.partition("=")
+        name = key.removeprefix("kernels.")
+        if not eq or not key.startswith("kernels.") or name not in names:
+            raise ValueError(f"@{item}: expected kernels.NAME=VALUE, NAME one of {sorted(names)}")
+        if name == "gemv_join":
+            settings[name] = tuple(filter(None, value.split("/")))
+        else:
+            words = {"true": True, "false": False, "null": None}
+            settings[name] = words[value] if value in words else int(value) if value.isdigit() else value
+    KernelConfig(**settings)
+    return settings
+
+
 def run_system(system: str, args, bandwidth: float) -> tuple[dict, str]:
-    """``system``: preset:quantization, optionally @<KILN_PDL> (kiln.ops.pdl) or @NAME=VALUE+NAME=VALUE for
-    environment settings read when the model is built or its graphs captured (KILN_PDL, KILN_DECODE_MERGE,
-    KILN_ROPE_JOIN)."""
-    import os
-
-    system_name, _, env = system.partition("@")
-    settings = dict(kv.split("=", 1) for kv in env.split("+")) if "=" in env else ({"KILN_PDL": env} if env else {})
-    saved = {key: os.environ.get(key) for key in settings}
-    os.environ.update(settings)
-    try:
-        return _run_system(system_name, args, bandwidth, system)
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
-
-
-def _run_system(system_name: str, args, bandwidth: float, system: str) -> tuple[dict, str]:
+    """``system``: preset:quantization[:group], optionally @ kernel options (``kernel_settings``)."""
     from kiln import LLM, SamplingParams
+
+    system_name, _, options = system.partition("@")
+    kernels = kernel_settings(options)
 
     preset, _, quantization = system_name.partition(":")
     quantization, _, group = quantization.partition(":")  # int4:128 -> int4 in groups of 128 columns
@@ -94,7 +111,7 @@ def _run_system(system_name: str, args, bandwidth: float, system: str) -> tuple[
     llm = LLM(model={"model": f"random:{preset}", "dtype": "bfloat16", "quantization": quantization or "none",
                      "max_model_len": args.max_model_len, **model_options},
               compile={"mode": "kiln", "cudagraph": "full", "capture_sizes": (1, 2, 4)},
-              cache={"gpu_memory_fraction": 0.85}, scheduler={"max_num_seqs": 4})
+              cache={"gpu_memory_fraction": 0.85}, scheduler={"max_num_seqs": 4}, kernels=kernels)
     startup_s = time.perf_counter() - t0
     model = llm.engine.executor.runner.model
     prompt = [torch.randint(100, 20000, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()]

@@ -12,7 +12,7 @@ register cap of ``kiln.ops.triton_attention.decode_maxnreg``) for an FP8 one.
 ``--ops``: instead, the op a decode-only step of the Llama family calls per layer
 (``triton_attend_paged_rope``: q and k not yet rotated, the new K/V not yet stored) at each
 ``--batches`` size, with the store and rotary joined into the decode kernel or in launches of their
-own (``KILN_STORE_JOIN_MAX``), in a pool of just the batch's blocks and in one of ``--pool-blocks``
+own (``kernels.max_store_join_pairs``), in a pool of just the batch's blocks and in one of ``--pool-blocks``
 (the engine's cache of one layer: its blocks scattered over it), beside attention alone.
 
     python -m benchmarks.kernels decode-attention --out $OUT     # H100: under a minute
@@ -91,11 +91,11 @@ def main(argv=None) -> None:
 
 
 def ops(args) -> None:
-    import os
     import time
 
     import triton
 
+    from kiln.ops.options import kernel_options
     from kiln.ops.paged_batch import PagedBatchSpec, random_paged_batch
     from kiln.ops.triton_attention import (attend_paged_cached, random_rotary, static_decode_splits,
                                            triton_attend_paged_rope)
@@ -137,9 +137,9 @@ def ops(args) -> None:
                                                                             scale),
             }
             for name, fn in variants.items():
-                os.environ["KILN_STORE_JOIN_MAX"] = "0" if "apart" in name else str(1 << 30)
                 out = torch.empty_like(b.q)
-                with static_decode_splits(args.max_model_len):
+                pairs = 0 if "apart" in name else 1 << 30  # joined at every batch size, or never
+                with kernel_options(max_store_join_pairs=pairs), static_decode_splits(args.max_model_len):
                     fn()
                     ms = bench(fn)
                 row = {"batch": batch, "pool": pool, "variant": name, "us": 1e3 * ms,
@@ -149,7 +149,6 @@ def ops(args) -> None:
                       flush=True)
         del pools, b
         torch.cuda.empty_cache()
-    os.environ.pop("KILN_STORE_JOIN_MAX", None)
     out_path = Path(args.out)
     out_path.mkdir(parents=True, exist_ok=True)
     (out_path / "decode_attention_ops.json").write_text(json.dumps(

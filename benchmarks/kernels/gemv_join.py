@@ -4,7 +4,7 @@ For dense (bf16), fp8 (per-channel scales, read as W8A16) and int4 (group 32) we
 joined op serves (qkv and gate_up fed by the add + RMSNorm, down by SiLU-and-mul):
 
 - apart: the ``kiln_triton`` norm or activation kernel, then the one-row GEMV (two kernels, PDL as
-  served; what ``KILN_GEMV_JOIN=0`` serves, for fp8 inside ``kiln_triton``'s joined op);
+  served; what ``kernels.gemv_join=[]`` serves, for fp8 inside ``kiln_triton``'s joined op);
 - joined: ``kiln_cuda::<feed>_linear_<scheme>`` (one fed GEMV) with the tile ``config_for`` picks;
 - with ``--sweep``: the fed GEMV over a few tiles, the best kept. Best tiles 3% or more faster than
   the served one are written as ``best`` ("<scheme>+<feed>,1,N,K": tile), which

@@ -1,9 +1,10 @@
 """Where offline throughput goes: kernel time by category, steps and host gaps, for several engine
 configurations in one process.
 
-For each ``--systems`` entry (``name=JSON`` of ``LLM`` keywords merged over the defaults, its key
-``"env"`` environment switches set while that system runs; or one of the names below), on
-``random:<model>`` with ``max_model_len``:
+For each ``--systems`` entry (``name=JSON`` of ``LLM`` keywords merged over the defaults, kernel
+options among them: ``apart={"kernels":{"max_store_join_pairs":0}}``; its key ``"env"`` environment
+variables set while that system runs; or one of the names below), on ``random:<model>`` with
+``max_model_len``:
 
 - a warm-up run (all prompts, ``--warmup-tokens`` new tokens), then a timed run of ``--num-requests``
   prompts of ``--prompt-len`` tokens, ``--output-len`` new tokens each, greedy, ``ignore_eos``; each

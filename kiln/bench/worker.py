@@ -29,7 +29,7 @@ def build_llm(engine: EngineConfig):
 
     t0 = time.perf_counter()
     llm = LLM(model=engine.model, cache=engine.cache, scheduler=engine.scheduler,
-              compile=engine.compile, parallel=engine.parallel, speculative=engine.speculative)
+              compile=engine.compile, parallel=engine.parallel, speculative=engine.speculative, kernels=engine.kernels)
     return llm, time.perf_counter() - t0
 
 

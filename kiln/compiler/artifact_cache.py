@@ -124,6 +124,7 @@ def forward_key(model: torch.nn.Module, model_name: str, config: CompileConfig, 
     filed under it."""
     factors = key_factors(model, model_name, config, None, capture_num_tokens)
     factors["kernels"] = kernels.describe()  # the passes' inputs
+    factors["kernel_options"] = kernels.options.graph_factors()  # and the options they read (kernels.rope_join)
     factors["attention_layers"] = json.loads(json.dumps(getattr(model, "attention_layers", ())))
     return cache_key(factors)
 

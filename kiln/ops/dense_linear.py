@@ -19,7 +19,6 @@ reaches the op through ``kiln.ops.cpu_linear.decode_linear``.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 
 from kiln.ops.joined_linear import define_joined_linear_ops, joined_references
 from kiln.ops.library import define_op
+from kiln.ops.options import current
 
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -37,12 +37,12 @@ def gemv_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     Anything else goes to ``F.linear``, which also raises the error a mismatched shape deserves."""
     return (x.is_cuda and w.is_cuda and w.dtype in GEMV_DTYPES and x.dtype == w.dtype and w.dim() == 2
             and w.stride(1) == 1 and x.numel() == x.shape[-1] == w.shape[1]
-            and os.environ.get("KILN_DENSE_GEMV", "1") != "0")
+            and current().dense_gemv)
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, w, bias)``; one row of a CUDA bf16/fp16 weight through the Triton GEMV
-    (``KILN_DENSE_GEMV=0`` keeps cuBLAS, to measure)."""
+    (``kernels.dense_gemv=false`` keeps cuBLAS, to measure)."""
     if gemv_fits(x, w):
         from kiln.ops.triton_quant_gemm import triton_linear
 

@@ -15,8 +15,8 @@ load or store of memory another kernel writes or reads (so the order of every pa
 what it was), and ``gdc_launch_dependents`` only says the next kernel's blocks may be launched
 (they still wait for this kernel to finish). In a kernel: ``if USE_PDL: tl.extra.cuda.gdc_wait()``
 first, ``tl.extra.cuda.gdc_launch_dependents()`` once the bulk of its work is issued. Kernels take ``USE_PDL`` as a constexpr: off, they
-compile to what they were; off on the CPU, in Triton's interpreter and before SM90. ``KILN_PDL=0`` (or off)
-turns it off, ``KILN_PDL=gemm`` keeps it for the weight-only GEMVs alone (to measure each part).
+compile to what they were; off on the CPU, in Triton's interpreter and before SM90. ``kernels.pdl=off``
+turns it off, ``kernels.pdl=gemm`` keeps it for the weight-only GEMVs alone (to measure each part).
 """
 
 from __future__ import annotations
@@ -26,29 +26,19 @@ import os
 
 import torch
 
+from kiln.ops.options import current
+
 
 @functools.lru_cache(maxsize=None)
 def _sm_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-_SETTINGS = {"1": "1", "true": "1", "on": "1", "0": "0", "false": "0", "off": "0", "gemm": "gemm"}
-
-
-@functools.lru_cache(maxsize=None)
-def _setting(value: str) -> str:
-    """``KILN_PDL``'s value as "1", "0" or "gemm"; anything else is an error naming the choices."""
-    setting = _SETTINGS.get(value.strip().lower())
-    if setting is None:
-        raise ValueError(f"KILN_PDL={value!r} is not allowed; choose 1 (on), 0 (off) or gemm (the GEMVs only)")
-    return setting
-
-
 def use_pdl(t: torch.Tensor, kind: str = "other") -> bool:
     """Whether a kernel of ``kind`` ("gemm": the weight-only GEMVs; "other") on ``t``'s device
-    launches with PDL."""
-    setting = _setting(os.environ.get("KILN_PDL", "1"))
-    if not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" or setting == "0":
+    launches with PDL (``kernels.pdl``)."""
+    setting = current().pdl
+    if not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" or setting == "off":
         return False
     if setting == "gemm" and kind != "gemm":
         return False

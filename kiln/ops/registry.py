@@ -22,63 +22,58 @@ the first candidate of an op whose device matches and whose loader returns a ker
     linear_dense  kiln_cuda::linear_dense (Triton GEMV at one row,          kiln::linear_dense
                   cuBLAS above)
     joined_fp8    kiln_cuda::{add_rms_norm,silu_and_mul}_linear_fp8          kiln::..._linear_fp8
-                  (fed GEMV at one row; only with KILN_GEMV_JOIN=fp8), else
+                  (fed GEMV at one row; only with fp8 in kernels.gemv_join), else
                   kiln_triton::..._linear_fp8
     joined_dense  kiln_cuda::{add_rms_norm,silu_and_mul}_linear_dense        (none)
     joined_int4   kiln_cuda::{add_rms_norm,silu_and_mul}_linear_int4         (none)
-                  (only with KILN_GEMV_JOIN=int4)
+                  (only with int4 in kernels.gemv_join)
 
 A ``joined_<scheme>`` kernel is the add + RMSNorm or SiLU-and-mul and the GEMM it feeds in one op
 (``kiln.ops.joined_linear``), for the GEMM ops it names; none (the graph keeps the ops apart) where
 no kernel joins them, on the CPU and in ``reference_kernels``. The one-row joins (the GEMV computes
 its input from the feeding op's inputs: ``kiln.ops.triton_joined_linear``) follow
-``KILN_GEMV_JOIN`` (``gemv_join_schemes``), read when the KernelSet is chosen:
+``kernels.gemv_join`` (``gemv_join_schemes``), read when the KernelSet is chosen:
 
-    unset, "1"  dense (measured faster joined on an H100, llama3-8b batch-1 decode: 5.69 -> 5.44 ms)
-    "0"         none: dense and int4 unjoined, fp8's join runs the norm / activation kernel and
+    [dense]     the default (measured faster joined on an H100, llama3-8b batch-1 decode: 5.69 -> 5.44 ms)
+    []          none: dense and int4 unjoined, fp8's join runs the norm / activation kernel and
                 the GEMV apart at one row (as before the fed GEMVs), to measure against
-    "fp8", "int4", "fp8,int4"
-                dense and the schemes named. Off by default because each measured no faster
-                joined: the fed GEMV recomputes the norm's row in every program, which the narrow
-                tiles of 1-byte and half-byte weights do not amortize (H100, same process: fp8
-                3.50 -> 3.52 ms a step, int4 2.77 -> 3.66 ms)
+    [dense,fp8], [dense,int4], [dense,fp8,int4]
+                fp8 and int4 too. Off by default because each measured no faster joined: the
+                fed GEMV recomputes the norm's row in every program, which the narrow tiles of
+                1-byte and half-byte weights do not amortize (H100, same process: fp8 3.50 ->
+                3.52 ms a step, int4 2.77 -> 3.66 ms)
 
-``select_kernels(device_type)`` returns the ``KernelSet`` a ``CompiledModel`` is built with. Nothing
-here is process-global state: two models on two devices in one process hold two KernelSets, and
-the passes, the graph split and CUDA-graph capture read the set they are given. Loaders import the
-kernel modules lazily, so choosing CPU kernels never imports Triton.
+``select_kernels(device_type)`` returns the ``KernelSet`` a ``CompiledModel`` is built with, chosen
+under the process's kernel options (``kiln.ops.options``), which it keeps as ``KernelSet.options``.
+Nothing else here is process-global state: two models on two devices in one process hold two
+KernelSets, and the passes, the graph split and CUDA-graph capture read the set they are given.
+Loaders import the kernel modules lazily, so choosing CPU kernels never imports Triton.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
+from kiln.config import GEMV_JOIN_SCHEMES, KernelConfig
 from kiln.forward_context import ForwardContext
 from kiln.ops.attention import AttentionImpl
+from kiln.ops.options import current
 
 GENERIC_ATTENTION_OP = "kiln::attend_paged"
 QUANT_SCHEMES = ("int8", "int4", "fp8")
-JOINED_SCHEMES = ("fp8", "dense", "int4")
+JOINED_SCHEMES = GEMV_JOIN_SCHEMES  # ("fp8", "dense", "int4")
 FP8_GEMMS = ("kiln::linear_fp8", "kiln_cuda::linear_fp8")  # the GEMM ops an FP8 join takes
-GEMV_JOIN_DEFAULT = ("dense",)  # the one-row joins on by default (KILN_GEMV_JOIN)
 
 
 def gemv_join_schemes() -> tuple[str, ...]:
-    """The schemes whose one-row GEMV joins its feeding op, from ``KILN_GEMV_JOIN``: "0" none,
-    unset or "1" ``GEMV_JOIN_DEFAULT``, else those and the comma-separated schemes named ("int4")."""
-    value = os.environ.get("KILN_GEMV_JOIN", "1").strip()
-    if value == "0":
-        return ()
-    extra = [s.strip() for s in value.split(",") if s.strip() not in ("", "1")]
-    unknown = [s for s in extra if s not in JOINED_SCHEMES]
-    if unknown:
-        raise ValueError(f"KILN_GEMV_JOIN={value!r}: expected 0, 1 or schemes of {JOINED_SCHEMES}")
-    return tuple(s for s in JOINED_SCHEMES if s in GEMV_JOIN_DEFAULT or s in extra)
+    """The schemes whose one-row GEMV joins its feeding op (``kernels.gemv_join``), in
+    ``JOINED_SCHEMES`` order."""
+    chosen = current().gemv_join
+    return tuple(s for s in JOINED_SCHEMES if s in chosen)
 
 
 def op_name(target: Any) -> Optional[str]:
@@ -286,6 +281,9 @@ class KernelSet:
     joined_int4: Optional[JoinedLinearKernel] = None
     argmax: Kernel = field(default_factory=_reference_argmax)  # greedy rows' tokens in full graphs
     lora: LoraKernel = field(default_factory=_reference_lora)  # batched LoRA of the targeted linears
+    # The kernel options the set was chosen under; the passes read the graph's from here
+    # (``kernels.rope_join``), the artifact cache key ``options.graph_factors()``.
+    options: KernelConfig = field(default_factory=current)
 
     def quant_linear(self, scheme: str) -> QuantLinearKernel:
         """The GEMM of quantization ``scheme`` (int8 | int4 | fp8)."""

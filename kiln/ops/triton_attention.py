@@ -39,7 +39,7 @@ masks both ends, a row that sees none of a tile keeping its state (``MAY_BE_EMPT
 that is not a power of two is padded to one with masked loads and stores.
 
 Rotary (``ROPE``, ``torch.ops.kiln_triton.attend_paged_rope``): where the decode kernel stores the
-new K/V itself (a decode-only batch of at most ``STORE_JOIN_MAX_PAIRS`` (decode, kv head) pairs;
+new K/V itself (a decode-only batch of at most ``kernels.max_store_join_pairs`` (decode, kv head) pairs;
 a larger one runs faster with the store and rotary in launches of their own) it can also take q
 and k before their rotary and rotate them as it loads them
 (rotate-half over the first ``ROT_DIM`` dims, from the model's per-token cos/sin rows), which
@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -68,6 +67,7 @@ import triton.language as tl
 from kiln.forward_context import AttentionMetadata
 from kiln.ops.attention import (attend_paged_reference, attend_paged_rope_reference, define_attention_op,
                                 define_rope_attention_op, fp8_kv_scale)
+from kiln.ops.options import current
 from kiln.ops.paged_batch import PagedBatch, PagedBatchSpec, random_paged_batch  # noqa: F401  (checks and tests)
 from kiln.ops.pdl import pdl_args
 from kiln.ops.triton_kv_store import triton_store_kv
@@ -454,9 +454,9 @@ _counters: dict[torch.device, torch.Tensor] = {}
 
 def _merge_counters(device: torch.device, needed: int) -> Optional[torch.Tensor]:
     """The device's merge counters, or None where the separate merge kernel runs instead: more
-    pairs than counters, ``KILN_DECODE_MERGE=kernel`` (to measure), or the first need arising
+    pairs than counters, ``kernels.decode_merge=kernel`` (to measure), or the first need arising
     inside a CUDA-graph capture (allocating there would tie the counters to the graph's pool)."""
-    if needed > MERGE_COUNTERS or os.environ.get("KILN_DECODE_MERGE", "fused") == "kernel":
+    if needed > MERGE_COUNTERS or current().decode_merge == "kernel":
         return None
     counters = _counters.get(device)
     if counters is None:
@@ -560,13 +560,13 @@ def decode_maxnreg(cfg: LaunchConfig, kv_cache: torch.Tensor, num_pairs: int, nu
     (random:llama3-8b 350 against 356 tok/s, random:qwen2.5-0.5b 1,037 against 1,080), so a launch
     of at most that many pairs keeps the compiler's registers (2-49 decodes of llama3-8b were not
     measured either way).
-    ``KILN_FP8_DECODE_MAXNREG`` overrides the cap (0: none), to measure."""
+    ``kernels.fp8_decode_maxnreg`` overrides the cap (0: none), to measure."""
     if kv_cache.element_size() != 1 or not kv_cache.is_cuda:
         return None
     if num_pairs <= UNCAPPED_DECODE_PROGRAMS_PER_SM * num_sms:
         return None
-    over = os.environ.get("KILN_FP8_DECODE_MAXNREG")
-    return (int(over) if over else cfg.fp8_decode_maxnreg) or None
+    over = current().fp8_decode_maxnreg
+    return (over if over is not None else cfg.fp8_decode_maxnreg) or None
 
 
 def _launch_prefills(q, kv_cache, meta, scale, out, cfg: LaunchConfig, sliding_window=0, logit_softcap=0.0,
@@ -658,28 +658,21 @@ def triton_attend_paged(
                                logit_softcap=logit_softcap, kv_scale=kv_scale)
 
 
-# The decode kernel stores the new K/V (and rotates q and k) itself while a batch has at most this
-# many (decode, kv head) pairs; a larger one stores and rotates in launches of their own, and its
-# decode kernel runs without them. Joined, the kernel saves two launches a layer, which pays where a
-# step is a few short launches (batch 1), but it runs slower once its grid fills the card: on an
+# The decode kernel stores the new K/V (and rotates q and k) itself while a batch has at most
+# ``kernels.max_store_join_pairs`` (decode, kv head) pairs (256; 0: never, to measure); a larger one
+# stores and rotates in launches of their own, and its decode kernel runs without them. Joined, the
+# kernel saves two launches a layer, which pays where a step is a few short launches (batch 1), but
+# it runs slower once its grid fills the card: on an
 # H200, random:llama3-8b (8 kv heads) decode attention at 512 decodes took 12.4 ms a step joined
 # and 7.5 ms apart, at 64 decodes 1.63 and 1.02 ms, at 8-32 decodes the step was within 1.5% either
 # way, and at batch 1 joined was faster (237 against 234 tok/s; random:qwen2.5-0.5b, 2 kv heads,
 # 1,230 against 1,079, and its GPU step shorter joined at 1-64 decodes).
-# ``KILN_STORE_JOIN_MAX`` overrides it (0: never joined), to measure.
-STORE_JOIN_MAX_PAIRS = 256
-
-
-def store_join_max() -> int:
-    return int(os.environ.get("KILN_STORE_JOIN_MAX", STORE_JOIN_MAX_PAIRS))
-
-
 def _fuses_store(k, kv_cache, meta: AttentionMetadata, kv_scale) -> bool:
     """Whether the decode kernel stores the new K/V itself: a decode-only batch (one token per
-    request, no padding rows) of at most ``store_join_max()`` (decode, kv head) pairs in a cache
-    of k's dtype, without FP8 scales."""
+    request, no padding rows) of at most ``kernels.max_store_join_pairs`` (decode, kv head) pairs in
+    a cache of k's dtype, without FP8 scales."""
     return (meta.num_decodes == meta.num_reqs == k.shape[0] and kv_cache.dtype == k.dtype and kv_scale is None
-            and 0 < k.shape[0] * k.shape[1] <= store_join_max())
+            and 0 < k.shape[0] * k.shape[1] <= current().max_store_join_pairs)
 
 
 def triton_attend_paged_rope(q, k, v, cos, sin_signed, kv_cache, meta: AttentionMetadata, scale: float,

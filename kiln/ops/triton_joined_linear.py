@@ -17,12 +17,12 @@ weight slice of BLOCK_N x K). Its one numeric difference from the unfused ops: t
 never rounded to the model dtype before the GEMM (the scale comes after the sum).
 
 Anywhere else (more rows, a split-K tile, a shape or dtype the GEMV does not take,
-``KILN_DENSE_GEMV=0``) the unfused kernels run inside the op: ``kiln_triton`` add_rms_norm or
+``kernels.dense_gemv=false``) the unfused kernels run inside the op: ``kiln_triton`` add_rms_norm or
 silu_and_mul, then the scheme's GEMM (``kiln_cuda::linear_dense``'s, ``linear_int4_triton``'s);
 for fp8, ``kiln_triton``'s joined op (``kiln.ops.triton_quant``: the norm / activation apart from
 the weight-only GEMV up to ``FP8_TRITON_MAX_ROWS``, rows quantized to fp8 for ``_scaled_mm``
 above). The choice reads the host-side row count, so a captured CUDA graph replays one fixed
-kernel. Which schemes a KernelSet joins this way is ``KILN_GEMV_JOIN``'s (``kiln.ops.registry``):
+kernel. Which schemes a KernelSet joins this way is ``kernels.gemv_join``'s (``kiln.ops.registry``):
 dense by default, fp8 and int4 on request (their fed GEMVs measured no faster than their two
 kernels on an H100).
 """
@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from kiln.ops import triton_quant
 from kiln.ops.dense_linear import GEMV_DTYPES, dense_linear
 from kiln.ops.joined_linear import define_joined_linear_ops, joined_references
+from kiln.ops.options import current
 from kiln.ops.quant import (FP8_DTYPE, add_rms_norm_linear_fp8_reference, linear_int4_reference,
                             silu_and_mul_linear_fp8_reference)
 from kiln.ops.quant_cuda import _linear_int4_triton
@@ -56,7 +57,7 @@ def _gemv_takes(scheme: str, kind: str, k: int, dtype: torch.dtype, w: torch.Ten
     """Whether a fed one-row GEMV of ``scheme`` takes an input row of ``k`` values of ``dtype``."""
     if scheme == "dense":
         if (w.dtype not in GEMV_DTYPES or dtype != w.dtype or w.dim() != 2 or w.stride(1) != 1 or w.shape[1] != k
-                or os.environ.get("KILN_DENSE_GEMV", "1") == "0"):
+                or not current().dense_gemv):
             return False
         n = w.shape[0]
     elif scheme == "fp8":

@@ -23,7 +23,7 @@ activations, the plain ``add_rms_norm`` / ``silu_and_mul`` kernels (``kiln.ops.t
 activation one spreads a row over many programs, where the quantizing one sweeps it in one) and the
 GEMM on the model-dtype rows. On CUDA the KernelSet joins with ``kiln_cuda``'s ops
 (``kiln.ops.triton_joined_linear``) instead, which at one row run one fed GEMV and elsewhere these;
-these serve as they are with ``KILN_GEMV_JOIN=0``.
+these serve as they are with ``kernels.gemv_join=[]``.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ output dtype). Which GEMM ops join, and into which ops, is the ``KernelSet``'s
 ``joined_<scheme>`` (``kiln.ops.registry``): on CUDA the FP8 ops (which write quantized rows at
 prefill row counts) and the dense ones, whose one-row GEMV computes its input from the feeding
 op's inputs (one kernel a pair at batch-1 decode); FP8's and int4's one-row fed GEMVs with
-``KILN_GEMV_JOIN=fp8,int4``. Each
+``kernels.gemv_join=[dense,fp8,int4]``. Each
 joined op picks its kernels by the row count it runs with, as the GEMMs do, so one dynamic build
 serves decode and prefill.
 

@@ -22,7 +22,7 @@ The list (``build_passes``) runs in order; each pass says where it runs (``KilnP
 6. ``AddRMSNormFusionPass`` (post_grad): residual add + RMSNorm -> ``kiln.add_rms_norm``.
 7. ``GemmInputFusionPass`` (post_grad): add + RMSNorm or SiLU-and-mul and the GEMM it feeds -> one
    op, the KernelSet's ``joined_<scheme>``: FP8 (quantizes the rows it writes at prefill row
-   counts) and dense, one fed GEMV kernel at one row (``KILN_GEMV_JOIN``: FP8's and int4's too, or none).
+   counts) and dense, one fed GEMV kernel at one row (``kernels.gemv_join``: FP8's and int4's too, or none).
 8. ``HeadsViewPass`` (post_grad): heads of a split projection viewed from the whole projection
    (a view of a row-strided part would make Inductor guard on the token count).
 
@@ -72,7 +72,7 @@ from kiln.passes.merge_linears import MergeSiblingLinearsPass
 from kiln.passes.moe_backend import MoEBackendPass
 from kiln.passes.noop_elimination import NoOpEliminationPass
 from kiln.passes.quant_linear import QuantLinearPass
-from kiln.passes.rope_attention_fusion import RopeAttentionFusionPass, rope_join_enabled
+from kiln.passes.rope_attention_fusion import RopeAttentionFusionPass
 from kiln.passes.sdpa_to_paged import SDPAToPagedAttentionPass
 from kiln.passes.silu_mul_fusion import SiluMulFusionPass
 
@@ -107,7 +107,7 @@ def build_passes(config: PassConfig) -> list[KilnPass]:
         SDPAToPagedAttentionPass(config.attention_layers),
         MergeSiblingLinearsPass(),
         AttentionBackendPass(k),
-        RopeAttentionFusionPass(k, enabled=config.fusion_enabled(k.attention) and rope_join_enabled()),
+        RopeAttentionFusionPass(k, enabled=config.fusion_enabled(k.attention) and k.options.rope_join),
         MoEBackendPass(k),
         LoraShrinkJoinPass(enabled=config.fusion_enabled(k.lora)),
         LoraBackendPass(k),
@@ -125,7 +125,7 @@ def _joins(config: PassConfig) -> tuple[JoinedLinearKernel, ...]:
     """The KernelSet's joined kernels that fusion enables: FP8's where its GEMM's kernel is worth
     fusing for (the references join there too, with ``fusion="on"``), dense and int4 where the set
     has a joined kernel at all (the CPU and the reference sets keep the ops apart; int4 on CUDA
-    only with ``KILN_GEMV_JOIN=int4``; FP8's one-row fed GEMV only with ``KILN_GEMV_JOIN=fp8``)."""
+    only with int4 in ``kernels.gemv_join``; FP8's one-row fed GEMV only with fp8 in it)."""
     k = config.kernels
     chosen = ((k.joined_fp8, k.linear_fp8), (k.joined_dense, k.joined_dense), (k.joined_int4, k.joined_int4))
     return tuple(join for join, gate in chosen if join is not None and config.fusion_enabled(gate))

@@ -22,14 +22,13 @@ generic path's transformers rotary, no rotary at all) does not match and is left
 rotary nodes that lose their last user are erased.
 
 Enabled where the set has a rotating kernel and fusions are on (``PassConfig.fusion``: auto means
-the kernel is ``fast``, so CUDA); ``KILN_ROPE_JOIN=0`` turns it off, to measure. Both are options,
-so the artifact cache keys on them.
+the kernel is ``fast``, so CUDA); ``kernels.rope_join=false`` (the KernelSet's ``options``) turns it
+off, to measure. Both are options, so the artifact cache keys on them.
 """
 
 from __future__ import annotations
 
 import operator
-import os
 from typing import Any, Optional
 
 import torch
@@ -40,11 +39,6 @@ from kiln.passes.base import KilnPass, fake_node, keep_source_meta, node_tensor
 _ADDS = (operator.add, torch.add)
 _MULS = (operator.mul, torch.mul)
 _FULL = slice(None, None, None)
-
-
-def rope_join_enabled() -> bool:
-    """``KILN_ROPE_JOIN=0`` keeps the rotary in the graph (to measure); anything else, or unset, joins."""
-    return os.environ.get("KILN_ROPE_JOIN", "1") != "0"
 
 
 def _is(node: Any, targets: tuple, method: Optional[str] = None) -> bool:

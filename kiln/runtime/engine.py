@@ -220,7 +220,7 @@ class LLMEngine:
         self._overlap = overlap
         self._in_flight: Optional[tuple[SchedulerOutput, Any]] = None  # (step, executor handle)
         self.executor = make_executor(config.model, config.cache, config.compile, config.parallel, config.scheduler,
-                                      config.speculative, config.lora)
+                                      config.speculative, config.lora, config.kernels)
         self.tokenizer = self.executor.tokenizer
         self.max_model_len = self.executor.max_model_len
         self.kv_manager = KVCacheManager(

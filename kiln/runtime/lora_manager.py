@@ -18,7 +18,6 @@ Rules kept here:
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 from typing import Iterable, Optional
 
@@ -28,6 +27,7 @@ from torch import nn
 from kiln.config import LoraConfig
 from kiln.lora_request import LoRARequest
 from kiln.models.lora import LoraAdapter, attach_lora, read_adapter
+from kiln.ops.options import current
 from kiln.runtime.request import Request
 
 logger = logging.getLogger(__name__)
@@ -38,8 +38,8 @@ class LoraManager:
         self.config = config
         self.dtype = dtype
         # CUDA: the shrink joins the base GEMM (kiln.models.lora's joined layout, LoraShrinkJoinPass);
-        # KILN_LORA_JOIN=0 keeps the stacks apart, to measure against.
-        join = torch.device(device).type == "cuda" and os.environ.get("KILN_LORA_JOIN", "1") != "0"
+        # kernels.lora_join=false keeps the stacks apart, to measure against.
+        join = torch.device(device).type == "cuda" and current().lora_join
         self.loras = attach_lora(model, config.max_loras, config.max_lora_rank, dtype, device, join_shrink=join)
         self._paths: dict[int, str] = {}  # every id ever added -> its directory
         self._names: dict[int, str] = {}  # ids added and not removed -> name

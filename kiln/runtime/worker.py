@@ -40,7 +40,7 @@ from typing import Any, Optional
 
 import torch
 
-from kiln.config import CacheConfig, CompileConfig, LoraConfig, ModelConfig, SchedulerConfig
+from kiln.config import CacheConfig, CompileConfig, KernelConfig, LoraConfig, ModelConfig, SchedulerConfig
 from kiln.models.parallel import TensorParallel
 from kiln.models.pipeline import WHOLE, PipelineStage, global_rank
 from kiln.runtime.model_runner import RunnerOutput
@@ -66,6 +66,7 @@ class WorkerSpec:
     local_gpu: Optional[int] = None
     stage: PipelineStage = WHOLE  # parallel.pipeline_parallel_size: this rank's stage
     lora: LoraConfig = field(default_factory=LoraConfig)  # every rank holds its shard of each adapter
+    kernels: KernelConfig = field(default_factory=KernelConfig)  # set in the rank's process before its runner
 
     @property
     def rank(self) -> int:
@@ -136,9 +137,11 @@ def _start(spec: WorkerSpec):
     import torch.distributed as dist
 
     from kiln.models.loader import resolve_device
+    from kiln.ops.options import set_kernel_options
     from kiln.runtime.model_runner import ModelRunner
     from kiln.runtime.pipeline import init_stage_groups
 
+    set_kernel_options(spec.kernels)
     _thread_lock_for_progress_bars()
     device = resolve_device(spec.model.device)
     if device.type == "cuda":

@@ -6,13 +6,14 @@ process, as in ``test_dense_linear.py``) and on the GPU at llama3-8b's shapes, w
 the norm join (the GEMM and the new residual), a bias, K tails, one row (one kernel) and three
 (the unfused kernels inside the op); fp8 at prefill rows runs ``kiln_triton``'s quantizing op.
 ``GemmInputFusionPass``: which nodes it joins and that the graph computes the same values; the
-KernelSet carries the joins ``KILN_GEMV_JOIN`` asks for where the GEMMs are CUDA's.
+KernelSet carries the joins ``kernels.gemv_join`` asks for where the GEMMs are CUDA's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -145,7 +146,7 @@ def _weights(scheme, n, k, dtype, gen, device, bias=None):
 def _apart_ops(scheme):
     """What the joined ops must match: the ``kiln::`` references; for fp8 (whose reference quantizes
     the rows, as ``_scaled_mm`` does at prefill) ``kiln_triton``'s joined ops, which at decode rows
-    run the norm / activation and the weight-only GEMV apart (``KILN_GEMV_JOIN=0``)."""
+    run the norm / activation and the weight-only GEMV apart (``kernels.gemv_join=[]``)."""
     ns = torch.ops.kiln_triton if scheme == "fp8" else torch.ops.kiln
     return getattr(ns, f"add_rms_norm_linear_{scheme}"), getattr(ns, f"silu_and_mul_linear_{scheme}")
 
@@ -190,15 +191,15 @@ def test_interpreted_joined_ops_fuse_at_one_row(scheme, rows):
 
 
 @pytest.mark.skipif(not RUN_KERNELS_HERE or DEVICE == "cuda", reason="CPU: runs in the Triton interpreter")
-def test_interpreted_joined_op_runs_unfused_where_the_tile_splits_k(monkeypatch):
+def test_interpreted_joined_op_runs_unfused_where_the_tile_splits_k(kernel_config):
     """A layer too narrow to fill the GPU gets a split-K tile: the joined op runs norm, then GEMV;
-    so does every dense call with ``KILN_DENSE_GEMV=0`` (cuBLAS)."""
+    so does every dense call with ``kernels.dense_gemv=false`` (cuBLAS)."""
     import kiln.ops.triton_joined_linear  # noqa: F401
     from kiln.ops.triton_quant_gemm import config_for
 
     assert config_for("dense", 1, 8, 8192).split_k > 1
     _check_joined_ops("dense", 1, 8, 8192, torch.bfloat16, torch.Generator().manual_seed(0), "cpu", fused=False)
-    monkeypatch.setenv("KILN_DENSE_GEMV", "0")
+    kernel_config(dense_gemv=False)
     _check_joined_ops("dense", 1, 40, 192, torch.bfloat16, torch.Generator().manual_seed(1), "cpu", fused=False)
 
 
@@ -352,7 +353,7 @@ def test_gemm_input_fusion_pass_joins_norm_and_activation(scheme):
     torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
 
 
-def test_kernel_sets_carry_the_joins_where_the_gemms_are_cuda(monkeypatch):
+def test_kernel_sets_carry_the_joins_where_the_gemms_are_cuda(monkeypatch, kernel_config):
     from kiln.ops import quant_cuda, registry
     from kiln.passes.manager import PassConfig, build_passes
 
@@ -367,13 +368,12 @@ def test_kernel_sets_carry_the_joins_where_the_gemms_are_cuda(monkeypatch):
         assert joins(cpu) == [] and joins(cpu, "off") == []
         assert joins(cpu, "on") == [("fp8", "reference")]  # as before: no dense or int4 join on the CPU
     # The CUDA loaders, on a machine without CUDA: by default the dense join only (fp8's and int4's
-    # measured no faster); KILN_GEMV_JOIN=fp8,int4 adds them, KILN_GEMV_JOIN=0 takes every one-row join off.
+    # measured no faster); kernels.gemv_join=[dense,fp8,int4] adds them, [] takes every one-row join off.
     monkeypatch.setattr(quant_cuda, "triton_supported", lambda: True)
     monkeypatch.setattr(quant_cuda, "fp8_supported", lambda: True)
-    monkeypatch.delenv("KILN_GEMV_JOIN", raising=False)
     assert registry.gemv_join_schemes() == ("dense",)
     assert registry._choose("joined_fp8", "cuda").name == "triton"  # fp8: the norm apart at one row
-    monkeypatch.setenv("KILN_GEMV_JOIN", "fp8")
+    kernel_config(gemv_join=["dense", "fp8"])
     assert registry.gemv_join_schemes() == ("fp8", "dense")
     dense, fp8 = registry._triton_joined_dense(), registry._choose("joined_fp8", "cuda")
     assert registry._triton_joined_int4() is None
@@ -386,13 +386,13 @@ def test_kernel_sets_carry_the_joins_where_the_gemms_are_cuda(monkeypatch):
                                  linear_fp8=cuda_fp8)
     assert joined.describe()["joined_dense"] == "triton" != reference_kernels().describe()["joined_dense"]
     assert joins(joined) == [("fp8", "triton_gemv"), ("dense", "triton")] and joins(joined, "off") == []
-    monkeypatch.setenv("KILN_GEMV_JOIN", "fp8,int4")
+    kernel_config(gemv_join=["dense", "fp8", "int4"])
     assert registry.gemv_join_schemes() == ("fp8", "dense", "int4")
     int4 = registry._triton_joined_int4()
     assert int4.silu_op is torch.ops.kiln_cuda.silu_and_mul_linear_int4
     assert int4.gemm_ops == ("kiln_cuda::linear_int4_triton",)  # not tinygemm's layout
     assert registry._triton_joined_dense() is not None and registry._choose("joined_fp8", "cuda").name == "triton_gemv"
-    monkeypatch.setenv("KILN_GEMV_JOIN", "0")
+    kernel_config(gemv_join=[])
     assert registry.gemv_join_schemes() == ()
     assert registry._triton_joined_dense() is None and registry._triton_joined_int4() is None
     apart = registry._choose("joined_fp8", "cuda")  # fp8 keeps its join (prefill quantizes), norm apart at one row
@@ -400,17 +400,17 @@ def test_kernel_sets_carry_the_joins_where_the_gemms_are_cuda(monkeypatch):
     unjoined = dataclasses.replace(joined, joined_dense=None, joined_fp8=apart)
     assert joins(unjoined) == [("fp8", "triton")]
     assert unjoined.describe()["joined_fp8"] != joined.describe()["joined_fp8"]  # another artifact
-    monkeypatch.setenv("KILN_GEMV_JOIN", "int5")
-    with pytest.raises(ValueError, match="KILN_GEMV_JOIN"):
-        registry.gemv_join_schemes()
+    with pytest.raises(ValueError, match=re.escape("kernels.gemv_join=['int5']: 'int5' is not a scheme; "
+                                                   "choose from ['fp8', 'dense', 'int4']")):
+        kernel_config(gemv_join=["int5"])
     if torch.cuda.is_available():
-        monkeypatch.delenv("KILN_GEMV_JOIN")
+        kernel_config(gemv_join=["dense"])
         cuda = select_kernels("cuda")
         assert cuda.joined_dense.name == "triton" and cuda.joined_int4 is None
 
 
-def test_gemm_input_fusion_pass_writes_the_fed_fp8_join(monkeypatch):
-    """The CUDA KernelSet's fp8 join (``KILN_GEMV_JOIN=fp8``) in the graph: ``kiln_cuda``'s ops with the GEMM's output dtype,
+def test_gemm_input_fusion_pass_writes_the_fed_fp8_join(monkeypatch, kernel_config):
+    """The CUDA KernelSet's fp8 join (``kernels.gemv_join=[dense,fp8]``) in the graph: ``kiln_cuda``'s ops with the GEMM's output dtype,
     computing (here on the CPU, through their references) what the unjoined ops did, bit for bit."""
     import kiln.ops.activation  # noqa: F401
     import kiln.ops.layernorm  # noqa: F401
@@ -418,7 +418,7 @@ def test_gemm_input_fusion_pass_writes_the_fed_fp8_join(monkeypatch):
     from tests.helpers.quant import fp8_layer
 
     monkeypatch.setattr(quant_cuda, "fp8_supported", lambda: True)
-    monkeypatch.setenv("KILN_GEMV_JOIN", "fp8")  # off by default (measured no faster)
+    kernel_config(gemv_join=["dense", "fp8"])  # off by default (measured no faster)
     hidden, inter = 64, 96
     g = torch.Generator().manual_seed(1)
     mats = [torch.randn(o, i, generator=g) for o, i in ((hidden, hidden), (2 * inter, hidden), (hidden, inter))]

@@ -211,7 +211,7 @@ def test_triton_attention_with_scaled_fp8_cache_matches_reference(seed):
         assert _rel(got, want) < 1e-2
 
 
-def test_fp8_decode_register_cap_only_where_the_pairs_fill_the_card(monkeypatch):
+def test_fp8_decode_register_cap_only_where_the_pairs_fill_the_card(kernel_config):
     """The cap applies to an FP8 cache on CUDA whose (decode, kv head) pairs exceed what the card
     holds at the compiler's registers (3 programs an SM); batch 1 and bf16 keep the compiler's."""
     pytest.importorskip("triton")
@@ -231,24 +231,23 @@ def test_fp8_decode_register_cap_only_where_the_pairs_fill_the_card(monkeypatch)
         assert decode_maxnreg(cfg, Cache(1), pairs, sms) is None
     assert decode_maxnreg(cfg, Cache(2), 512 * 8, sms) is None  # bf16
     assert decode_maxnreg(cfg, Cache(1, is_cuda=False), 512 * 8, sms) is None  # the interpreter
-    monkeypatch.setenv("KILN_FP8_DECODE_MAXNREG", "128")
+    kernel_config(fp8_decode_maxnreg=128)
     assert decode_maxnreg(cfg, Cache(1), 512 * 8, sms) == 128
-    monkeypatch.setenv("KILN_FP8_DECODE_MAXNREG", "0")
+    kernel_config(fp8_decode_maxnreg=0)
     assert decode_maxnreg(cfg, Cache(1), 512 * 8, sms) is None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability() < (8, 9), reason="needs SM89+")
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 8, 128), (14, 2, 64)])
-@pytest.mark.parametrize("maxnreg", [None, "0", "80"])
-def test_fp8_decode_of_a_large_batch_matches_reference(monkeypatch, num_heads, num_kv_heads, head_dim, maxnreg):
+@pytest.mark.parametrize("maxnreg", [None, 0, 80])
+def test_fp8_decode_of_a_large_batch_matches_reference(kernel_config, num_heads, num_kv_heads, head_dim, maxnreg):
     """The offline batch's decode step (512 decodes, contexts 257-512: one split each) over a scaled
     FP8 cache, at the register cap of ``LaunchConfig`` (96), none, and 80 (a larger stack frame)."""
     from kiln.ops.triton_attention import attend_paged_cached, static_decode_splits
     from kiln.ops.triton_kv_store import triton_store_kv
 
-    if maxnreg is not None:
-        monkeypatch.setenv("KILN_FP8_DECODE_MAXNREG", maxnreg)
+    kernel_config(fp8_decode_maxnreg=maxnreg)
     gen = torch.Generator().manual_seed(head_dim)
     ctx = torch.randint(257, 513, (512,), generator=gen).tolist()
     spec = PagedBatchSpec(decode_seq_lens=tuple(ctx), num_heads=num_heads, num_kv_heads=num_kv_heads,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import types
 
 import pytest
 import torch
 
 from kiln.ops import pdl
+from kiln.ops.options import current, kernel_options
 
 
 def _cuda_tensor():  # stands in for a CUDA tensor on a machine without one
@@ -15,7 +17,6 @@ def _cuda_tensor():  # stands in for a CUDA tensor on a machine without one
 
 
 def test_pdl_only_on_sm90_cuda_outside_the_interpreter(monkeypatch):
-    monkeypatch.delenv("KILN_PDL", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert pdl.pdl_args(torch.zeros(1)) == {"USE_PDL": False}
     monkeypatch.setattr(pdl, "_sm_major", lambda index: 9)
@@ -27,22 +28,18 @@ def test_pdl_only_on_sm90_cuda_outside_the_interpreter(monkeypatch):
     assert not pdl.use_pdl(_cuda_tensor())
 
 
-def test_kiln_pdl_setting(monkeypatch):
+def test_kernels_pdl_setting(monkeypatch, kernel_config):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(pdl, "_sm_major", lambda index: 9)
-    for setting, gemm, other in (("1", True, True), ("0", False, False), ("gemm", True, False)):
-        monkeypatch.setenv("KILN_PDL", setting)
+    for setting, gemm, other in (("on", True, True), ("off", False, False), ("gemm", True, False)):
+        kernel_config(pdl=setting)
         assert pdl.use_pdl(_cuda_tensor(), "gemm") is gemm
         assert pdl.use_pdl(_cuda_tensor()) is other
 
 
-def test_pdl_setting_words_and_a_clear_error(monkeypatch):
-    monkeypatch.setattr(pdl, "_sm_major", lambda index: 9)
-    for off in ("0", "off", "False"):
-        monkeypatch.setenv("KILN_PDL", off)
-        assert not pdl.use_pdl(_cuda_tensor())
-    monkeypatch.setenv("KILN_PDL", "on")
-    assert pdl.use_pdl(_cuda_tensor())
-    monkeypatch.setenv("KILN_PDL", "maybe")
-    with pytest.raises(ValueError, match="KILN_PDL='maybe'.*choose 1"):
-        pdl.use_pdl(_cuda_tensor())
+def test_pdl_setting_a_clear_error_at_config_time():
+    with pytest.raises(ValueError, match=re.escape("kernels.pdl='maybe' is not allowed; choose one of "
+                                                   "['on', 'off', 'gemm']")):
+        with kernel_options(pdl="maybe"):
+            pass
+    assert current().pdl == "on"  # refused before it was set

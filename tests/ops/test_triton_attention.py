@@ -238,16 +238,17 @@ def test_decode_only_batch_takes_the_fused_store(kernels, monkeypatch):
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_large_decode_batch_stores_apart(kernels, monkeypatch):
-    """Past ``KILN_STORE_JOIN_MAX`` (decode, kv head) pairs a decode-only batch stores its K/V (and
-    rotates q and k) in launches of their own, with the reference's cache and output either way."""
+def test_large_decode_batch_stores_apart(kernels, monkeypatch, kernel_config):
+    """Past ``kernels.max_store_join_pairs`` (decode, kv head) pairs a decode-only batch stores its
+    K/V (and rotates q and k) in launches of their own, with the reference's cache and output either
+    way."""
     stores = []
     kernels_store = importlib.import_module("kiln.ops.triton_kv_store").triton_store_kv
     monkeypatch.setattr(kernels, "triton_store_kv", lambda *a, **kw: (stores.append(1), kernels_store(*a, **kw)))
     batch = kernels.random_paged_batch(_spec(kernels, "tiny", decodes=(9, 30), prefills=()), DEVICE, seed=13)
     pairs = batch.k.shape[0] * batch.k.shape[1]
     for limit, want_stores in ((pairs, 0), (pairs - 1, 1), (0, 1)):
-        monkeypatch.setenv("KILN_STORE_JOIN_MAX", str(limit))
+        kernel_config(max_store_join_pairs=limit)
         stores.clear()
         kernels.check_rope_against_reference(batch, _small_tiles(kernels, "tiny"))
         assert len(stores) == want_stores
@@ -265,14 +266,14 @@ class _CountLaunches:
 
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("merge", ["fused", "kernel"])
-def test_split_decodes_merge_in_the_decode_kernel_or_their_own(kernels, size, merge, monkeypatch):
+def test_split_decodes_merge_in_the_decode_kernel_or_their_own(kernels, size, merge, monkeypatch, kernel_config):
     """Split decodes merge either in the decode kernel (the last live split of each decode and kv
     head merges, counted in the device's counters) or in the separate merge kernel
-    (``KILN_DECODE_MERGE=kernel``); both give the reference's output. The fused merge launches no
+    (``kernels.decode_merge=kernel``); both give the reference's output. The fused merge launches no
     merge kernel and leaves every counter at zero, so the next launch (a graph replay) counts from
     zero again: a second batch through the same counters must match too. Static splits cover
     contexts of one live split (written directly) and of several."""
-    monkeypatch.setenv("KILN_DECODE_MERGE", merge)
+    kernel_config(decode_merge=merge)
     merges = _CountLaunches(kernels._merge_splits_kernel)
     monkeypatch.setattr(kernels, "_merge_splits_kernel", merges)
     spec = _spec(kernels, size, decodes=(90, 2, 17, 33), group=4)

@@ -20,6 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from kiln.ops.activation import silu_and_mul_reference
 from kiln.ops.layernorm import add_rms_norm_reference, rms_norm_reference
+from kiln.ops.options import kernel_options
 from kiln.passes.add_rms_norm_fusion import AddRMSNormFusionPass
 from kiln.ops.registry import AttentionKernel, KernelSet, reference_kernels, select_kernels
 from kiln.passes.attention_backend import AttentionBackendPass
@@ -415,13 +416,12 @@ def test_failing_pass_is_logged_and_undone(caplog):
     torch.testing.assert_close(gm(x, w1, w2), _mlp(x, w1, w2))
 
 
-def test_rope_join_switch_keys_the_pass_list(monkeypatch):
-    """KILN_ROPE_JOIN=0 turns the rotary pass off where it would run, and the pass list's uuid (the
-    artifact cache key's) changes with it."""
-    config = PassConfig(kernels=select_kernels("cuda"))
-    on = PassManager(build_passes(config))
-    monkeypatch.setenv("KILN_ROPE_JOIN", "0")
-    off = PassManager(build_passes(config))
+def test_rope_join_switch_keys_the_pass_list():
+    """``kernels.rope_join=false`` (the options a KernelSet is chosen under) turns the rotary pass
+    off where it would run, and the pass list's uuid (the artifact cache key's) changes with it."""
+    on = PassManager(build_passes(PassConfig(kernels=select_kernels("cuda"))))
+    with kernel_options(rope_join=False):
+        off = PassManager(build_passes(PassConfig(kernels=select_kernels("cuda"))))
     assert {p.name: p.options() for p in off.passes}["RopeAttentionFusionPass"] == {"enabled": False}
     assert on.uuid() != off.uuid()
 

@@ -200,10 +200,10 @@ def test_kiln_forward_with_the_rotary_joined_matches_eager():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "qwen3", "partial"])
-def test_cuda_kiln_forward_rotates_in_the_triton_kernel(family, monkeypatch):
+def test_cuda_kiln_forward_rotates_in_the_triton_kernel(family, kernel_config):
     """On CUDA the pass is on by default and writes the Triton op: its steps (prefill, decodes
     beside a chunk, decodes alone, where the decode kernel rotates) match the same model compiled
-    with KILN_ROPE_JOIN=0, outputs and cache."""
+    with ``kernels.rope_join=false``, outputs and cache."""
     arch = dataclasses.replace(ARCHS[family], head_dim=64, hidden_size=256, num_heads=4, num_kv_heads=2)
     if family == "qwen3":
         arch = dataclasses.replace(arch, intermediate_size=256)
@@ -212,7 +212,7 @@ def test_cuda_kiln_forward_rotates_in_the_triton_kernel(family, monkeypatch):
     joined = build_forward(model, CompileConfig(mode="kiln"))
     got = _run(joined, arch, steps, device="cuda")
     assert joined.backend.passes.num_rewrites["RopeAttentionFusionPass"] == arch.num_layers
-    monkeypatch.setenv("KILN_ROPE_JOIN", "0")
+    kernel_config(rope_join=False)
     apart = build_forward(model, CompileConfig(mode="kiln"))
     want = _run(apart, arch, steps, device="cuda")
     assert apart.backend.passes.num_rewrites["RopeAttentionFusionPass"] == 0

@@ -31,7 +31,8 @@ from typing import Any, Optional
 
 import torch.multiprocessing as mp
 
-from kiln.config import CacheConfig, CompileConfig, LoraConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from kiln.config import (CacheConfig, CompileConfig, KernelConfig, LoraConfig, ModelConfig, ParallelConfig,
+                         SchedulerConfig)
 from kiln.lora_request import LoRARequest
 from kiln.models.loader import resolve_device
 from kiln.models.pipeline import driver_rank
@@ -50,7 +51,7 @@ class MultiprocExecutor(Executor):
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, compile: CompileConfig, parallel: ParallelConfig,
                  scheduler: Optional[SchedulerConfig] = None, start_timeout_s: float = START_TIMEOUT_S,
-                 lora: LoraConfig = LoraConfig()):
+                 lora: LoraConfig = LoraConfig(), kernels: KernelConfig = KernelConfig()):
         if resolve_device(model.device).type == "cuda":
             import torch
 
@@ -70,7 +71,7 @@ class MultiprocExecutor(Executor):
         atexit.register(self.shutdown)
         for rank, (tp, stage) in enumerate(rank_layout(parallel)):
             spec = WorkerSpec(model, cache, compile, scheduler, tp, init_method, collective_timeout_s=group_timeout_s,
-                              all_reduce=parallel.all_reduce, stage=stage, lora=lora)
+                              all_reduce=parallel.all_reduce, stage=stage, lora=lora, kernels=kernels)
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=worker_main, args=(spec, child_conn), name=f"kiln-rank{rank}")
             proc.start()

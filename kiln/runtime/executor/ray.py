@@ -42,7 +42,7 @@ import os
 import time
 from typing import Any, Optional
 
-from kiln.config import CacheConfig, CompileConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from kiln.config import CacheConfig, CompileConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from kiln.models.pipeline import driver_rank
 from kiln.runtime.executor.base import START_TIMEOUT_S, Executor, RankFailures, collective_timeout_s, rank_layout
 from kiln.runtime.model_runner import RunnerOutput
@@ -58,13 +58,14 @@ _FORWARDED_ENV = ("KILN_", "NCCL_", "GLOO_", "TORCH", "TRITON_", "HF_")
 
 
 def make_ray_executor(model: ModelConfig, cache: CacheConfig, compile: CompileConfig, parallel: ParallelConfig,
-                      scheduler: Optional[SchedulerConfig] = None) -> RayExecutor:
+                      scheduler: Optional[SchedulerConfig] = None,
+                      kernels: KernelConfig = KernelConfig()) -> RayExecutor:
     try:
         import ray  # noqa: F401
     except ImportError:
         raise ValueError("parallel.backend=ray needs the package 'ray', which is not installed (pip install "
                          "'kiln[ray]', or pip install ray); on one host use parallel.backend=mp") from None
-    return RayExecutor(model, cache, compile, parallel, scheduler)
+    return RayExecutor(model, cache, compile, parallel, scheduler, kernels=kernels)
 
 
 class RankActor:
@@ -96,7 +97,8 @@ class RayExecutor(Executor):
     """One ``ModelRunner`` shard per rank, each in a Ray actor of one placement group."""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, compile: CompileConfig, parallel: ParallelConfig,
-                 scheduler: Optional[SchedulerConfig] = None, start_timeout_s: float = START_TIMEOUT_S):
+                 scheduler: Optional[SchedulerConfig] = None, start_timeout_s: float = START_TIMEOUT_S,
+                 kernels: KernelConfig = KernelConfig()):
         import ray
 
         self.world_size = parallel.world_size
@@ -119,7 +121,8 @@ class RayExecutor(Executor):
         model = dataclasses.replace(model, device="cuda" if use_gpu else "cpu")  # as the bundles were chosen
         specs = [WorkerSpec(model, cache, compile, scheduler, tp, init_method,
                             collective_timeout_s=collective_timeout_s(self.step_timeout_s, start_timeout_s),
-                            all_reduce=parallel.all_reduce, local_gpu=0 if use_gpu else None, stage=stage)
+                            all_reduce=parallel.all_reduce, local_gpu=0 if use_gpu else None, stage=stage,
+                            kernels=kernels)
                  for tp, stage in rank_layout(parallel)]
         self._describe_ranks(self._gather([a.start.remote(s) for a, s in zip(self.actors, specs)], start_timeout_s))
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from kiln.config import CacheConfig, CompileConfig, LoraConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from kiln.config import (CacheConfig, CompileConfig, KernelConfig, LoraConfig, ModelConfig, SchedulerConfig,
+                         SpeculativeConfig)
 from kiln.lora_request import LoRARequest
 from kiln.runtime.executor.base import Executor
 from kiln.runtime.model_runner import LaunchedStep, RunnerOutput
@@ -37,9 +38,11 @@ class UniProcExecutor(Executor):
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, compile: CompileConfig,
                  scheduler: Optional[SchedulerConfig] = None, speculative: SpeculativeConfig = SpeculativeConfig(),
-                 lora: LoraConfig = LoraConfig()):
+                 lora: LoraConfig = LoraConfig(), kernels: KernelConfig = KernelConfig()):
+        from kiln.ops.options import set_kernel_options
         from kiln.runtime.model_runner import ModelRunner
 
+        set_kernel_options(kernels)  # this process's kernels: the runner's, and any other engine's here
         self.runner = ModelRunner(model, cache, compile, scheduler, speculative=speculative, lora=lora)
         self._describe_model(self.runner.num_blocks, self.runner.max_model_len, self.runner.tokenizer,
                              self.runner.arch)
