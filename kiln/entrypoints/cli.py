@@ -104,7 +104,8 @@ def cmd_generate(cli: CliConfig) -> None:
             # One prompt, then exit: on the CPU a background build would only compete with it.
             engine = dataclasses.replace(engine, compile=dataclasses.replace(engine.compile, mode="eager"))
         llm = LLM(model=engine.model, cache=engine.cache, scheduler=engine.scheduler,
-                  compile=engine.compile, parallel=engine.parallel, speculative=engine.speculative)
+                  compile=engine.compile, parallel=engine.parallel, speculative=engine.speculative,
+                  kernels=engine.kernels)
         params = SamplingParams(max_tokens=cli.max_tokens, temperature=cli.temperature)
         if cli.chat and getattr(llm.tokenizer, "chat_template", None):
             outs = llm.chat([{"role": "user", "content": cli.prompt}], params, use_tqdm=False)
@@ -136,9 +137,10 @@ def cmd_bench(cli: CliConfig) -> None:
 TASKS = {"serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench}
 # The sections of CliConfig each command reads ("": the top-level keys, generate's own).
 COMMAND_SECTIONS = {
-    "serve": ("model", "cache", "scheduler", "compile", "server", "parallel", "speculative", "lora"),
-    "generate": ("model", "cache", "scheduler", "compile", "parallel", "speculative", ""),
-    "bench": ("model", "cache", "scheduler", "compile", "server", "parallel", "speculative", "lora", "bench"),
+    "serve": ("model", "cache", "scheduler", "compile", "server", "parallel", "speculative", "lora", "kernels"),
+    "generate": ("model", "cache", "scheduler", "compile", "parallel", "speculative", "kernels", ""),
+    "bench": ("model", "cache", "scheduler", "compile", "server", "parallel", "speculative", "lora", "kernels",
+              "bench"),
 }
 # serve and generate write nothing to a run directory: no outputs/, no .hydra/, no log file.
 # They go before the user's overrides, so an explicit hydra.run.dir=... still wins.

@@ -28,9 +28,10 @@ from typing import NoReturn
 
 from kiln.bench.sweep import BENCH_KINDS, BenchConfig
 from kiln.config import (
-    API_KEY_ENV, COMPILE_MODES, CUDAGRAPH_MODES, REDACTED, CacheConfig, CompileConfig, EngineConfig, LoraConfig,
-    ModelConfig, QUANTIZATIONS, REPLACED_BY_STARTUP, ParallelConfig, SchedulerConfig, ServerConfig, SPECULATIVE_METHODS,
-    STARTUP_POLICIES, TOOL_CALL_PARSERS, SpeculativeConfig, replaced_by_startup,
+    API_KEY_ENV, COMPILE_MODES, CUDAGRAPH_MODES, DECODE_MERGES, PDL_SETTINGS, REDACTED, CacheConfig, CompileConfig,
+    EngineConfig, KernelConfig, LoraConfig, ModelConfig, QUANTIZATIONS, REPLACED_BY_STARTUP, ParallelConfig,
+    SchedulerConfig, ServerConfig, SPECULATIVE_METHODS, STARTUP_POLICIES, TOOL_CALL_PARSERS, SpeculativeConfig,
+    replaced_by_startup,
 )
 
 # The Hydra YAML is package data (kiln/configs/), so a wheel install finds it as a checkout does.
@@ -51,6 +52,7 @@ class CliConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     prompt: str = "Give me three tips for a good night's sleep."  # generate
     max_tokens: int = 64  # generate
@@ -162,6 +164,20 @@ FIELD_HELP = {
     "lora.max_loras": "adapters on the device at once: distinct adapters one step may mix with the base model",
     "lora.max_lora_rank": "the largest adapter rank r served; the device slots' size",
     "lora.max_cpu_loras": "adapters kept loaded on the host (least recently used dropped first); null: max_loras",
+    "kernels.pdl": "programmatic dependent launch of kiln's Triton kernels (SM90+ GPUs): on; off; gemm: the "
+                   "weight-only GEMVs only (to measure each part)",
+    "kernels.gemv_join": "schemes whose one-row GEMV computes its input from the add + RMSNorm or SiLU-and-mul "
+                         "feeding it, of dense, fp8, int4 ([] none, to measure; fp8 and int4 measured no faster)",
+    "kernels.dense_gemv": "bf16/fp16 linears at one row through kiln's Triton GEMV; false: cuBLAS (to measure)",
+    "kernels.decode_merge": "split-K decode attention: fused (the last split merges the others) or kernel "
+                            "(a merge launch of its own, to measure)",
+    "kernels.max_store_join_pairs": "the decode kernel stores the new K/V itself up to this many (decode, kv head) "
+                                    "pairs, larger batches in launches of their own; 0: never (to measure)",
+    "kernels.fp8_decode_maxnreg": "register cap of the FP8-cache decode kernel at large batches; null: 96, "
+                                  "0: none (to measure)",
+    "kernels.rope_join": "rotate q and k inside the attention kernel (GPU); false: the rotary stays in the graph "
+                         "(to measure)",
+    "kernels.lora_join": "LoRA's shrink inside its base linear's GEMM (GPU); false: the stacks apart (to measure)",
     "bench.kind": "throughput, latency, serve (over HTTP) or startup",
     "bench.batch_sizes": "concurrent requests per measured point",
     "bench.prompt_len": "tokens per prompt (random ids, fixed length)",
@@ -196,6 +212,8 @@ CHOICES: dict[str, tuple] = {
     "speculative.draft_cudagraph": CUDAGRAPH_MODES,
     "bench.kind": BENCH_KINDS,
     "server.tool_call_parser": TOOL_CALL_PARSERS,
+    "kernels.pdl": PDL_SETTINGS,
+    "kernels.decode_merge": DECODE_MERGES,
 }
 
 
@@ -368,7 +386,7 @@ def _did_you_mean(name: str, candidates: list[str], otherwise: str) -> str:
 def engine_config(cli: CliConfig) -> EngineConfig:
     return EngineConfig(model=cli.model, cache=cli.cache, scheduler=cli.scheduler,
                         compile=cli.compile, server=cli.server, parallel=cli.parallel,
-                        speculative=cli.speculative, lora=cli.lora)
+                        speculative=cli.speculative, lora=cli.lora, kernels=cli.kernels)
 
 
 def register_configs() -> None:

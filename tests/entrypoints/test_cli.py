@@ -18,7 +18,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from kiln.config import EngineConfig
+from kiln.config import EngineConfig, KernelConfig
 from kiln.entrypoints import cache_cmd
 from kiln.entrypoints.cli import CONFIG_DIR, CliConfig, engine_config, main, register_configs
 from kiln.entrypoints.cli_config import CHOICES, FIELD_HELP, config_keys, prepare_overrides
@@ -83,6 +83,26 @@ def test_lora_keys_reach_the_engine_config():
     # name=path items unquoted are a Hydra parse error; the message shows the quoted form
     with pytest.raises(ValueError, match=r"""'server.lora_modules=\["sql=/a","b=/c"\]'"""):
         prepare_overrides(["server.lora_modules=[sql=/a,b=/c]"])
+
+
+def test_kernel_keys_reach_the_engine_config():
+    cli = OmegaConf.to_object(composed(["kernels.pdl=off", "kernels.gemv_join=[dense,fp8]", "kernels.rope_join=false",
+                                        "kernels.max_store_join_pairs=0", "kernels.fp8_decode_maxnreg=128"]))
+    assert engine_config(cli).kernels == KernelConfig(pdl="off", gemv_join=("dense", "fp8"), rope_join=False,
+                                                      max_store_join_pairs=0, fp8_decode_maxnreg=128)
+    assert OmegaConf.to_object(composed(["kernels.gemv_join=[]"])).kernels.gemv_join == ()
+    assert engine_config(OmegaConf.to_object(composed([]))).kernels == KernelConfig()
+
+
+def test_a_bad_kernel_value_is_one_clear_line(capsys):
+    code, _, err = exit_of(["serve", "kernels.pdl=maybe"], capsys)
+    assert (code, err) == (2, "kiln: error: kernels.pdl='maybe' is not allowed; choose one of ['on', 'off', 'gemm']\n")
+    code, _, err = exit_of(["serve", "kernels.gemv_join=[dense,int5]"], capsys)
+    assert code == 2 and "kernels.gemv_join=['dense', 'int5']: 'int5' is not a scheme; choose from" in err
+    code, _, err = exit_of(["serve", "kernels.rope_join=0"], capsys)
+    assert (code, err) == (2, "kiln: error: kernels.rope_join takes true or false, got '0'\n")
+    code, _, err = exit_of(["serve", "kernels.pdll=off"], capsys)
+    assert code == 2 and "unknown key kernels.pdll; did you mean kernels.pdl?" in err
 
 
 def test_every_option_of_every_group_composes(monkeypatch):
@@ -266,6 +286,19 @@ def test_serve_help_lists_its_groups_only(capsys):
     # values are what the command line composes to
     out = exit_of(["serve", "--help", "compile=kiln-full", "model=random:tiny"], capsys)[1]
     assert "compile.mode=kiln " in out and "compile.cudagraph=full " in out and "model.model=random:tiny\n" in out
+
+
+def test_serve_help_lists_the_kernel_keys(capsys):
+    code, out, _ = exit_of(["serve", "--help"], capsys)
+    assert code == 0
+    assert "\nkernels\n" in out
+    assert "kernels.pdl=on  (on | off | gemm)" in out and "kernels.decode_merge=fused  (fused | kernel)" in out
+    for key in ("kernels.gemv_join=[dense]", "kernels.dense_gemv=true", "kernels.max_store_join_pairs=256",
+                "kernels.fp8_decode_maxnreg=null", "kernels.rope_join=true", "kernels.lora_join=true"):
+        assert key in out, key
+    assert FIELD_HELP["kernels.max_store_join_pairs"] in out and "to measure" in FIELD_HELP["kernels.decode_merge"]
+    out = exit_of(["serve", "--help", "kernels.pdl=gemm"], capsys)[1]
+    assert "kernels.pdl=gemm  (on | off | gemm)" in out
 
 
 def test_generate_and_bench_help(capsys):
