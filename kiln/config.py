@@ -183,6 +183,8 @@ class CompileConfig:
     # others compiled inside the pieces. 1 (every call) is what piecewise CUDA graphs need. None:
     # decided per device (default_split_every).
     split_every: Optional[int] = None
+    # CUDA: a background build's Python waits while a step runs (StepGate); false: it does not (to measure).
+    build_gate: bool = True
     debug_dump_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -617,7 +619,7 @@ CPU_SPLIT_EVERY = 10
 # Where graphs are captured between steps (lazy capture), compile.mode=auto on a cold CUDA start also
 # builds kiln's forward in the background: ready once the weights are placed, steps eager until built,
 # the KV cache sized after the eager forward and a guess of the graphs' memory
-# (ModelRunner._profile_memory; background-build.md, startup-policy.md).
+# (MemoryProfiler.profile in kiln/runtime/startup.py; background-build.md, startup-policy.md).
 DEVICE_DEFAULTS = {  # device type -> (mode, cudagraph, max_num_seqs, max_num_batched_tokens)
     "cuda": ("kiln", "full_and_piecewise", 512, 4096),
     "cpu": (CPU_COMPILE_MODE, "none", 128, 2048),

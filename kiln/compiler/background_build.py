@@ -8,8 +8,8 @@ the step after it is done. What this module owns besides, and the rules it keeps
   ``nn.Module.__call__`` for the whole process, so while a build runs a trace and any call into
   the model's modules exclude each other (``EAGER_OR_TRACE``; ``eager_calls`` is what the steps hold).
 - Builds in one process run one at a time (``ONE_BUILD``: Dynamo captures must not overlap).
-- On CUDA the build's Python waits while a step runs (``StepGate``; ``KILN_BUILD_GATE=0`` turns it
-  off).
+- On CUDA the build's Python waits while a step runs (``StepGate``; ``compile.build_gate=false`` turns
+  it off).
 - A start-up that fails cancels its build (``BackgroundBuild.cancel``, at the safe points of
   ``kiln.compiler.cancel``), at most ``CANCEL_WAIT_S`` seconds.
 """
@@ -73,7 +73,7 @@ class StepGate:
     first token of a warm start came at 6.86 s against 9.32 s without it (the first eager step beside
     the build took 0.10 s against 1.84 s), and of a first start at 18.3 s against 26.7 s (the memory
     profile and warm-up ran beside the build). The hook slows the build's Python: kiln's forward
-    arrived 1.0-1.1 s later on both starts. ``KILN_BUILD_GATE=0`` turns it off."""
+    arrived 1.0-1.1 s later on both starts. ``compile.build_gate=false`` turns it off."""
 
     MAX_PARK_S = 0.05
     PASS_S = 0.01
@@ -117,7 +117,7 @@ class BackgroundBuild:
 
     NICE = 5
 
-    def __init__(self, make_forward: Callable[[], KilnForward], device: torch.device) -> None:
+    def __init__(self, make_forward: Callable[[], KilnForward], device: torch.device, gate: bool = True) -> None:
         self.forward: Optional[KilnForward] = None  # once built
         self.seconds = 0.0
         self._make_forward, self._device = make_forward, device
@@ -125,7 +125,7 @@ class BackgroundBuild:
         self._start_lock = threading.Lock()
         self._cancel = threading.Event()
         # CUDA only: on the CPU the steps hold the cores in long ops, and a parked build would mostly wait.
-        self.gate = StepGate() if device.type == "cuda" and os.environ.get("KILN_BUILD_GATE") != "0" else None
+        self.gate = StepGate() if device.type == "cuda" and gate else None
 
     def start(self) -> None:
         """Start the build's thread (once; later calls do nothing)."""

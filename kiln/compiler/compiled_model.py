@@ -104,7 +104,7 @@ class CompiledModel:
                         "captured, so it is built now, before serving")
             background = False
         if background:
-            self._building, self.forward = BackgroundBuild(make_forward, self.device), model
+            self._building, self.forward = BackgroundBuild(make_forward, self.device, config.build_gate), model
         else:
             self.forward = make_forward()
             with ONE_BUILD:  # kiln: load the compiled forward from the cache, or compile it

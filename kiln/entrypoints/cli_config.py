@@ -104,6 +104,8 @@ FIELD_HELP = {
     "compile.split_every": "mode kiln: cut the graph at every Nth attention call, the others compiled inside "
                            "the pieces (0: one piece); fewer, larger pieces run faster and compile slower; "
                            "null: 10 on the CPU, 1 on a GPU (other values need compile.cudagraph=full or none)",
+    "compile.build_gate": "GPU: a build on a thread waits while a step runs, so steps beside it keep their "
+                          "speed (false: to measure the build without it)",
     "compile.debug_dump_dir": "write the bytecode and the graphs before and after each pass here; null: off",
     "server.host": "address to listen on; 0.0.0.0: every interface",
     "server.port": "TCP port",

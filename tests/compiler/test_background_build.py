@@ -517,3 +517,14 @@ def test_a_first_cuda_start_that_fails_stops_its_build(tmp_path):
     assert llm.engine.wait_for_build(timeout=300)
     _generate(llm)
     assert isinstance(llm.engine.executor.runner.compiled.forward, KilnForward)
+
+
+def test_the_build_gate_is_a_cuda_build_s_and_compile_build_gate_turns_it_off():
+    """``compile.build_gate`` (default on) reaches the build: on CUDA a StepGate parks the build's
+    Python during steps; false, or the CPU, gives none."""
+    from kiln.compiler.background_build import StepGate
+
+    assert CompileConfig().build_gate is True
+    assert isinstance(BackgroundBuild(KilnForward, torch.device("cuda")).gate, StepGate)
+    assert BackgroundBuild(KilnForward, torch.device("cuda"), gate=CompileConfig(build_gate=False).build_gate).gate is None
+    assert BackgroundBuild(KilnForward, torch.device("cpu")).gate is None
