@@ -158,6 +158,22 @@ def cpu_default(request, cpu_auto_is_eager):
         yield
 
 
+_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def free_cuda_memory():
+    """On a GPU, an engine a test dropped holds its KV cache and graphs in reference cycles until
+    the collector runs: free them after each test, so the next engine sizes its KV cache against a
+    free device rather than failing for memory an earlier test's engine still held."""
+    yield
+    if _CUDA:
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def kernel_config():
     """``kernel_config(pdl="off")`` sets this process's kernel options (``kiln.ops.options``) for the
