@@ -23,6 +23,7 @@ weights exactly (``read_gguf_int4``: ``q * d + m`` is ``(q - 8) * s + z`` with `
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -31,7 +32,7 @@ import mmap
 import os
 import re
 import struct
-from typing import Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -301,18 +302,31 @@ _GGUF_LINEARS = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_qkv|attn_outp
 _GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
 
+@dataclasses.dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file, from its header: ``shape`` fastest dimension first (as GGUF lists
+    it), ``tensor_type`` gguf's ``GGMLQuantizationType``, ``offset`` and ``nbytes`` its raw bytes'
+    place in the file."""
+
+    name: str
+    shape: tuple[int, ...]
+    tensor_type: Any
+    offset: int
+    nbytes: int
+
+
 @functools.lru_cache(maxsize=4)
-def _gguf_tensor_types(path: str, size: int, mtime_ns: int) -> dict[str, str]:
+def _gguf_tensors(path: str, size: int, mtime_ns: int) -> dict[str, GGUFTensor]:
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return _parse_tensor_types(path, data)
+            return _parse_tensors(path, data)
     except (struct.error, ValueError, KeyError, UnicodeDecodeError) as e:
         raise ValueError(f"{path!r} is not a readable GGUF file ({type(e).__name__}: {e}); "
                          "check that it was copied whole") from None
 
 
-def _parse_tensor_types(path: str, data) -> dict[str, str]:
-    from gguf import GGMLQuantizationType
+def _parse_tensors(path: str, data) -> dict[str, GGUFTensor]:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", data, 0)
     if magic != b"GGUF" or version < 2:
@@ -332,39 +346,50 @@ def _parse_tensor_types(path: str, data) -> dict[str, str]:
             return at
         return at + _GGUF_SCALAR_SIZES[kind]
 
+    alignment = 32  # GGUF's default, unless general.alignment says otherwise
     for _ in range(n_kv):
-        at = skip(8, at)  # the key
+        length = struct.unpack_from("<Q", data, at)[0]
+        key = data[at + 8:at + 8 + length]
+        at += 8 + length
         kind = struct.unpack_from("<I", data, at)[0]
+        if key == b"general.alignment" and kind == 4:  # uint32
+            alignment = struct.unpack_from("<I", data, at + 4)[0]
         at = skip(kind, at + 4)
-    types = {}
+    infos = []
     for _ in range(n_tensors):
         length = struct.unpack_from("<Q", data, at)[0]
         name = data[at + 8:at + 8 + length].decode()
         at += 8 + length
         n_dims = struct.unpack_from("<I", data, at)[0]
+        shape = struct.unpack_from(f"<{n_dims}Q", data, at + 4)
         at += 4 + 8 * n_dims
-        types[name] = GGMLQuantizationType(struct.unpack_from("<I", data, at)[0]).name
-        at += 12  # the type, then the data offset
-    return types
+        kind, offset = struct.unpack_from("<IQ", data, at)
+        at += 12
+        infos.append((name, shape, GGMLQuantizationType(kind), offset))
+    start = -(-at // alignment) * alignment  # the data section follows the header, aligned
+    tensors = {}
+    for name, shape, kind, offset in infos:
+        block, block_bytes = GGML_QUANT_SIZES[kind]
+        tensors[name] = GGUFTensor(name, tuple(int(n) for n in shape), kind, start + offset,
+                                   math.prod(shape) // block * block_bytes)
+    return tensors
+
+
+def gguf_tensors(gguf_path: str) -> dict[str, GGUFTensor]:
+    """Tensor name -> ``GGUFTensor``, from the file's header alone (gguf's ``GGUFReader`` parses every
+    metadata value first, the tokenizer's 100k strings: seconds on 2 cores); remembered per file."""
+    st = os.stat(gguf_path)
+    return _gguf_tensors(os.path.realpath(gguf_path), st.st_size, st.st_mtime_ns)
 
 
 def gguf_tensor_types(gguf_path: str) -> dict[str, str]:
-    """Tensor name -> GGUF type name, from the file's header alone (gguf's ``GGUFReader`` parses every
-    metadata value first, the tokenizer's 100k strings: seconds on 2 cores); remembered per file."""
-    st = os.stat(gguf_path)
-    return _gguf_tensor_types(os.path.realpath(gguf_path), st.st_size, st.st_mtime_ns)
+    """Tensor name -> GGUF type name (``Q4_1``), from the header alone."""
+    return {name: t.tensor_type.name for name, t in gguf_tensors(gguf_path).items()}
 
 
-@functools.lru_cache(maxsize=1)
-def _gguf_reader(path: str, mtime_ns: int):
-    from gguf import GGUFReader
-
-    return GGUFReader(path)
-
-
-def gguf_reader(gguf_path: str):
-    """One ``GGUFReader`` per file for this process's reads of its tensors (parsing it takes seconds)."""
-    return _gguf_reader(os.path.realpath(gguf_path), os.stat(gguf_path).st_mtime_ns)
+def gguf_tensor_bytes(gguf_path: str, tensor: GGUFTensor) -> np.ndarray:
+    """The tensor's raw bytes (uint8), mapped from the file, not read."""
+    return np.memmap(gguf_path, dtype=np.uint8, mode="r", offset=tensor.offset, shape=(tensor.nbytes,))
 
 
 def gguf_linear_types(gguf_path: str) -> dict[str, int]:
@@ -452,12 +477,12 @@ def read_gguf_int4(gguf_path: str, num_heads: int, num_kv_heads: int,
     from kiln.models.gguf import hf_tensor_name, unpermute_rotary_rows
 
     out = {}
-    for t in gguf_reader(gguf_path).tensors:
+    for t in gguf_tensors(gguf_path).values():
         reader = _GGUF_INT4_READERS.get(t.tensor_type.name)
         if reader is None or t.name.startswith("token_embd"):
             continue
-        cols, rows = (int(s) for s in t.shape)  # GGUF lists the fastest dim first
-        q, d, m = reader(t.data, rows, cols)
+        cols, rows = t.shape  # GGUF lists the fastest dim first
+        q, d, m = reader(gguf_tensor_bytes(gguf_path, t), rows, cols)
         heads = num_heads if ".attn_q." in t.name else num_kv_heads if ".attn_k." in t.name else None
         if family == "llama" and heads is not None:
             q, d, m = (unpermute_rotary_rows(a, heads) for a in (q, d, m))
@@ -480,12 +505,11 @@ def read_gguf_head_q8_0(gguf_path: str, tied: bool) -> Optional[tuple[np.ndarray
     for a tied model the embedding ``token_embd.weight``; None otherwise."""
     from gguf import GGMLQuantizationType
 
-    name = "token_embd.weight" if tied else "output.weight"
-    for t in gguf_reader(gguf_path).tensors:
-        if t.name == name and t.tensor_type == GGMLQuantizationType.Q8_0:
-            cols, rows = (int(s) for s in t.shape)  # GGUF lists the fastest dim first
-            return q8_0_blocks(t.data, rows, cols)
-    return None
+    t = gguf_tensors(gguf_path).get("token_embd.weight" if tied else "output.weight")
+    if t is None or t.tensor_type != GGMLQuantizationType.Q8_0:
+        return None
+    cols, rows = t.shape  # GGUF lists the fastest dim first
+    return q8_0_blocks(gguf_tensor_bytes(gguf_path, t), rows, cols)
 
 
 def gguf_canonical_int4(blocks: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],

@@ -350,6 +350,48 @@ def test_q4_1_blocks_match_gguf_dequantize():
     np.testing.assert_allclose(back.numpy(), want, rtol=0, atol=2e-6)
 
 
+def _assert_header_index_matches_gguf_reader(path):
+    from gguf import GGUFReader
+
+    from kiln.models.quantize import gguf_tensor_bytes, gguf_tensors
+
+    ours = gguf_tensors(str(path))
+    theirs = GGUFReader(str(path)).tensors
+    assert sorted(ours) == sorted(t.name for t in theirs)
+    for t in theirs:
+        mine = ours[t.name]
+        assert (mine.tensor_type, mine.shape, mine.offset) == (t.tensor_type, tuple(int(n) for n in t.shape), t.data_offset)
+        assert np.array_equal(gguf_tensor_bytes(str(path), mine), np.asarray(t.data).reshape(-1).view(np.uint8))
+
+
+def test_the_header_index_reads_what_gguf_reads(tmp_path):
+    """kiln finds a GGUF's tensors from the header alone (gguf's reader parses every metadata value,
+    seconds for a tokenizer's strings): the same types, shapes, offsets and bytes as gguf's reader,
+    with the default alignment and with general.alignment set, after string-array metadata."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    for alignment in (None, 64):
+        path = tmp_path / f"a{alignment}.gguf"
+        writer = gguf.GGUFWriter(str(path), "llama")
+        if alignment:
+            writer.add_custom_alignment(alignment)
+        writer.add_array("tokenizer.ggml.tokens", [f"tok{i}" for i in range(int(rng.integers(50, 90)))])
+        writer.add_uint32("llama.block_count", 1)
+        writer.add_tensor("a.weight", rng.standard_normal((3, 5)).astype(np.float32))
+        writer.add_tensor("b.weight", rng.standard_normal((7, 64)).astype(np.float16))
+        raw = _random_blocks(rng, 4 * 2, 34, (0,))  # Q8_0: 4 rows of 64 weights
+        writer.add_tensor("c.weight", raw, raw_shape=(4, 68), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        _assert_header_index_matches_gguf_reader(path)
+    embedded = REGISTERED_MODELS["smollm2-135m-instruct"].find()
+    if embedded is not None:
+        _assert_header_index_matches_gguf_reader(embedded)
+
+
 def _random_blocks(rng, count, size, halves):
     """``count`` GGUF blocks of ``size`` random bytes whose fp16 fields (byte offsets ``halves``) are
     finite scales."""
