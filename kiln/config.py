@@ -174,7 +174,7 @@ class CompileConfig:
     See docs/architecture.md (``kiln/compiler/``) for what each mode builds and how a step picks a graph.
     """
 
-    mode: str = "auto"  # auto: resolve_for_device picks (kiln on CUDA; on the CPU kiln, built in the background)
+    mode: str = "auto"  # auto: resolve_for_device picks (kiln; a first CPU start builds it in the background)
     cudagraph: str = "auto"  # auto: full_and_piecewise on CUDA, none on the CPU
     sizes: tuple[int, ...] = ()  # extra sizes Inductor specializes for
     capture_sizes: Optional[tuple[int, ...]] = None  # None: default_capture_sizes(max_num_seqs, max tokens)
@@ -712,6 +712,4 @@ def startup_plan(policy: str, device_type: str, entrypoint: str, mode: str, cuda
         return ("background" if can_background else "startup"), capture
     if not (can_background and mode_chosen):
         return "startup", capture
-    if device_type != "cuda":
-        return "background", capture  # no compile-cache check on the CPU (its key costs 0.3-0.4 s)
-    return "background_when_cold", capture  # CUDA, a server
+    return "background_when_cold", capture  # a server: loaded before ready when cached

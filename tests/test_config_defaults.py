@@ -40,7 +40,7 @@ def test_cuda_defaults_are_the_fast_path():
 @pytest.mark.cpu_default
 def test_cpu_defaults_build_kiln_in_the_background():
     config = EngineConfig().resolved("cpu")
-    assert (config.compile.mode, config.compile.cudagraph, config.compile.build) == ("kiln", "none", "background")
+    assert (config.compile.mode, config.compile.cudagraph, config.compile.build) == ("kiln", "none", "background_when_cold")
     assert config.compile.split_every == CPU_SPLIT_EVERY > 1  # groups of layers, one build each
     assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (128, 2048)
     assert config.compile.is_resolved

@@ -87,7 +87,8 @@ FIELD_HELP = {
     "scheduler.max_num_batched_tokens": "most tokens in one step (decodes and prefill chunks); null: 4096 on GPU, 2048 on CPU",
     "scheduler.enable_chunked_prefill": "split a long prompt over several steps",
     "scheduler.policy": "fcfs: by arrival; priority: lower priority value first, then by arrival",
-    "compile.mode": "auto: kiln (on the CPU built in the background; eager with parallel.backend mp/ray); "
+    "compile.mode": "auto: kiln (a server loads it before ready when cached, else builds it in the background, as does LLM on "
+                    "the CPU; eager on the CPU with parallel.backend mp/ray); "
                     "eager: op by op; stock: plain torch.compile; kiln: kiln's passes, split at attention, "
                     "Inductor per piece",
     "compile.cudagraph": "CUDA graphs (GPU): full for decode-only batches, piecewise between attention "

@@ -157,7 +157,7 @@ class ModelRunner:
         # without it (benchmarks/results/startup-cpu.json#startup_cpu_ab-profile-key-amd-epyc); the
         # build's thread, off the start's path, has its own.
         self._profile_key = (forward_profile_key(self.model, compile_config, self.kernels, artifacts)
-                             if self.device.type == "cuda" else None)
+                             if self.device.type == "cuda" or compile_config.build == "background_when_cold" else None)
         self._profile_artifacts = artifacts
         self._verify = verify_shape(speculative, sched) if speculative.enabled else None
         self._has_draft = speculative.method == "draft"

@@ -150,14 +150,22 @@ class _NullScope:
 
 @pytest.mark.cpu_default
 def test_the_cpu_default_serves_at_once_and_builds_kiln(eager_outputs, caplog):
+    """The CPU default: a start whose forward the compile cache lacks serves at once and builds on a
+    thread; the next start finds it and loads it before ready, so its first step runs kiln's forward."""
     with caplog.at_level(logging.INFO):
         llm = LLM(model="random:tiny")
-    assert llm.engine.config.compile.build == "background"
-    assert "compile.mode=kiln (built in the background)" in caplog.text
+    assert llm.engine.config.compile.build == "background_when_cold"
+    assert "compile.mode=kiln (loaded before ready when cached, else built in the background)" in caplog.text
     assert llm.engine.startup.building == llm.engine.executor.runner.compiled.building
     assert llm.engine.wait_for_build(timeout=600)
     _assert_like_eager(_generate(llm), eager_outputs)
     assert isinstance(llm.engine.executor.runner.compiled.forward, KilnForward)
+    llm.engine.shutdown()
+    warm = LLM(model="random:tiny")  # the same cache dir: built here before
+    runner = warm.engine.executor.runner
+    assert runner.compile_config.build == "startup" and not runner.compiled.building
+    assert isinstance(runner.compiled.forward, KilnForward) and runner.compiled.forward.cache_hit
+    _assert_like_eager(_generate(warm), eager_outputs)
 
 
 _EAGER_START = """
