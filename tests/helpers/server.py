@@ -18,7 +18,7 @@ import openai
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from kiln.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
+from kiln.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, ServerConfig
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.core_client import EngineCoreClient
 from kiln.engine.streams import QueueLimits
@@ -62,10 +62,13 @@ class ServerThread:
 def engine_core(model: str, quantization: str = "auto", **server) -> EngineCoreClient:
     """An engine-core process, as ``kiln serve`` runs one, once ready (``quantization``: the
     model's; ``none`` for answers compared with transformers on the dequantized weights); apps
-    over it are ``ServerThread(build_app(engine, ServerConfig(...)))``."""
+    over it are ``ServerThread(build_app(engine, ServerConfig(...)))``. Eager, as the suite's
+    in-process engines on the CPU (``cpu_auto_is_eager``, which a spawned process does not
+    inherit): the CPU default would compile the model on a thread beside every server's requests."""
     config = EngineConfig(
         model=ModelConfig(model, max_model_len=MAX_MODEL_LEN, quantization=quantization),
         cache=CacheConfig(num_blocks=NUM_BLOCKS),
+        compile=CompileConfig(mode="eager"),
         server=ServerConfig(**server),
     )
     engine = EngineCoreClient(config, limits=QueueLimits.from_server(config.server))
