@@ -82,6 +82,19 @@ def test_streamed_one_character_at_a_time_sends_no_markup(name):
 
 
 @pytest.mark.parametrize("name", NEW)
+@pytest.mark.parametrize("seen", [0, 3, 6], ids=["all-at-the-end", "a-prefix-first", "content-first"])
+def test_a_call_that_arrives_only_with_the_final_text_sends_no_markup(name, seen):
+    """A lagging stream merges deltas, so the call's start may first be seen by ``finish``, with the
+    content before it in the same text (or nothing sent before at all)."""
+    fmt, text = FORMATS[name], TWO_CALLS[name]
+    streamer = ToolStreamer(fmt, TOOLS)
+    sent = streamer.content_delta(text[:seen]) if seen else ""
+    rest, calls = streamer.finish(text)
+    assert sent + rest == ("" if name == "pythonic" else "Sure. ")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == WANT_CALLS
+
+
+@pytest.mark.parametrize("name", NEW)
 def test_call_grammar_accepts_exactly_the_calls_of_the_named_tools(name):
     import xgrammar as xgr
 

@@ -198,14 +198,15 @@ class ToolStreamer:
         return delta
 
     def finish(self, text: str) -> tuple[str, list[dict]]:
-        """At the end: (content still unsent, tool_calls deltas)."""
+        """At the end: (content still unsent, tool_calls deltas). A lagging stream's deltas merge, so
+        a call may start only in this final text: it is looked for here too."""
+        content = self.content_delta(text)
         rest = text[self._sent:]
-        if not self._holding:
-            self._sent = len(text)
-            return rest, []
-        _, calls = self.fmt.parse(rest, self.tools)
         self._sent = len(text)
+        if not self._holding:
+            return content + rest, []
+        _, calls = self.fmt.parse(rest, self.tools)
         if not calls:
-            return rest, []
-        return "", [c.to_openai(i) for i, c in enumerate(calls)]
+            return content + rest, []
+        return content, [c.to_openai(i) for i, c in enumerate(calls)]
 
