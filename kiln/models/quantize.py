@@ -387,9 +387,15 @@ def gguf_tensor_types(gguf_path: str) -> dict[str, str]:
     return {name: t.tensor_type.name for name, t in gguf_tensors(gguf_path).items()}
 
 
+@functools.lru_cache(maxsize=1)
+def _gguf_bytes(path: str, size: int, mtime_ns: int) -> np.memmap:
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
 def gguf_tensor_bytes(gguf_path: str, tensor: GGUFTensor) -> np.ndarray:
-    """The tensor's raw bytes (uint8), mapped from the file, not read."""
-    return np.memmap(gguf_path, dtype=np.uint8, mode="r", offset=tensor.offset, shape=(tensor.nbytes,))
+    """The tensor's raw bytes (uint8): a view of the file, mapped once per file, not read."""
+    st = os.stat(gguf_path)
+    return _gguf_bytes(os.path.realpath(gguf_path), st.st_size, st.st_mtime_ns)[tensor.offset:tensor.offset + tensor.nbytes]
 
 
 def gguf_linear_types(gguf_path: str) -> dict[str, int]:

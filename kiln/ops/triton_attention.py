@@ -662,11 +662,11 @@ def triton_attend_paged(
 # ``kernels.max_store_join_pairs`` (decode, kv head) pairs (256; 0: never, to measure); a larger one
 # stores and rotates in launches of their own, and its decode kernel runs without them. Joined, the
 # kernel saves two launches a layer, which pays where a step is a few short launches (batch 1), but
-# it runs slower once its grid fills the card: on an
-# H200, random:llama3-8b (8 kv heads) decode attention at 512 decodes took 12.4 ms a step joined
-# and 7.5 ms apart, at 64 decodes 1.63 and 1.02 ms, at 8-32 decodes the step was within 1.5% either
-# way, and at batch 1 joined was faster (237 against 234 tok/s; random:qwen2.5-0.5b, 2 kv heads,
-# 1,230 against 1,079, and its GPU step shorter joined at 1-64 decodes).
+# it runs slower once its grid fills the card: on an H200, random:llama3-8b (8 kv heads) decode
+# attention at 512 decodes took 12.4 ms a step joined and 7.5 ms apart, at 64 decodes 1.63 and
+# 1.02 ms, at 8-32 decodes the step was within 1.5% either way, and at batch 1 joined was faster
+# (237 against 234 tok/s; random:qwen2.5-0.5b, 2 kv heads, 1,230 against 1,079, and its GPU step
+# shorter joined at 1-64 decodes).
 def _fuses_store(k, kv_cache, meta: AttentionMetadata, kv_scale) -> bool:
     """Whether the decode kernel stores the new K/V itself: a decode-only batch (one token per
     request, no padding rows) of at most ``kernels.max_store_join_pairs`` (decode, kv head) pairs in
